@@ -1,0 +1,13 @@
+"""ggufpipe stage agent: runs one contiguous layer range of a GGUF model.
+
+This package is the leaf that ships to GPU hosts. It never imports
+``ggufpipe_tui`` or Textual; the orchestrator imports the protocol from here.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+#: Bumped whenever a control message or the object record layout changes in a
+#: way an older peer cannot read. The orchestrator refuses a mismatched agent.
+PROTOCOL_VERSION = 1

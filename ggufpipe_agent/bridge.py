@@ -1,0 +1,70 @@
+"""``ggufpipe-agent bridge ENDPOINT``: stdin/stdout <-> a local socket.
+
+Run by the orchestrator as an SSH exec session to reach an agent's data socket
+(or a hand-started agent's control socket) on hosts where sshd forbids port
+and stream-local forwarding. Kept free of heavy imports: it starts in tens of
+milliseconds and only copies bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+
+CHUNK = 1 << 18
+
+
+def connect(endpoint: str) -> socket.socket:
+    if endpoint.startswith("unix:"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(endpoint[5:])
+        return sock
+    host, _, port = endpoint.removeprefix("tcp:").rpartition(":")
+    return socket.create_connection((host or "127.0.0.1", int(port)))
+
+
+def bridge_main(args: list[str]) -> int:
+    if len(args) != 1 or args[0] in ("-h", "--help"):
+        print("usage: ggufpipe-agent bridge unix:PATH | HOST:PORT", file=sys.stderr)
+        return 2
+    try:
+        sock = connect(args[0])
+    except (OSError, ValueError) as error:
+        print(f"ggufpipe-agent bridge: cannot connect to {args[0]}: {error}", file=sys.stderr)
+        return 1
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def upstream() -> None:
+        try:
+            while True:
+                data = os.read(0, CHUNK)
+                if not data:
+                    break
+                sock.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    threading.Thread(target=upstream, daemon=True).start()
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    try:
+        while True:
+            count = sock.recv_into(buffer)
+            if not count:
+                break
+            written = 0
+            while written < count:
+                written += os.write(1, view[written:count])
+    except OSError:
+        pass
+    # The socket side is done (the agent closed it, or went away): end now,
+    # whatever the stdin thread is doing.
+    os._exit(0)

@@ -1,0 +1,115 @@
+"""``ggufpipe-agent``: the stage agent.
+
+    ggufpipe-agent                      speak the protocol on stdin/stdout (how the
+                                        orchestrator starts it, locally or over SSH)
+    ggufpipe-agent --listen ADDR        started by hand: wait for an orchestrator on
+                                        HOST:PORT or unix:PATH, with readable logs
+    ggufpipe-agent bridge ENDPOINT      copy stdin/stdout to a local socket (the
+                                        orchestrator's data channel over SSH)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from ggufpipe_agent import PROTOCOL_VERSION, __version__
+
+DESCRIPTION = """\
+ggufpipe stage agent: runs one contiguous layer range of a GGUF model with
+llama.cpp for a ggufpipe orchestrator. With no options it speaks the ggufpipe
+protocol on stdin/stdout (frames only on stdout, logs on stderr); this is how
+ggufpipe-tui starts it, as a local process or over SSH."""
+
+EPILOG = """\
+subcommands:
+  bridge ENDPOINT   copy stdin to the socket ENDPOINT (unix:PATH or HOST:PORT)
+                    and the socket to stdout; the orchestrator runs this on an
+                    SSH exec channel to reach the agent's data socket, so no port
+                    forwarding is needed on the host.
+
+environment:
+  GGUFPIPE_CACHE_DIR  where stage files are cached (default ~/.cache/ggufpipe/stages)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["bridge"]:
+        from ggufpipe_agent.bridge import bridge_main
+
+        return bridge_main(args[1:])
+    parser = argparse.ArgumentParser(
+        prog="ggufpipe-agent",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--listen",
+        metavar="ADDR",
+        help="wait for an orchestrator on HOST:PORT or unix:PATH instead of using stdio "
+        "(for an agent started by hand; bind to 127.0.0.1 and let the orchestrator "
+        "reach it over SSH)",
+    )
+    parser.add_argument("--cache-dir", type=Path, help="stage file cache directory")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="also log llama.cpp's own messages"
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"ggufpipe-agent {__version__} (protocol {PROTOCOL_VERSION})",
+    )
+    options = parser.parse_args(args)
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not options.verbose:
+        logging.getLogger("ggufpipe.llama").setLevel(logging.WARNING)
+    log = logging.getLogger("ggufpipe.agent")
+
+    if options.listen:
+        try:
+            asyncio.run(_with_signals(_serve_listen(options.listen, options.cache_dir)))
+        except KeyboardInterrupt:
+            pass
+        return 0
+
+    from ggufpipe_agent.runtime import serve_stdio
+
+    reason = asyncio.run(_with_signals(serve_stdio(options.cache_dir)))
+    log.info("exiting: %s", reason)
+    sys.stderr.flush()
+    # A llama.cpp step may still run in the worker thread; it must not keep the
+    # process (and the model's memory) alive after its orchestrator is gone.
+    os._exit(0)
+
+
+async def _serve_listen(endpoint: str, cache_dir: Path | None) -> None:
+    from ggufpipe_agent.runtime import serve_listen
+
+    await serve_listen(endpoint, cache_dir)
+
+
+async def _with_signals(work: object) -> object:
+    """Run ``work``; SIGTERM and SIGHUP end it like the orchestrator leaving."""
+    task = asyncio.ensure_future(work)  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(number, task.cancel)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        return "terminated by a signal"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""One small family of errors, rooted in :class:`GgufpipeError`.
+
+Errors are caught at a boundary (the agent loop, an orchestrator effect) and
+turned into one fault with one clear reason; ``str(error)`` is that reason.
+"""
+
+from __future__ import annotations
+
+
+class GgufpipeError(Exception):
+    """Root of every error this project raises on purpose."""
+
+
+class ProtocolError(GgufpipeError):
+    """A frame or message that does not follow the wire protocol."""
+
+
+class ModelError(GgufpipeError):
+    """A GGUF file that is missing, unreadable, unsupported or inconsistent."""
+
+
+class RangeError(ModelError):
+    """A layer range that is empty, reversed, out of bounds or not covered."""
+
+
+class UnsupportedArchitecture(ModelError):
+    """An architecture that has not been verified split-exact."""
+
+
+class EngineError(GgufpipeError):
+    """llama.cpp failed to load a stage or to run a step."""
+
+
+class ContextOverflow(EngineError):
+    """A step would write past the end of the KV cache (the context size)."""
+
+
+class TransitionError(GgufpipeError):
+    """An event that the state machine does not accept in its current state."""

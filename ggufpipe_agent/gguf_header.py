@@ -1,0 +1,160 @@
+"""A fast reader of a GGUF file's metadata and tensor table.
+
+``gguf.GGUFReader`` builds a Python object per array element, which takes
+seconds for a 150k-token vocabulary. Facts and cache look-ups need only the
+scalars, the array lengths and the tensor table, so this reader walks the
+header of the memory-mapped file and keeps small arrays only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ggufpipe_agent.errors import ModelError
+
+# GGUF value types
+_UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL = range(8)
+_STRING, _ARRAY, _UINT64, _INT64, _FLOAT64 = range(8, 13)
+_SCALARS = {
+    _UINT8: "<B",
+    _INT8: "<b",
+    _UINT16: "<H",
+    _INT16: "<h",
+    _UINT32: "<I",
+    _INT32: "<i",
+    _FLOAT32: "<f",
+    _BOOL: "<?",
+    _UINT64: "<Q",
+    _INT64: "<q",
+    _FLOAT64: "<d",
+}
+#: Arrays longer than this are kept as their length only (vocabularies, merges).
+SMALL_ARRAY = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class LongArray:
+    """An array too long to keep: its element type and length."""
+
+    item_type: int
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+
+@dataclass(frozen=True, slots=True)
+class GgufHeader:
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: tuple[TensorEntry, ...]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelError(f"{self.path}: GGUF has no general.architecture")
+        return arch
+
+
+class _Cursor:
+    def __init__(self, data: mmap.mmap, where: Path) -> None:
+        self.data = data
+        self.offset = 0
+        self.where = where
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.offset + size > len(self.data):
+            raise ModelError(f"{self.where}: corrupt or truncated GGUF header")
+        (value,) = struct.unpack_from(fmt, self.data, self.offset)
+        self.offset += size
+        return value
+
+    def string(self) -> str:
+        length = self.take("<Q")
+        end = self.offset + length
+        if end > len(self.data):
+            raise ModelError(f"{self.where}: corrupt or truncated GGUF header")
+        raw = self.data[self.offset : end]
+        self.offset = end
+        return raw.decode("utf-8", errors="replace")
+
+    def skip_string(self) -> None:
+        length = self.take("<Q")
+        self.offset += length
+
+    def value(self, value_type: int) -> Any:
+        if value_type in _SCALARS:
+            return self.take(_SCALARS[value_type])
+        if value_type == _STRING:
+            return self.string()
+        if value_type == _ARRAY:
+            item_type = self.take("<I")
+            length = self.take("<Q")
+            if length > SMALL_ARRAY:
+                if item_type in _SCALARS:
+                    self.offset += struct.calcsize(_SCALARS[item_type]) * length
+                elif item_type == _STRING:
+                    for _ in range(length):
+                        self.skip_string()
+                else:
+                    raise ModelError(f"{self.where}: nested GGUF arrays are not supported")
+                return LongArray(item_type, length)
+            return [self.value(item_type) for _ in range(length)]
+        raise ModelError(f"{self.where}: unknown GGUF value type {value_type}")
+
+
+def read_header(path: Path) -> GgufHeader:
+    """Parse a checked GGUF path; raises ModelError on anything malformed."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        with path.open("rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            cursor = _Cursor(data, path)
+            if cursor.take("<4s") != b"GGUF":
+                raise ModelError(f"{path}: not a GGUF file")
+            version = cursor.take("<I")
+            if version not in (2, 3):
+                raise ModelError(f"{path}: GGUF version {version} is not supported")
+            tensor_count = cursor.take("<Q")
+            kv_count = cursor.take("<Q")
+            metadata: dict[str, Any] = {}
+            for _ in range(kv_count):
+                key = cursor.string()
+                metadata[key] = cursor.value(cursor.take("<I"))
+            entries = []
+            for _ in range(tensor_count):
+                name = cursor.string()
+                n_dims = cursor.take("<I")
+                shape = tuple(cursor.take("<Q") for _ in range(n_dims))
+                ggml_type = cursor.take("<I")
+                offset = cursor.take("<Q")
+                try:
+                    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+                except (ValueError, KeyError):
+                    raise ModelError(f"{path}: tensor {name} has unknown type {ggml_type}") from None
+                elements = 1
+                for dim in shape:
+                    elements *= dim
+                entries.append(TensorEntry(name, shape, ggml_type, offset, elements * type_size // block))
+    except (OSError, ValueError) as error:
+        raise ModelError(f"{path}: cannot read GGUF ({error})") from None
+    return GgufHeader(path, version, metadata, tuple(entries))

@@ -1,0 +1,184 @@
+"""Object records: the token and activation objects that travel on edges.
+
+A record is a fixed 44-byte little-endian header followed by raw payload bytes::
+
+    magic  b"GPOB"     4s
+    version            u16
+    kind               u8   1 tokens, 2 activation
+    dtype              u8   1 int32, 2 float32, 3 float16
+    run_id             u64
+    edge_id            u32
+    sequence           u64
+    rows               u32  tokens in the object
+    cols               u32  1 for tokens, hidden_dim for activations
+    nbytes             u64  payload length == rows * cols * itemsize
+
+This is the only module that turns payload bytes into arrays. The relay in the
+orchestrator reads headers only and forwards payloads untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.protocol import ObjectSpec
+
+OBJECT_MAGIC = b"GPOB"
+OBJECT_VERSION = 1
+_HEADER = struct.Struct("<4sHBBQIQIIQ")
+HEADER_SIZE = _HEADER.size
+
+KIND_TOKENS = 1
+KIND_ACTIVATION = 2
+KIND_NAMES = {KIND_TOKENS: "tokens", KIND_ACTIVATION: "activation"}
+KIND_CODES = {name: code for code, name in KIND_NAMES.items()}
+
+DTYPES: dict[int, np.dtype] = {
+    1: np.dtype("<i4"),
+    2: np.dtype("<f4"),
+    3: np.dtype("<f2"),
+}
+DTYPE_NAMES = {1: "int32", 2: "float32", 3: "float16"}
+DTYPE_CODES = {name: code for code, name in DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectHeader:
+    kind: int
+    dtype: int
+    run_id: int
+    edge_id: int
+    sequence: int
+    rows: int
+    cols: int
+    nbytes: int
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(
+            OBJECT_MAGIC,
+            OBJECT_VERSION,
+            self.kind,
+            self.dtype,
+            self.run_id,
+            self.edge_id,
+            self.sequence,
+            self.rows,
+            self.cols,
+            self.nbytes,
+        )
+
+    @property
+    def kind_name(self) -> str:
+        return KIND_NAMES[self.kind]
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    def describe(self) -> str:
+        return (
+            f"{self.kind_name} object seq {self.sequence} on edge {self.edge_id} "
+            f"({self.rows}x{self.cols} {self.dtype_name}, {self.nbytes} bytes)"
+        )
+
+
+def unpack_header(data: bytes, max_payload: int) -> ObjectHeader:
+    """Parse and sanity-check a header; ``max_payload`` bounds ``nbytes``.
+
+    Everything checked here is checked before any payload byte is read, so a
+    corrupt or hostile length can never make a reader allocate or wait for it.
+    """
+    if len(data) != HEADER_SIZE:
+        raise ProtocolError(f"truncated object header ({len(data)} of {HEADER_SIZE} bytes)")
+    magic, version, kind, dtype, run_id, edge_id, sequence, rows, cols, nbytes = _HEADER.unpack(
+        data
+    )
+    if magic != OBJECT_MAGIC:
+        raise ProtocolError(f"bad object magic {magic!r}")
+    if version != OBJECT_VERSION:
+        raise ProtocolError(f"object record version {version}, this side speaks {OBJECT_VERSION}")
+    if kind not in KIND_NAMES:
+        raise ProtocolError(f"unknown object kind {kind}")
+    if dtype not in DTYPES:
+        raise ProtocolError(f"unknown object dtype {dtype}")
+    if nbytes > max_payload:
+        raise ProtocolError(f"object of {nbytes} bytes exceeds the limit of {max_payload}")
+    if nbytes != rows * cols * DTYPES[dtype].itemsize:
+        raise ProtocolError(
+            f"object says {rows}x{cols} {DTYPE_NAMES[dtype]} but {nbytes} payload bytes"
+        )
+    return ObjectHeader(kind, dtype, run_id, edge_id, sequence, rows, cols, nbytes)
+
+
+def check_spec(header: ObjectHeader, spec: ObjectSpec) -> None:
+    """Refuse an object that does not match its edge's object spec (§9)."""
+    if header.kind_name != spec.kind:
+        raise ProtocolError(f"{header.describe()}: edge carries {spec.kind} objects")
+    if header.dtype_name != spec.dtype:
+        raise ProtocolError(f"{header.describe()}: edge carries {spec.dtype}")
+    if header.cols != spec.width:
+        raise ProtocolError(f"{header.describe()}: edge carries rows of width {spec.width}")
+    if header.rows == 0 or header.rows > spec.max_rows:
+        raise ProtocolError(f"{header.describe()}: rows must be 1..{spec.max_rows}")
+    if header.nbytes > spec.max_extent:
+        raise ProtocolError(f"{header.describe()}: exceeds max_extent {spec.max_extent}")
+
+
+def tokens_record(run_id: int, edge_id: int, sequence: int, tokens: list[int]) -> bytes:
+    payload = np.asarray(tokens, dtype="<i4").tobytes()
+    header = ObjectHeader(
+        KIND_TOKENS, DTYPE_CODES["int32"], run_id, edge_id, sequence, len(tokens), 1, len(payload)
+    )
+    return header.pack() + payload
+
+
+def activation_record(
+    run_id: int, edge_id: int, sequence: int, rows: np.ndarray, dtype: str
+) -> tuple[bytes, memoryview]:
+    """Header and payload (no concatenation copy) for ``rows`` of shape [n, hidden]."""
+    code = DTYPE_CODES[dtype]
+    array = np.ascontiguousarray(rows, dtype=DTYPES[code])
+    n, width = array.shape
+    header = ObjectHeader(KIND_ACTIVATION, code, run_id, edge_id, sequence, n, width, array.nbytes)
+    return header.pack(), memoryview(array).cast("B")
+
+
+def decode_tokens(header: ObjectHeader, payload: bytes | bytearray | memoryview) -> list[int]:
+    if header.kind != KIND_TOKENS:
+        raise ProtocolError(f"{header.describe()}: expected a tokens object")
+    return np.frombuffer(payload, dtype=DTYPES[header.dtype]).tolist()
+
+
+def decode_activation(
+    header: ObjectHeader, payload: bytes | bytearray | memoryview
+) -> np.ndarray:
+    """float32 rows [n, hidden]; float16 payloads are widened (exactly)."""
+    if header.kind != KIND_ACTIVATION:
+        raise ProtocolError(f"{header.describe()}: expected an activation object")
+    array = np.frombuffer(payload, dtype=DTYPES[header.dtype]).reshape(header.rows, header.cols)
+    if array.dtype != np.float32:
+        array = array.astype(np.float32)
+    return array
+
+
+async def read_record(
+    reader: asyncio.StreamReader, max_payload: int
+) -> tuple[ObjectHeader, bytes] | None:
+    """The next record from a stream of records, or None on a clean end."""
+    try:
+        head = await reader.readexactly(HEADER_SIZE)
+    except asyncio.IncompleteReadError as error:
+        if error.partial:
+            raise ProtocolError("data stream ended inside an object header") from None
+        return None
+    header = unpack_header(head, max_payload)
+    try:
+        payload = await reader.readexactly(header.nbytes)
+    except asyncio.IncompleteReadError:
+        raise ProtocolError(f"data stream ended inside {header.describe()}") from None
+    return header, payload

@@ -1,0 +1,364 @@
+"""One provisioned run of a stage: the §6 FSM with its effects performed.
+
+The controller is control-path only: it decides when ``ExecuteStep`` runs
+(driven by object arrival and local readiness, never by the orchestrator) and
+hands payloads between the inbound ring, the engine and the outbound edge.
+See docs/rings.md for the ring and pump design.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ggufpipe_agent import objects
+from ggufpipe_agent.arch import check_architecture
+from ggufpipe_agent.engine import StageEngine, StageShape
+from ggufpipe_agent.errors import GgufpipeError, ProtocolError
+from ggufpipe_agent.model import read_model_facts
+from ggufpipe_agent.protocol import (
+    Message,
+    ProvisionStage,
+    Refused,
+    StageFault,
+    StageProgress,
+    StageReady,
+    StageStopped,
+    StepCounters,
+    StepStats,
+)
+from ggufpipe_agent.stage_fsm import (
+    CancelPrepare,
+    EmitFault,
+    EmitReady,
+    EmitStopped,
+    ExecuteStep,
+    InboundFault,
+    ObjectLoaded,
+    OutputFault,
+    RejectWork,
+    ReleaseInput,
+    SetupFailed,
+    Stage,
+    StageEvent,
+    StageState,
+    StartPrepare,
+    StepCompleted,
+    StepFailed,
+    StopComplete,
+    StopLocal,
+    WorkerBound,
+    transition,
+)
+from ggufpipe_agent.stagefile import check_range, ensure_stage_file
+
+log = logging.getLogger("ggufpipe.stage")
+
+Send = Callable[[Message], Awaitable[None]]
+#: Step statistics reach the orchestrator at most this often while running.
+STATS_INTERVAL_S = 0.25
+PROGRESS_INTERVAL_S = 0.1
+
+
+class EngineSlot:
+    """The loaded engine, kept across runs so a new prompt reloads nothing.
+
+    One slot per agent: a host runs one stage, and a different range evicts
+    the old engine (its memory is freed before the new one loads). Used from
+    the worker thread only.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+        self.engine: StageEngine | None = None
+
+    def get(self, path: Path, shape: StageShape, options: Any, progress: Callable[[float], None]) -> StageEngine:
+        key = (str(path), shape, options)
+        if self.key == key and self.engine is not None:
+            progress(1.0)
+            return self.engine
+        self.close()
+        self.engine = StageEngine(str(path), shape, options, progress)
+        self.key = key
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = None
+        self.key = None
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    last_ms: float = 0.0
+    total_ms: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    sent_at: float = field(default=0.0)
+
+    def snapshot(self) -> StepCounters:
+        return StepCounters(self.steps, self.last_ms, self.total_ms, self.bytes_in, self.bytes_out)
+
+
+class StageRun:
+    def __init__(
+        self,
+        provision: ProvisionStage,
+        send: Send,
+        worker: ThreadPoolExecutor,
+        engines: EngineSlot,
+        cache_dir: Path | None,
+    ) -> None:
+        self.provision = provision
+        self.run_id = provision.run_id
+        self.index = provision.stage_index
+        self.first = provision.stage_index == 0
+        self.last = provision.stage_index == provision.stage_count - 1
+        self._send = send
+        self._worker = worker
+        self._engines = engines
+        self._cache_dir = cache_dir
+        self.fsm = Stage()
+        self.ring: asyncio.Queue[tuple[objects.ObjectHeader, bytes]] = asyncio.Queue(
+            maxsize=max(1, provision.inbound.ring_spec.slots)
+        )
+        self.outbound: asyncio.StreamWriter | Any | None = None
+        self.counters = Counters()
+        self.engine: StageEngine | None = None
+        self._ready = asyncio.Event()
+        self._current: tuple[objects.ObjectHeader, bytes] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._prepare_task: asyncio.Task[None] | None = None
+        self._step_task: asyncio.Task[None] | None = None
+        self._pump_task: asyncio.Task[None] | None = None
+        self.stopped = asyncio.Event()
+        self._progress_at = 0.0
+
+    # ------------------------------------------------------------ FSM core
+
+    def apply(self, event: StageEvent) -> None:
+        before = self.fsm.state
+        self.fsm, effects = transition(self.fsm, event)
+        if self.fsm.state is not before:
+            log.info("run %016x stage %d: %s -> %s", self.run_id, self.index, before.value, self.fsm.state.value)
+            self._spawn(self._progress(self.fsm.state.value, self.fsm.fault, -1.0))
+        if self.fsm.state is StageState.READY:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        for effect in effects:
+            self._perform(effect)
+
+    def _perform(self, effect: Any) -> None:
+        p = self.provision
+        if isinstance(effect, StartPrepare):
+            self._prepare_task = self._spawn(self._prepare())
+        elif isinstance(effect, CancelPrepare):
+            if self._prepare_task is not None:
+                self._prepare_task.cancel()
+        elif isinstance(effect, EmitReady):
+            self._spawn(self._send(StageReady(self.run_id, self.index, p.node_id)))
+            if self._pump_task is None:
+                self._pump_task = self._spawn(self._pump())
+        elif isinstance(effect, EmitFault):
+            log.error("run %016x stage %d faulted: %s", self.run_id, self.index, effect.reason)
+            self._spawn(self._send(StageFault(self.run_id, self.index, p.node_id, effect.reason)))
+        elif isinstance(effect, ExecuteStep):
+            self._step_task = self._spawn(self._execute(effect.sequence))
+        elif isinstance(effect, ReleaseInput):
+            self._current = None
+        elif isinstance(effect, RejectWork):
+            log.warning("run %016x stage %d refused work: %s", self.run_id, self.index, effect.reason)
+            self._spawn(self._send(Refused("object", effect.reason)))
+        elif isinstance(effect, StopLocal):
+            self._spawn(self._stop_local())
+        elif isinstance(effect, EmitStopped):
+            self.stopped.set()
+            self._spawn(
+                self._send(StageStopped(self.run_id, self.index, p.node_id, self.counters.snapshot()))
+            )
+
+    def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("stage task failed", exc_info=task.exception())
+
+    # -------------------------------------------------------------- effects
+
+    async def _progress(self, state: str, detail: str, fraction: float) -> None:
+        try:
+            await self._send(StageProgress(self.run_id, self.index, state, detail, fraction))
+        except (ConnectionError, OSError):
+            pass
+
+    def _load_progress(self, loop: asyncio.AbstractEventLoop, detail: str) -> Callable[[float], None]:
+        def report(fraction: float) -> None:
+            now = time.monotonic()
+            if fraction < 1.0 and now - self._progress_at < PROGRESS_INTERVAL_S:
+                return
+            self._progress_at = now
+            loop.call_soon_threadsafe(
+                lambda: self._spawn(self._progress("Preparing", detail, fraction))
+            )
+
+        return report
+
+    async def _prepare(self) -> None:
+        p = self.provision
+        loop = asyncio.get_running_loop()
+        try:
+            facts = await loop.run_in_executor(self._worker, read_model_facts, p.gguf_source)
+            check_architecture(facts.architecture, facts.path)
+            check_range(p.layer_start, p.layer_end_exclusive, facts.block_count, facts.path)
+            if facts.hidden_dim != p.model.hidden_dim or facts.block_count != p.model.block_count:
+                raise ProtocolError(
+                    f"{facts.path} has {facts.block_count} blocks of width {facts.hidden_dim}; "
+                    f"the plan says {p.model.block_count} of width {p.model.hidden_dim} "
+                    "(a different model file on this host?)"
+                )
+            stage_path = await loop.run_in_executor(
+                self._worker,
+                lambda: ensure_stage_file(
+                    facts.path,
+                    p.layer_start,
+                    p.layer_end_exclusive,
+                    self._cache_dir,
+                    self._load_progress(loop, "writing stage file"),
+                ),
+            )
+            shape = StageShape(
+                first=self.first,
+                last=self.last,
+                block_count=p.layer_end_exclusive - p.layer_start,
+                hidden=p.model.hidden_dim,
+            )
+            progress = self._load_progress(loop, "loading into llama.cpp")
+
+            def load() -> StageEngine:
+                engine = self._engines.get(stage_path, shape, p.engine, progress)
+                engine.reset(p.sampling)
+                return engine
+
+            self.engine = await loop.run_in_executor(self._worker, load)
+        except asyncio.CancelledError:
+            return
+        except GgufpipeError as error:
+            self._apply_if_alive(SetupFailed(str(error)))
+            return
+        except Exception as error:  # noqa: BLE001 - a boundary: any failure is one fault
+            log.exception("stage setup failed")
+            self._apply_if_alive(SetupFailed(f"{type(error).__name__}: {error}"))
+            return
+        self._apply_if_alive(WorkerBound())
+
+    def _apply_if_alive(self, event: StageEvent) -> None:
+        if self.fsm.state is not StageState.STOPPED:
+            self.apply(event)
+
+    async def _pump(self) -> None:
+        """Inbound ring -> ExecuteStep, one object at a time, only when Ready."""
+        while True:
+            item = await self.ring.get()
+            await self._ready.wait()
+            self._current = item
+            self.counters.bytes_in += item[0].nbytes
+            self.apply(ObjectLoaded(item[0].sequence))
+
+    async def deliver(self, header: objects.ObjectHeader, payload: bytes) -> None:
+        """An inbound object from the data connection (the inbound pump)."""
+        state = self.fsm.state
+        if state in (StageState.READY, StageState.EXECUTING):
+            try:
+                objects.check_spec(header, self.provision.inbound.object_spec)
+            except ProtocolError as error:
+                self.apply(InboundFault(str(error)))
+                return
+            await self.ring.put((header, payload))  # blocks when full: backpressure
+        elif state is StageState.PREPARING:
+            self.apply(InboundFault(f"{header.describe()} arrived before the stage was ready"))
+        else:
+            self.apply(ObjectLoaded(header.sequence))  # Faulted/Stopping: RejectWork
+
+    async def _execute(self, sequence: int) -> None:
+        assert self._current is not None and self.engine is not None
+        header, payload = self._current
+        engine = self.engine
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        try:
+            if self.first:
+                inputs: Any = objects.decode_tokens(header, payload)
+            else:
+                inputs = objects.decode_activation(header, payload)
+            result = await loop.run_in_executor(self._worker, engine.step, inputs)
+        except GgufpipeError as error:
+            self._apply_if_alive(StepFailed(f"step {sequence}: {error}"))
+            return
+        except Exception as error:  # noqa: BLE001 - a boundary: any failure is one fault
+            log.exception("step failed")
+            self._apply_if_alive(StepFailed(f"step {sequence}: {type(error).__name__}: {error}"))
+            return
+        elapsed = (time.perf_counter() - started) * 1000.0
+        if self.fsm.state is not StageState.EXECUTING:
+            return  # StopRun came while the step ran
+        p = self.provision
+        try:
+            if self.outbound is None:
+                raise ConnectionError("outbound edge is not connected")
+            if self.last:
+                record = objects.tokens_record(self.run_id, p.outbound.edge_id, sequence, [int(result)])
+                self.outbound.write(record)
+                sent = len(record) - objects.HEADER_SIZE
+            else:
+                head, body = objects.activation_record(
+                    self.run_id, p.outbound.edge_id, sequence, result, p.outbound.object_spec.dtype
+                )
+                self.outbound.write(head)
+                self.outbound.write(body)
+                sent = len(body)
+            await self.outbound.drain()
+        except (ConnectionError, OSError) as error:
+            self._apply_if_alive(OutputFault(f"outbound edge {p.outbound.edge_id}: {error}"))
+            return
+        counters = self.counters
+        counters.steps += 1
+        counters.last_ms = elapsed
+        counters.total_ms += elapsed
+        counters.bytes_out += sent
+        self.apply(StepCompleted(sequence))
+        now = time.monotonic()
+        if now - counters.sent_at >= STATS_INTERVAL_S:
+            counters.sent_at = now
+            self._spawn(self._send(StepStats(self.run_id, self.index, counters.snapshot())))
+
+    async def _stop_local(self) -> None:
+        """Stop local edges, let a running step end, then report stopped."""
+        if self._step_task is not None and not self._step_task.done():
+            if self.engine is not None:
+                self.engine.abort()
+            await asyncio.wait({self._step_task})
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+        while not self.ring.empty():
+            self.ring.get_nowait()
+        self.outbound = None
+        self._current = None
+        self.apply(StopComplete())
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()

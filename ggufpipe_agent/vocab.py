@@ -1,0 +1,109 @@
+"""The model's vocabulary, where the model lives: tokenize, token pieces, EOG set.
+
+The orchestrator holds no weights, so it asks a stage host for what needs the
+tokenizer. llama.cpp loads a GGUF with ``vocab_only`` in a fraction of a
+second and no tensor data.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+from ggufpipe_agent.errors import ModelError
+from ggufpipe_agent.model import check_gguf_path
+
+
+class Vocabulary:
+    def __init__(self, path: str) -> None:
+        import llama_cpp
+
+        from ggufpipe_agent.engine import _init_backend
+
+        _init_backend()
+        self._lib = llama_cpp
+        self.path = str(check_gguf_path(path))
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        self._model = llama_cpp.llama_model_load_from_file(self.path.encode(), params)
+        if not self._model:
+            raise ModelError(f"{self.path}: llama.cpp could not read the vocabulary")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self._lock = threading.Lock()
+
+    def token_text(self, token: int) -> str:
+        raw = self._lib.llama_vocab_get_text(self._vocab, token)
+        return raw.decode("utf-8", errors="replace") if raw else ""
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        buffer = ctypes.create_string_buffer(64)
+        length = self._lib.llama_token_to_piece(self._vocab, token, buffer, 64, 0, special)
+        if length < 0:
+            buffer = ctypes.create_string_buffer(-length)
+            length = self._lib.llama_token_to_piece(self._vocab, token, buffer, -length, 0, special)
+        return buffer.raw[:length]
+
+    def pieces(self) -> tuple[bytes, ...]:
+        """Bytes of every token as output text (control tokens render empty)."""
+        return tuple(self.piece(token) for token in range(self.size))
+
+    def eog_tokens(self) -> tuple[int, ...]:
+        is_eog = self._lib.llama_vocab_is_eog
+        return tuple(token for token in range(self.size) if is_eog(self._vocab, token))
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 16
+        with self._lock:
+            for _ in range(2):
+                buffer = (self._lib.llama_token * capacity)()
+                count = self._lib.llama_tokenize(
+                    self._vocab, data, len(data), buffer, capacity, add_special, True
+                )
+                if count >= 0:
+                    return list(buffer[:count])
+                capacity = -count
+        raise ModelError(f"{self.path}: tokenization failed")
+
+    def render_chat(self, template: str, text: str) -> str:
+        """The user's message in the model's chat template, ready to generate."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        bos = self._lib.llama_vocab_bos(self._vocab)
+        eos = self._lib.llama_vocab_eos(self._vocab)
+        formatter = Jinja2ChatFormatter(
+            template,
+            eos_token=self.token_text(eos) if eos >= 0 else "",
+            bos_token=self.token_text(bos) if bos >= 0 else "",
+            add_generation_prompt=True,
+        )
+        try:
+            return formatter(messages=[{"role": "user", "content": text}]).prompt
+        except Exception as error:  # noqa: BLE001 - jinja2 raises many kinds
+            raise ModelError(f"{self.path}: the chat template failed: {error}") from None
+
+    def prompt_tokens(self, template: str, text: str, chat: bool) -> tuple[list[int], str]:
+        rendered = self.render_chat(template, text) if chat and template else text
+        bos = self._lib.llama_vocab_bos(self._vocab)
+        # A template that writes the BOS text itself must not get a second BOS.
+        add_special = not (bos >= 0 and rendered.startswith(self.token_text(bos)) and chat)
+        return self.tokenize(rendered, add_special=add_special), rendered
+
+    def close(self) -> None:
+        if self._model:
+            self._lib.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+@functools.lru_cache(maxsize=4)
+def vocabulary(path: str) -> Vocabulary:
+    return Vocabulary(path)
+

@@ -1,0 +1,378 @@
+"""The inventory: model, hosts and ordered stages, read from YAML.
+
+Pure: parsing and checking do no I/O beyond reading the file. Every error
+names the file, the line and the key, e.g.
+``inventory.yaml:7: stages[1].host: 'gpu-c' is not defined under hosts``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ggufpipe_agent.errors import GgufpipeError
+
+ACTIVATION_DTYPES = ("float32", "float16")
+
+
+class InventoryError(GgufpipeError):
+    """A malformed inventory; the message names the file, line and key."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostSpec:
+    name: str
+    line: int
+    local: bool = False
+    address: str = ""
+    port: int = 22
+    user: str = ""
+    identity: tuple[str, ...] = ()
+    known_hosts: tuple[str, ...] = ()
+    insecure_no_host_key_check: bool = False
+    agent: str = "ggufpipe-agent"
+    model_path: str = ""
+    listen: str = ""
+    threads: int = 0
+    gpu_layers: int = -1
+    cache_dir: str = ""
+
+    @property
+    def where(self) -> str:
+        if self.local:
+            return "local"
+        user = f"{self.user}@" if self.user else ""
+        port = f":{self.port}" if self.port != 22 else ""
+        return f"{user}{self.address or self.name}{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    host: str
+    line: int
+    layers: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int = 0
+    context: int = 2048
+    ubatch: int = 512
+    activation_dtype: str = "float32"
+    chat: bool = True
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Seconds. ``step`` bounds one decode step; a prefill gets ``step`` per
+    ubatch of prompt."""
+
+    connect: float = 15.0
+    ready: float = 600.0
+    step: float = 120.0
+    teardown: float = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class Inventory:
+    path: Path
+    model_path: str
+    model_line: int
+    hosts: dict[str, HostSpec]
+    stages: tuple[StageSpec, ...]
+    run: RunOptions = field(default_factory=RunOptions)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def where(self, line: int) -> str:
+        return f"{self.path}:{line}"
+
+    def model_path_for(self, host: HostSpec) -> str:
+        """The model path as seen on ``host``. A relative path on a local host
+        is relative to the inventory's folder; on an SSH host, to the login
+        directory there."""
+        chosen = host.model_path or self.model_path
+        if host.local:
+            expanded = os.path.expanduser(chosen)
+            if not os.path.isabs(expanded):
+                expanded = str((self.path.parent / expanded).resolve())
+            return expanded
+        return chosen
+
+
+# ------------------------------------------------------------------ parsing
+
+
+class _Reader:
+    """Typed access to YAML nodes, with the line of each for errors."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, node: yaml.Node | None, key: str, message: str) -> InventoryError:
+        line = node.start_mark.line + 1 if node is not None else 1
+        return InventoryError(f"{self.path}:{line}: {key}: {message}")
+
+    def mapping(self, node: yaml.Node, key: str, allowed: tuple[str, ...]) -> dict[str, yaml.Node]:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.fail(node, key, "expected a mapping")
+        result: dict[str, yaml.Node] = {}
+        for key_node, value_node in node.value:
+            name = key_node.value
+            if not isinstance(key_node, yaml.ScalarNode) or name not in allowed:
+                known = ", ".join(allowed)
+                raise self.fail(key_node, f"{key}.{name}", f"unknown key (known: {known})")
+            if name in result:
+                raise self.fail(key_node, f"{key}.{name}", "given twice")
+            result[name] = value_node
+        return result
+
+    def scalar(self, node: yaml.Node, key: str, kind: type) -> Any:
+        if not isinstance(node, yaml.ScalarNode):
+            raise self.fail(node, key, f"expected {_kind_name(kind)}")
+        value = yaml.safe_load(yaml.serialize(node)) if node.value != "" else None
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(node.value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.fail(node, key, f"expected {_kind_name(kind)}, got {node.value!r}")
+        return value
+
+    def strings(self, node: yaml.Node, key: str) -> tuple[str, ...]:
+        if isinstance(node, yaml.SequenceNode):
+            return tuple(self.scalar(item, f"{key}[{i}]", str) for i, item in enumerate(node.value))
+        return (self.scalar(node, key, str),)
+
+
+def _kind_name(kind: type) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[kind]
+
+
+def _fill(reader: _Reader, cls: type, node: yaml.Node, key: str, **extra: Any) -> Any:
+    """A frozen dataclass from a mapping node whose keys are its scalar fields."""
+    known = {f.name: f for f in fields(cls) if f.name not in extra}
+    values = dict(extra)
+    for name, value_node in reader.mapping(node, key, tuple(known)).items():
+        values[name] = reader.scalar(value_node, f"{key}.{name}", _field_type(known[name]))
+    return cls(**values)
+
+
+def _field_type(f: Any) -> type:
+    text = f.type if isinstance(f.type, str) else f.type.__name__
+    return {"int": int, "float": float, "str": str, "bool": bool}[text]
+
+
+_HOST_CONVERTERS: dict[str, Callable[[_Reader, yaml.Node, str], Any]] = {
+    "identity": lambda r, n, k: tuple(os.path.expanduser(p) for p in r.strings(n, k)),
+    "known_hosts": lambda r, n, k: tuple(os.path.expanduser(p) for p in r.strings(n, k)),
+}
+
+
+def _host(reader: _Reader, name: str, node: yaml.Node) -> HostSpec:
+    key = f"hosts.{name}"
+    if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
+        raise reader.fail(node, key, "give {local: true} or an address")
+    allowed = tuple(f.name for f in fields(HostSpec) if f.name not in ("name", "line"))
+    values: dict[str, Any] = {}
+    for field_name, value_node in reader.mapping(node, key, allowed).items():
+        convert = _HOST_CONVERTERS.get(field_name)
+        field_key = f"{key}.{field_name}"
+        if convert is not None:
+            values[field_name] = convert(reader, value_node, field_key)
+        else:
+            kind = _field_type(next(f for f in fields(HostSpec) if f.name == field_name))
+            values[field_name] = reader.scalar(value_node, field_key, kind)
+    host = HostSpec(name=name, line=node.start_mark.line + 1, **values)
+    if host.local and host.address:
+        raise reader.fail(node, key, "a host is either local: true or has an address, not both")
+    if not host.local and not host.address:
+        raise reader.fail(node, key, "needs an address (or local: true)")
+    if not 0 < host.port < 65536:
+        raise reader.fail(node, f"{key}.port", f"{host.port} is not a TCP port")
+    if host.insecure_no_host_key_check and host.known_hosts:
+        raise reader.fail(node, key, "known_hosts and insecure_no_host_key_check exclude each other")
+    return host
+
+
+def _stage(reader: _Reader, index: int, node: yaml.Node, hosts: dict[str, HostSpec]) -> StageSpec:
+    key = f"stages[{index}]"
+    entries = reader.mapping(node, key, ("host", "layers"))
+    if "host" not in entries:
+        raise reader.fail(node, key, "needs a host")
+    host = reader.scalar(entries["host"], f"{key}.host", str)
+    if host not in hosts:
+        defined = ", ".join(hosts) or "none"
+        raise reader.fail(entries["host"], f"{key}.host", f"'{host}' is not defined under hosts (defined: {defined})")
+    layers = None
+    if "layers" in entries:
+        layer_node = entries["layers"]
+        if not isinstance(layer_node, yaml.SequenceNode) or len(layer_node.value) != 2:
+            raise reader.fail(layer_node, f"{key}.layers", "expected [start, end) as two integers")
+        start, end = (reader.scalar(item, f"{key}.layers", int) for item in layer_node.value)
+        if start < 0 or end <= start:
+            raise reader.fail(layer_node, f"{key}.layers", f"[{start}, {end}) is empty or reversed")
+        layers = (start, end)
+    return StageSpec(host=host, line=node.start_mark.line + 1, layers=layers)
+
+
+def parse_inventory(text: str, path: Path) -> Inventory:
+    reader = _Reader(path)
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else 1
+        problem = getattr(error, "problem", None) or str(error)
+        raise InventoryError(f"{path}:{line}: not valid YAML: {problem}") from None
+    if root is None:
+        raise InventoryError(f"{path}:1: the inventory is empty")
+    top = reader.mapping(root, "inventory", ("model", "hosts", "stages", "run", "timeouts"))
+    for required in ("model", "hosts", "stages"):
+        if required not in top:
+            raise reader.fail(root, required, "missing")
+
+    model = reader.mapping(top["model"], "model", ("path",))
+    if "path" not in model:
+        raise reader.fail(top["model"], "model.path", "missing")
+    model_path = reader.scalar(model["path"], "model.path", str)
+
+    host_nodes = reader.mapping(top["hosts"], "hosts", tuple(_names(top["hosts"])))
+    if not host_nodes:
+        raise reader.fail(top["hosts"], "hosts", "define at least one host")
+    hosts = {name: _host(reader, name, node) for name, node in host_nodes.items()}
+
+    stage_root = top["stages"]
+    if not isinstance(stage_root, yaml.SequenceNode) or not stage_root.value:
+        raise reader.fail(stage_root, "stages", "expected a list of at least one stage")
+    stages = tuple(_stage(reader, i, node, hosts) for i, node in enumerate(stage_root.value))
+    given = [stage.layers is not None for stage in stages]
+    if any(given) and not all(given):
+        missing = stages[given.index(False)]
+        raise InventoryError(
+            f"{path}:{missing.line}: stages[{given.index(False)}].layers: give layers on every "
+            "stage, or on none to split automatically"
+        )
+
+    run = _fill(reader, RunOptions, top["run"], "run") if "run" in top else RunOptions()
+    timeouts = _fill(reader, Timeouts, top["timeouts"], "timeouts") if "timeouts" in top else Timeouts()
+    inventory = Inventory(
+        path=path,
+        model_path=model_path,
+        model_line=model["path"].start_mark.line + 1,
+        hosts=hosts,
+        stages=stages,
+        run=run,
+        timeouts=timeouts,
+    )
+    check_run_options(inventory.run, lambda key, message: _run_error(top.get("run"), reader, key, message))
+    for name in ("connect", "ready", "step", "teardown"):
+        if getattr(timeouts, name) <= 0:
+            node = top.get("timeouts")
+            raise reader.fail(node, f"timeouts.{name}", "must be positive")
+    return inventory
+
+
+def _names(node: yaml.Node) -> list[str]:
+    if isinstance(node, yaml.MappingNode):
+        return [key.value for key, _ in node.value if isinstance(key, yaml.ScalarNode)]
+    return []
+
+
+def _run_error(node: yaml.Node | None, reader: _Reader, key: str, message: str) -> InventoryError:
+    return reader.fail(node, f"run.{key}", message)
+
+
+def check_run_options(run: RunOptions, fail: Callable[[str, str], Exception]) -> None:
+    """Range checks shared by the inventory and the command line."""
+    if run.max_tokens < 1:
+        raise fail("max_tokens", "must be at least 1")
+    if run.temperature < 0:
+        raise fail("temperature", "must not be negative")
+    if run.top_k < 0:
+        raise fail("top_k", "must not be negative")
+    if not 0 < run.top_p <= 1:
+        raise fail("top_p", "must be in (0, 1]")
+    if run.context < 16:
+        raise fail("context", "must be at least 16")
+    if run.ubatch < 1:
+        raise fail("ubatch", "must be at least 1")
+    if run.activation_dtype not in ACTIVATION_DTYPES:
+        raise fail("activation_dtype", f"must be one of {', '.join(ACTIVATION_DTYPES)}")
+
+
+def load_inventory(path: str | os.PathLike[str]) -> Inventory:
+    target = Path(path)
+    try:
+        text = target.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InventoryError(f"{target}: no such inventory file") from None
+    except OSError as error:
+        raise InventoryError(f"{target}: cannot read ({error.strerror})") from None
+    except UnicodeDecodeError:
+        raise InventoryError(f"{target}: not a UTF-8 text file") from None
+    return parse_inventory(text, target)
+
+
+def with_run_options(inventory: Inventory, **overrides: Any) -> Inventory:
+    """Command-line overrides (``None`` means not given)."""
+    given = {key: value for key, value in overrides.items() if value is not None}
+    run = replace(inventory.run, **given)
+
+    def fail(key: str, message: str) -> InventoryError:
+        return InventoryError(f"--{key.replace('_', '-')}: {message}")
+
+    check_run_options(run, fail)
+    return replace(inventory, run=run)
+
+
+# ------------------------------------------------------------------ layers
+
+
+def assign_layers(inventory: Inventory, block_count: int) -> list[tuple[int, int]]:
+    """Each stage's [start, end): as given (checked: no overlap, no gap, the
+    model's end reached) or split evenly when no stage gives layers."""
+    stages = inventory.stages
+    if stages[0].layers is None:
+        if len(stages) > block_count:
+            raise InventoryError(
+                f"{inventory.where(stages[0].line)}: stages: {len(stages)} stages for a model of "
+                f"only {block_count} blocks"
+            )
+        base, extra = divmod(block_count, len(stages))
+        ranges, start = [], 0
+        for index in range(len(stages)):
+            end = start + base + (1 if index < extra else 0)
+            ranges.append((start, end))
+            start = end
+        return ranges
+    ranges = []
+    expected = 0
+    for index, stage in enumerate(stages):
+        assert stage.layers is not None
+        start, end = stage.layers
+        where = f"{inventory.where(stage.line)}: stages[{index}].layers"
+        if start < expected:
+            raise InventoryError(f"{where}: [{start}, {end}) overlaps the previous stage (ends at {expected})")
+        if start > expected:
+            raise InventoryError(f"{where}: [{start}, {end}) leaves blocks [{expected}, {start}) unassigned")
+        if end > block_count:
+            raise InventoryError(f"{where}: [{start}, {end}) goes past the model's {block_count} blocks")
+        ranges.append((start, end))
+        expected = end
+    if expected != block_count:
+        last = stages[-1]
+        raise InventoryError(
+            f"{inventory.where(last.line)}: stages[{len(stages) - 1}].layers: the stages end at "
+            f"block {expected}, the model has {block_count} blocks"
+        )
+    return ranges

@@ -1,0 +1,275 @@
+"""The run plan of spec §3 and its guarantees of §11. Pure: no I/O.
+
+The orchestrator owns run ids and edge ids; stage code never derives them.
+Edge ``i`` of a run of N stages: edge 0 is TokenIn (orchestrator -> stage 0),
+edges 1..N-1 are Activation (stage i-1 -> stage i), edge N is TokenOut
+(stage N-1 -> orchestrator).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_agent.model import estimate_stage_bytes
+from ggufpipe_agent.objects import HEADER_SIZE
+from ggufpipe_agent.protocol import (
+    EngineOptions,
+    InboundEdgeProvision,
+    ModelFacts,
+    ObjectSpec,
+    OutboundEdgeProvision,
+    ProvisionStage,
+    RingSpec,
+    SamplingParams,
+    StageModelFacts,
+)
+from ggufpipe_tui.inventory import Inventory
+
+ORCHESTRATOR = "orchestrator"
+#: Slots per edge ring. The MVP keeps one object in flight per edge, so two
+#: slots let the next object land while a step runs (docs/rings.md).
+RING_SLOTS = 2
+
+
+class PlanError(GgufpipeError):
+    """A plan that breaks a guarantee of spec §11."""
+
+
+@dataclass(frozen=True, slots=True)
+class GgufModelPlan:
+    model_id: str
+    gguf_source: str
+    num_layers: int
+    hidden_dim: int
+    dtype_family: str
+    dtype_width_bytes: int
+    max_seq_len: int
+    eos_token_id: int
+    architecture: str
+    vocab_size: int
+    eog_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeEndpoint:
+    node_id: str
+    stage_index: int | None = None  # None: the orchestrator
+
+    @property
+    def is_orchestrator(self) -> bool:
+        return self.stage_index is None
+
+
+@dataclass(frozen=True, slots=True)
+class EdgePlan:
+    run_id: int
+    edge_id: int
+    kind: str  # "TokenIn", "Activation", "TokenOut"
+    producer: EdgeEndpoint
+    consumer: EdgeEndpoint
+    object_spec: ObjectSpec
+    ring_spec: RingSpec
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    run_id: int
+    stage_index: int
+    stage_count: int
+    node_id: str
+    gguf_source: str
+    layer_start: int
+    layer_end_exclusive: int
+    inbound_edge: int
+    outbound_edge: int
+    estimated_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunPlan:
+    run_id: int
+    model: GgufModelPlan
+    stages: tuple[StagePlan, ...]
+    edges: tuple[EdgePlan, ...]
+    max_tokens: int
+    engine: EngineOptions
+    sampling: SamplingParams
+
+    def edge(self, edge_id: int) -> EdgePlan:
+        for edge in self.edges:
+            if edge.edge_id == edge_id:
+                return edge
+        raise KeyError(edge_id)
+
+
+def new_run_id() -> int:
+    return secrets.randbits(63) | 1
+
+
+def build_plan(
+    inventory: Inventory,
+    facts: ModelFacts,
+    ranges: list[tuple[int, int]],
+    run_id: int,
+    edge_base: int | None = None,
+) -> RunPlan:
+    options = inventory.run
+    n = len(inventory.stages)
+    max_seq_len = min(options.context, facts.context_length or options.context)
+    width = 2 if options.activation_dtype == "float16" else 4
+    eog = () if options.ignore_eos else facts.eog_token_ids
+    model = GgufModelPlan(
+        model_id=facts.stem,
+        gguf_source=inventory.model_path,
+        num_layers=facts.block_count,
+        hidden_dim=facts.hidden_dim,
+        dtype_family="float",
+        dtype_width_bytes=width,
+        max_seq_len=max_seq_len,
+        eos_token_id=facts.eos_token_id,
+        architecture=facts.architecture,
+        vocab_size=facts.vocab_size,
+        eog_token_ids=tuple(eog),
+    )
+    base = edge_base if edge_base is not None else secrets.randbits(24) << 8
+    tokens_in = ObjectSpec("tokens", "int32", 1, max_seq_len)
+    tokens_out = ObjectSpec("tokens", "int32", 1, 1)
+    activation = ObjectSpec("activation", options.activation_dtype, facts.hidden_dim, max_seq_len)
+    node = [inventory.stages[i].host for i in range(n)]
+
+    def ring(spec: ObjectSpec) -> RingSpec:
+        return RingSpec(RING_SLOTS, spec.max_extent + HEADER_SIZE)
+
+    edges = [
+        EdgePlan(run_id, base, "TokenIn", EdgeEndpoint(ORCHESTRATOR), EdgeEndpoint(node[0], 0), tokens_in, ring(tokens_in))
+    ]
+    for i in range(1, n):
+        edges.append(
+            EdgePlan(run_id, base + i, "Activation", EdgeEndpoint(node[i - 1], i - 1), EdgeEndpoint(node[i], i), activation, ring(activation))
+        )
+    edges.append(
+        EdgePlan(run_id, base + n, "TokenOut", EdgeEndpoint(node[n - 1], n - 1), EdgeEndpoint(ORCHESTRATOR), tokens_out, ring(tokens_out))
+    )
+    stages = tuple(
+        StagePlan(
+            run_id=run_id,
+            stage_index=i,
+            stage_count=n,
+            node_id=node[i],
+            gguf_source=inventory.model_path_for(inventory.hosts[node[i]]),
+            layer_start=ranges[i][0],
+            layer_end_exclusive=ranges[i][1],
+            inbound_edge=base + i,
+            outbound_edge=base + i + 1,
+            estimated_bytes=estimate_stage_bytes(facts, ranges[i][0], ranges[i][1], max_seq_len, i == n - 1),
+        )
+        for i in range(n)
+    )
+    engine = EngineOptions(
+        n_ctx=max_seq_len,
+        n_batch=min(max_seq_len, 2048),
+        n_ubatch=min(options.ubatch, max_seq_len),
+    )
+    sampling = SamplingParams(options.temperature, options.top_k, options.top_p, options.seed)
+    return RunPlan(run_id, model, stages, tuple(edges), options.max_tokens, engine, sampling)
+
+
+def validate_plan(plan: RunPlan) -> None:
+    """Every guarantee of spec §11 that a plan can break; raises PlanError."""
+    stages, edges, n = plan.stages, plan.edges, len(plan.stages)
+    if n == 0:
+        raise PlanError("a run needs at least one stage")
+    if plan.max_tokens < 1:
+        raise PlanError("max_tokens must be at least 1")
+    # Layer assignment: contiguous, non-overlapping, covering, one range each.
+    expected = 0
+    for i, stage in enumerate(stages):
+        if stage.stage_index != i or stage.stage_count != n:
+            raise PlanError(f"stage {i} is numbered {stage.stage_index} of {stage.stage_count}")
+        if stage.run_id != plan.run_id:
+            raise PlanError(f"stage {i} belongs to run {stage.run_id:016x}")
+        if stage.layer_start >= stage.layer_end_exclusive:
+            raise PlanError(f"stage {i} has the empty range [{stage.layer_start}, {stage.layer_end_exclusive})")
+        if stage.layer_start < expected:
+            raise PlanError(f"stage {i} [{stage.layer_start}, {stage.layer_end_exclusive}) overlaps stage {i - 1}")
+        if stage.layer_start > expected:
+            raise PlanError(f"stage {i} leaves layers [{expected}, {stage.layer_start}) unassigned")
+        expected = stage.layer_end_exclusive
+    if expected != plan.model.num_layers:
+        raise PlanError(f"the stages cover layers [0, {expected}), the model has {plan.model.num_layers}")
+    # Edge assignment.
+    ids = [edge.edge_id for edge in edges]
+    if len(set(ids)) != len(ids):
+        raise PlanError("edge ids are not unique within the run")
+    if len(edges) != n + 1:
+        raise PlanError(f"{n} stages need {n + 1} edges, the plan has {len(edges)}")
+    by_id = {edge.edge_id: edge for edge in edges}
+    for edge in edges:
+        if edge.run_id != plan.run_id:
+            raise PlanError(f"edge {edge.edge_id} belongs to run {edge.run_id:016x}")
+    for i, stage in enumerate(stages):
+        inbound = by_id.get(stage.inbound_edge)
+        outbound = by_id.get(stage.outbound_edge)
+        if inbound is None or outbound is None:
+            raise PlanError(f"stage {i} names an edge that is not in the plan")
+        want_in = "TokenIn" if i == 0 else "Activation"
+        want_out = "TokenOut" if i == n - 1 else "Activation"
+        if inbound.kind != want_in or outbound.kind != want_out:
+            raise PlanError(f"stage {i} is wired {inbound.kind} -> {outbound.kind}, must be {want_in} -> {want_out}")
+        if inbound.consumer != EdgeEndpoint(stage.node_id, i):
+            raise PlanError(f"edge {inbound.edge_id} is not consumed by stage {i}")
+        if outbound.producer != EdgeEndpoint(stage.node_id, i):
+            raise PlanError(f"edge {outbound.edge_id} is not produced by stage {i}")
+        if i == 0 and not inbound.producer.is_orchestrator:
+            raise PlanError("token-in must be produced by the orchestrator")
+        if i == n - 1 and not outbound.consumer.is_orchestrator:
+            raise PlanError("token-out must be consumed by the orchestrator")
+        if 0 < i and inbound.producer != EdgeEndpoint(stages[i - 1].node_id, i - 1):
+            raise PlanError(f"activation edge {inbound.edge_id} must be produced by stage {i - 1}")
+    consumed = [stage.inbound_edge for stage in stages]
+    produced = [stage.outbound_edge for stage in stages]
+    if len(set(consumed)) != n or len(set(produced)) != n:
+        raise PlanError("an edge has more than one producer or consumer")
+    # All stages agree on the model facts that size the object specs (§9).
+    for edge in edges:
+        spec = edge.object_spec
+        if spec.kind == "activation" and (
+            spec.width != plan.model.hidden_dim
+            or spec.max_rows != plan.model.max_seq_len
+            or spec.itemsize != plan.model.dtype_width_bytes
+        ):
+            raise PlanError(f"edge {edge.edge_id} object spec disagrees with the model facts")
+
+
+def provision_message(plan: RunPlan, index: int) -> ProvisionStage:
+    stage = plan.stages[index]
+    inbound = plan.edge(stage.inbound_edge)
+    outbound = plan.edge(stage.outbound_edge)
+    model = plan.model
+    return ProvisionStage(
+        run_id=plan.run_id,
+        stage_index=index,
+        stage_count=stage.stage_count,
+        node_id=stage.node_id,
+        gguf_source=stage.gguf_source,
+        layer_start=stage.layer_start,
+        layer_end_exclusive=stage.layer_end_exclusive,
+        inbound=InboundEdgeProvision(inbound.edge_id, inbound.kind, inbound.object_spec, inbound.ring_spec),
+        outbound=OutboundEdgeProvision(
+            outbound.edge_id, outbound.kind, outbound.consumer.node_id, outbound.object_spec, outbound.ring_spec
+        ),
+        model=StageModelFacts(
+            model_id=model.model_id,
+            architecture=model.architecture,
+            block_count=model.num_layers,
+            hidden_dim=model.hidden_dim,
+            vocab_size=model.vocab_size,
+            dtype_family=model.dtype_family,
+            dtype_width_bytes=model.dtype_width_bytes,
+            max_seq_len=model.max_seq_len,
+        ),
+        engine=plan.engine,
+        sampling=plan.sampling,
+    )
