@@ -33,6 +33,9 @@ OBJECT_VERSION = 1
 _HEADER = struct.Struct("<4sHBBQIQIIQ")
 HEADER_SIZE = _HEADER.size
 
+#: Bound on any payload before an edge's own max_extent is known.
+ABSOLUTE_MAX_PAYLOAD = 1 << 31
+
 KIND_TOKENS = 1
 KIND_ACTIVATION = 2
 KIND_NAMES = {KIND_TOKENS: "tokens", KIND_ACTIVATION: "activation"}

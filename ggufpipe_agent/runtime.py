@@ -61,10 +61,6 @@ from ggufpipe_agent.stage_run import EngineSlot, StageRun
 
 log = logging.getLogger("ggufpipe.agent")
 
-#: Largest object payload any edge may carry, before the run's own max_extent
-#: is known (a data frame for no active run is still bounded).
-MAX_OBJECT_BYTES = 1 << 31
-
 
 def _meminfo() -> tuple[int, int]:
     total = available = 0
@@ -295,7 +291,7 @@ class Session:
                 await self._data_fault(f"bad frame magic {magic!r} on the data connection")
                 return
             run = self.run
-            limit = run.provision.inbound.object_spec.max_extent if run else MAX_OBJECT_BYTES
+            limit = run.provision.inbound.object_spec.max_extent if run else objects.ABSOLUTE_MAX_PAYLOAD
             try:
                 head = magic + await reader.readexactly(objects.HEADER_SIZE - 4)
                 header = objects.unpack_header(head, limit)

@@ -147,9 +147,13 @@ class StageRun:
     def apply(self, event: StageEvent) -> None:
         before = self.fsm.state
         self.fsm, effects = transition(self.fsm, event)
-        if self.fsm.state is not before:
-            log.info("run %016x stage %d: %s -> %s", self.run_id, self.index, before.value, self.fsm.state.value)
-            self._spawn(self._progress(self.fsm.state.value, self.fsm.fault, -1.0))
+        after = self.fsm.state
+        # Ready <-> Executing flips once per token: reporting it would cost a
+        # control message per step per stage. Step statistics say it instead.
+        per_step = {before, after} == {StageState.READY, StageState.EXECUTING}
+        if after is not before and not per_step:
+            log.info("run %016x stage %d: %s -> %s", self.run_id, self.index, before.value, after.value)
+            self._spawn(self._progress(after.value, self.fsm.fault, -1.0))
         if self.fsm.state is StageState.READY:
             self._ready.set()
         else:

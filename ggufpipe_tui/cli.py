@@ -1,0 +1,105 @@
+"""``ggufpipe-tui``: the orchestrator's command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from ggufpipe_agent import __version__
+from ggufpipe_agent.errors import GgufpipeError
+
+DESCRIPTION = """\
+Pipeline-parallel LLM inference from one GGUF model across several hosts.
+Reads INVENTORY (model, hosts, stages), starts one ggufpipe-agent per stage
+(as a local process or over SSH), loads each stage's layer range with
+llama.cpp, and streams the generated text.
+
+Without --prompt it opens the terminal UI; with --prompt it runs headless."""
+
+EPILOG = """\
+exit status: 0 the run completed, 1 the run faulted (the output so far is
+printed, the reason is the last line on stderr), 2 the pipeline could not be
+set up (bad inventory, unreachable host, missing model, ...).
+
+Each run writes a JSON Lines event log; its path is printed at the end
+(directory: --log-dir, $GGUFPIPE_LOG_DIR or ~/.local/state/ggufpipe/runs)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ggufpipe-tui",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("inventory", metavar="INVENTORY", help="inventory YAML file")
+    parser.add_argument("--prompt", metavar="TEXT", help="run this prompt headless and exit")
+    group = parser.add_argument_group("run options (override the inventory's run: section)")
+    group.add_argument("--max-tokens", type=int, metavar="N", help="stop after N generated tokens")
+    group.add_argument("--temperature", type=float, metavar="T", help="0 is greedy (the default)")
+    group.add_argument("--top-k", type=int, metavar="K", help="top-k when sampling (temperature > 0)")
+    group.add_argument("--top-p", type=float, metavar="P", help="top-p when sampling (temperature > 0)")
+    group.add_argument("--seed", type=int, metavar="S", help="seed of the sampler's draw")
+    group.add_argument("--context", type=int, metavar="N", help="context size in tokens")
+    group.add_argument(
+        "--activation-dtype",
+        choices=("float32", "float16"),
+        help="activations between stages: float32 (exact) or float16 (half the bytes)",
+    )
+    group.add_argument("--ignore-eos", action="store_true", default=None, help="generate max_tokens even past EOS")
+    group.add_argument(
+        "--raw", action="store_true", help="send the prompt as is, not through the model's chat template"
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and timings at the end")
+    out.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    out.add_argument("-v", "--verbose", action="store_true", help="agent logs and every state change on stderr")
+    out.add_argument("--log-dir", metavar="DIR", help="where run event logs go")
+    parser.add_argument("--version", action="version", version=f"ggufpipe {__version__}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, stream=sys.stderr)
+    from ggufpipe_tui.inventory import load_inventory, with_run_options
+
+    try:
+        inventory = load_inventory(args.inventory)
+        inventory = with_run_options(
+            inventory,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            context=args.context,
+            activation_dtype=args.activation_dtype,
+            ignore_eos=args.ignore_eos,
+            chat=False if args.raw else None,
+        )
+    except GgufpipeError as error:
+        print(f"ggufpipe: error: {error}", file=sys.stderr)
+        return 2
+    if args.prompt is not None:
+        from ggufpipe_tui.headless import run_headless
+
+        return asyncio.run(
+            run_headless(
+                inventory,
+                args.prompt,
+                as_json=args.json,
+                verbose=args.verbose,
+                quiet=args.quiet,
+                log_dir=args.log_dir,
+            )
+        )
+    from ggufpipe_tui.app import run_app
+
+    return run_app(inventory, log_dir=args.log_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""What the orchestrator reports to its views (the Textual app, headless mode,
+the run log). Plain frozen dataclasses: the core knows nothing of Textual."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ggufpipe_agent.protocol import Hello, ModelFacts, StepCounters
+
+
+@dataclass(frozen=True, slots=True)
+class AgentLog:
+    """A line an agent wrote on stderr, or a line about it."""
+
+    stage: int
+    host: str
+    line: str
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    level: str  # "info", "warning", "error"
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConnected:
+    stage: int
+    host: str
+    where: str
+    hello: Hello
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInspected:
+    facts: ModelFacts
+
+
+@dataclass(frozen=True, slots=True)
+class PlanMade:
+    plan: Any  # RunPlan (kept Any to avoid an import cycle with plan.py)
+    hosts: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RunPhaseChanged:
+    run_id: int
+    phase: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StageStateChanged:
+    run_id: int
+    stage: int
+    state: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StageLoadProgress:
+    run_id: int
+    stage: int
+    detail: str
+    fraction: float
+
+
+@dataclass(frozen=True, slots=True)
+class StageStats:
+    run_id: int
+    stage: int
+    counters: StepCounters
+
+
+@dataclass(frozen=True, slots=True)
+class TokenStreamed:
+    run_id: int
+    sequence: int
+    token: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    ttft_ms: float = 0.0  # prompt submitted -> first token consumed
+    prefill_ms: float = 0.0  # prompt object injected -> token 0 consumed
+    decode_ms: float = 0.0  # token 0 consumed -> last token consumed
+    decode_tokens_per_s: float = 0.0
+    stage_mean_step_ms: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    run_id: int
+    outcome: str  # "completed", "faulted", "torn down"
+    stop_reason: str  # "eos", "max_tokens", "stopped" or ""
+    failure: str
+    prompt_tokens: tuple[int, ...]
+    tokens: tuple[int, ...]
+    text: str
+    timings: Timings
+    architecture: str = ""
+    model: str = ""
+    log_path: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "completed"
+
+
+@dataclass(frozen=True, slots=True)
+class RunFinished:
+    result: RunResult
+
+
+Event = (
+    AgentLog
+    | Notice
+    | AgentConnected
+    | ModelInspected
+    | PlanMade
+    | RunPhaseChanged
+    | StageStateChanged
+    | StageLoadProgress
+    | StageStats
+    | TokenStreamed
+    | RunFinished
+)
+Emit = Callable[[Event], None]

@@ -1,0 +1,157 @@
+"""Headless mode: the same orchestrator with a printing consumer.
+
+Generated text streams to stdout as it comes; progress and agent logs go to
+stderr; the exit status says whether the run completed. On a fault the text
+produced so far stays on stdout and the run's one failure reason is the last
+line on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from typing import IO
+
+from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_tui.events import (
+    AgentConnected,
+    AgentLog,
+    Event,
+    ModelInspected,
+    Notice,
+    PlanMade,
+    RunResult,
+    StageStateChanged,
+    TokenStreamed,
+)
+from ggufpipe_tui.inventory import Inventory
+from ggufpipe_tui.orchestrator import Pipeline
+
+EXIT_OK = 0
+EXIT_FAULTED = 1
+EXIT_SETUP = 2
+
+
+def result_json(result: RunResult) -> dict[str, object]:
+    t = result.timings
+    return {
+        "run_id": f"{result.run_id:016x}",
+        "model": result.model,
+        "architecture": result.architecture,
+        "outcome": result.outcome,
+        "stop_reason": result.stop_reason,
+        "failure": result.failure,
+        "prompt_tokens": list(result.prompt_tokens),
+        "tokens": list(result.tokens),
+        "text": result.text,
+        "timings": {
+            "ttft_ms": round(t.ttft_ms, 3),
+            "prefill_ms": round(t.prefill_ms, 3),
+            "decode_ms": round(t.decode_ms, 3),
+            "decode_tokens_per_s": round(t.decode_tokens_per_s, 3),
+            "stage_mean_step_ms": [round(ms, 3) for ms in t.stage_mean_step_ms],
+        },
+        "log": result.log_path,
+    }
+
+
+class Printer:
+    def __init__(self, out: IO[str], err: IO[str], as_json: bool, verbose: bool, quiet: bool) -> None:
+        self.out, self.err = out, err
+        self.as_json, self.verbose, self.quiet = as_json, verbose, quiet
+        self.wrote_text = False
+
+    def progress(self, text: str) -> None:
+        if not self.quiet:
+            print(f"ggufpipe: {text}", file=self.err, flush=True)
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, TokenStreamed):
+            if not self.as_json and event.text:
+                self.out.write(event.text)
+                self.out.flush()
+                self.wrote_text = True
+        elif isinstance(event, AgentConnected):
+            hello = event.hello
+            device = hello.devices[0].description if hello.devices else "CPU"
+            self.progress(
+                f"stage {event.stage}: agent on {event.host} ({event.where}) ready, "
+                f"llama-cpp-python {hello.llama_cpp}, {device}"
+            )
+        elif isinstance(event, ModelInspected):
+            f = event.facts
+            self.progress(
+                f"model {f.stem}: {f.architecture}, {f.block_count} blocks, hidden {f.hidden_dim}, "
+                f"{f.file_type}, {f.file_size / 2**20:.0f} MiB"
+            )
+        elif isinstance(event, PlanMade):
+            for stage in event.plan.stages:
+                self.progress(
+                    f"stage {stage.stage_index}: layers [{stage.layer_start}, {stage.layer_end_exclusive}) "
+                    f"on {stage.node_id}, ~{stage.estimated_bytes / 2**20:.0f} MiB"
+                )
+        elif isinstance(event, StageStateChanged):
+            if self.verbose or event.state in ("Ready", "Faulted"):
+                detail = f" ({event.detail})" if event.detail else ""
+                self.progress(f"stage {event.stage}: {event.state}{detail}")
+        elif isinstance(event, AgentLog):
+            if self.verbose:
+                print(f"[stage {event.stage} {event.host}] {event.line}", file=self.err, flush=True)
+        elif isinstance(event, Notice):
+            if self.verbose or event.level == "warning":
+                print(f"ggufpipe: {event.level}: {event.text}", file=self.err, flush=True)
+
+
+async def run_headless(
+    inventory: Inventory,
+    prompt: str,
+    *,
+    as_json: bool = False,
+    verbose: bool = False,
+    quiet: bool = False,
+    log_dir: str | None = None,
+    out: IO[str] = sys.stdout,
+    err: IO[str] = sys.stderr,
+) -> int:
+    printer = Printer(out, err, as_json, verbose, quiet)
+    pipeline = Pipeline(inventory, printer, log_dir=log_dir)
+    loop = asyncio.get_running_loop()
+    interrupted = False
+
+    def interrupt() -> None:
+        nonlocal interrupted
+        if pipeline.driver is not None and not interrupted:
+            interrupted = True
+            pipeline.driver.stop("interrupted (Ctrl-C)")
+        else:
+            raise KeyboardInterrupt
+
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGINT, interrupt)
+    try:
+        await pipeline.start()
+        result = await pipeline.generate(prompt, chat=None)
+    except GgufpipeError as error:
+        print(f"ggufpipe: error: {error}", file=err, flush=True)
+        return EXIT_SETUP
+    finally:
+        await pipeline.close()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGINT)
+    if as_json:
+        print(json.dumps(result_json(result), ensure_ascii=False), file=out, flush=True)
+    elif printer.wrote_text:
+        print(file=out, flush=True)
+    t = result.timings
+    if result.ok:
+        printer.progress(
+            f"{result.stop_reason}: {len(result.tokens)} tokens, first after {t.ttft_ms:.0f} ms, "
+            f"{t.decode_tokens_per_s:.1f} tokens/s; run log {result.log_path}"
+        )
+        return EXIT_OK
+    print(f"ggufpipe: run log {result.log_path}", file=err, flush=True)
+    print(f"ggufpipe: run {result.outcome}: {result.failure}", file=err, flush=True)
+    return EXIT_FAULTED

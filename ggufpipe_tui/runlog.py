@@ -1,0 +1,74 @@
+"""The run event log: one JSON Lines file per run.
+
+Every event of a run (its plan, each state change of the run and of every
+stage with a timestamp, agent log lines, faults, the final result) is one
+line, so a faulted run's log says exactly what happened. The directory is
+``$GGUFPIPE_LOG_DIR`` or ``~/.local/state/ggufpipe/runs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from ggufpipe_tui.events import AgentConnected, Event
+
+
+def default_log_dir() -> Path:
+    explicit = os.environ.get("GGUFPIPE_LOG_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "ggufpipe" / "runs"
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple | list):
+        return [_plain(item) for item in value]
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return value
+
+
+class RunLog:
+    """Events before the first run (agents connecting, the model) are kept
+    and written at the top of every run's log."""
+
+    def __init__(self, directory: Path | str | None = None) -> None:
+        self.directory = Path(directory) if directory else default_log_dir()
+        self.path: Path | None = None
+        self._file: IO[str] | None = None
+        self._session: list[str] = []
+
+    def open(self, run_id: int) -> None:
+        self.close()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.path = self.directory / f"{stamp}-{run_id:016x}.jsonl"
+        self._file = self.path.open("w", encoding="utf-8")
+        for line in self._session:
+            self._file.write(line)
+        self._file.flush()
+
+    def write(self, event: Event) -> None:
+        record = {"t": round(time.time(), 6), "event": type(event).__name__, **_plain(event)}
+        if isinstance(event, AgentConnected):
+            record["hello"].pop("data_token", None)  # a capability, not for logs
+        line = json.dumps(record, ensure_ascii=False, default=str) + "\n"
+        if self._file is None:
+            if len(self._session) < 10_000:
+                self._session.append(line)
+            return
+        self._file.write(line)
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
