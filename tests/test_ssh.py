@@ -1,0 +1,428 @@
+"""The SSH transport against a real OpenSSH server on loopback with forwarding
+off: real agents started through sshd, real llama.cpp, the real model.
+
+Every agent the tests start runs in a session of this module's sshd; the
+"nothing left behind" checks look only at those (SSH_CONNECTION names our
+port), so agents of other work on the same machine do not count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ggufpipe_tui.events import AgentLog, TokenStreamed
+from ggufpipe_tui.inventory import HostSpec, load_inventory
+from ggufpipe_tui.orchestrator import Pipeline
+from ggufpipe_tui.ssh import SshAgent
+from ggufpipe_tui.transport import TransportError
+from tests.conftest import LONG_PROMPT, REPO, whole_model_greedy
+from tests.sshd import Sshd, free_port, keygen, sshd_missing
+
+pytestmark = [pytest.mark.ssh, pytest.mark.model]
+
+
+AGENT = f"{sys.executable} -m ggufpipe_agent"  # sshd passes none of our environment
+UNEVEN = [[0, 7], [7, 20], [20, 30]]
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory):
+    missing = sshd_missing()
+    if missing:
+        pytest.skip(missing)
+    server = Sshd(tmp_path_factory.mktemp("sshd")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One stage-file cache for the module: the first run writes, later ones reuse."""
+    return tmp_path_factory.mktemp("ssh-cache")
+
+
+def host_entry(sshd: Sshd, cache: Path, **overrides: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "address": "127.0.0.1",
+        "port": sshd.port,
+        "user": sshd.user,
+        "identity": str(sshd.client_key),
+        "known_hosts": str(sshd.known_hosts),
+        "agent": AGENT,
+        "cache_dir": str(cache),
+        "threads": 1,  # three stages share two cores: spinning threads would starve each other
+    }
+    entry.update(overrides)
+    return {key: value for key, value in entry.items() if value is not None}
+
+
+def write_inventory(
+    path: Path,
+    model_path: Path,
+    hosts: dict[str, dict[str, Any]],
+    stages: list[tuple[str, list[int]]],
+    connect: float = 20,
+    **run: Any,
+) -> Path:
+    document = {
+        "model": {"path": str(model_path)},
+        "hosts": hosts,
+        "stages": [{"host": host, "layers": layers} for host, layers in stages],
+        "run": {"context": 512, "ubatch": 32, "chat": False, **run},
+        "timeouts": {"connect": connect, "ready": 120, "step": 30, "teardown": 10},
+    }
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+def wait_no_session_agents(sshd: Sshd, timeout: float) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = sshd.session_agents()
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def wait_session_agents(sshd: Sshd, count: int, timeout: float = 15) -> set[int]:
+    """The session's agents once there are ``count`` (a bridge may still be in
+    the login shell's startup files when the pipeline already runs)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = sshd.session_agents()
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def none_left(sshd: Sshd):
+    yield
+    left = wait_no_session_agents(sshd, 10)
+    assert not left, f"agent or bridge processes left on the host: {sorted(left)}"
+
+
+def one_stage(tmp_path: Path, model_path: Path, hosts: dict[str, Any], stages: list[Any]) -> Path:
+    return write_inventory(tmp_path / "inv.yaml", model_path, hosts, stages)
+
+
+async def start_failure(inventory_path: Path) -> tuple[str, float]:
+    pipeline = Pipeline(load_inventory(inventory_path), lambda event: None)
+    started = time.monotonic()
+    with pytest.raises(TransportError) as caught:
+        await pipeline.start()
+    return str(caught.value), time.monotonic() - started
+
+
+# ------------------------------------------------------------ the pipeline
+
+
+async def test_three_stages_over_ssh_match_the_whole_model(tmp_path, sshd, cache_dir, model_path, none_left):
+    """Two hosts (one sshd), stages 0 and 1 on the first: one connection per
+    host, two exec sessions per stage (control + data bridge), no forwarding."""
+    hosts = {"gpu-a": host_entry(sshd, cache_dir), "gpu-b": host_entry(sshd, cache_dir)}
+    stages = [("gpu-a", UNEVEN[0]), ("gpu-a", UNEVEN[1]), ("gpu-b", UNEVEN[2])]
+    inventory = load_inventory(
+        write_inventory(tmp_path / "inv.yaml", model_path, hosts, stages, max_tokens=64, ignore_eos=True)
+    )
+    logins, sessions = sshd.accepted_logins(), sshd.log_text().count("Starting session: command")
+    events: list[Any] = []
+    pipeline = Pipeline(inventory, events.append)
+    try:
+        await pipeline.start()
+        assert len(wait_session_agents(sshd, 6)) == 6, "3 agents and 3 data bridges, all under sshd"
+        result = await pipeline.generate(LONG_PROMPT)
+    finally:
+        await pipeline.close()
+    assert result.outcome == "completed" and result.stop_reason == "max_tokens", result.failure
+    assert len(result.prompt_tokens) > 64, "the prompt spans several ubatches (large activation objects)"
+    reference = whole_model_greedy(model_path, list(result.prompt_tokens), 64, n_ctx=512, n_ubatch=32)
+    assert list(result.tokens) == reference
+    logged = {event.stage for event in events if isinstance(event, AgentLog)}
+    assert logged == {0, 1, 2}, "the stderr of every stage reaches the log"
+    assert sshd.accepted_logins() - logins == 2, "stages on one host share its connection"
+    assert sshd.log_text().count("Starting session: command") - sessions == 6
+    assert "forward" not in sshd.log_text().lower(), "no forwarding was asked for"
+
+
+async def test_hand_started_agent_is_attached_through_ssh(tmp_path, sshd, cache_dir, model_path, none_left):
+    """An agent started by hand on 127.0.0.1:PORT is reached with an exec
+    bridge for control and one for data; it keeps running after the run."""
+    port = free_port()
+    by_hand = subprocess.Popen(
+        [*AGENT.split(), "--listen", f"127.0.0.1:{port}", "--cache-dir", str(cache_dir)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        assert by_hand.stderr is not None
+        while "listening on" not in by_hand.stderr.readline():
+            assert by_hand.poll() is None and time.monotonic() < deadline, "the agent did not listen"
+        threading.Thread(target=by_hand.stderr.read, daemon=True).start()  # keep its stderr drained
+        hosts = {
+            "manual": host_entry(sshd, cache_dir, listen=f"127.0.0.1:{port}", cache_dir=None),
+            "gpu": host_entry(sshd, cache_dir),
+        }
+        stages = [("manual", [0, 12]), ("gpu", [12, 30])]
+        inventory = load_inventory(
+            write_inventory(tmp_path / "inv.yaml", model_path, hosts, stages, max_tokens=12, ignore_eos=True)
+        )
+        pipeline = Pipeline(inventory, lambda event: None)
+        try:
+            await pipeline.start()
+            assert pipeline.links[0].hello is not None and pipeline.links[0].hello.pid == by_hand.pid
+            result = await pipeline.generate("The capital of France is")
+        finally:
+            await pipeline.close()
+        assert result.outcome == "completed", result.failure
+        reference = whole_model_greedy(model_path, list(result.prompt_tokens), 12, n_ctx=512, n_ubatch=32)
+        assert list(result.tokens) == reference
+        assert wait_no_session_agents(sshd, 10) == set(), "bridges end with the orchestrator"
+        assert by_hand.poll() is None, "a hand-started agent outlives the orchestrator by design"
+    finally:
+        by_hand.terminate()
+        by_hand.wait(10)
+
+
+async def test_missing_hand_started_agent_says_how_to_start_it(tmp_path, sshd, cache_dir, model_path):
+    port = free_port()
+    hosts = {"manual": host_entry(sshd, cache_dir, listen=f"127.0.0.1:{port}")}
+    message, _ = await start_failure(one_stage(tmp_path, model_path, hosts, [("manual", [0, 30])]))
+    assert f"no agent reachable at 127.0.0.1:{port} on manual" in message
+    assert f"--listen 127.0.0.1:{port}" in message and "cannot connect" in message
+
+
+# ------------------------------------------------------- connection errors
+
+
+@pytest.mark.parametrize("case", ["changed", "unknown"])
+async def test_host_key_mismatch_is_refused(tmp_path, sshd, cache_dir, model_path, case):
+    known = tmp_path / "known_hosts"
+    if case == "changed":
+        impostor = keygen(tmp_path / "impostor", "impostor")
+        known.write_text(sshd.host_line(impostor))
+    else:
+        known.write_text("")
+    hosts = {"gpu": host_entry(sshd, cache_dir, known_hosts=str(known))}
+    before = sshd.accepted_logins()
+    message, _ = await start_failure(one_stage(tmp_path, model_path, hosts, [("gpu", [0, 30])]))
+    assert "gpu (" in message and "host key verification failed" in message, message
+    assert str(known) in message
+    assert sshd.accepted_logins() == before, "nothing was sent to a host that failed verification"
+
+
+async def test_insecure_no_host_key_check_logs_a_loud_warning(sshd, cache_dir, caplog):
+    host = HostSpec(
+        name="risky",
+        line=1,
+        address="127.0.0.1",
+        port=sshd.port,
+        identity=(str(sshd.client_key),),
+        insecure_no_host_key_check=True,  # and the key is in no known_hosts file we use
+        agent=AGENT,
+        cache_dir=str(cache_dir),
+    )
+    lines: list[str] = []
+    link = SshAgent(host, 0, lines.append)
+    with caplog.at_level(logging.WARNING, logger="ggufpipe.ssh"):
+        try:
+            hello = await link.start(20)
+            assert hello.pid > 0
+        finally:
+            await link.close(3)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("INSECURE" in text and "risky" in text for text in warnings), warnings
+    assert any("host key checking is OFF for risky" in line for line in lines)
+
+
+async def test_failed_authentication_is_clear_and_quick(tmp_path, sshd, cache_dir, model_path):
+    hosts = {"gpu": host_entry(sshd, cache_dir, identity=str(sshd.stranger_key))}
+    path = write_inventory(tmp_path / "inv.yaml", model_path, hosts, [("gpu", [0, 30])], connect=5)
+    message, elapsed = await start_failure(path)
+    assert "gpu (" in message and "authentication failed" in message and str(sshd.stranger_key) in message
+    assert elapsed < 5
+
+
+async def test_refused_port_is_clear(tmp_path, sshd, cache_dir, model_path):
+    hosts = {"gpu": host_entry(sshd, cache_dir, port=free_port())}
+    message, elapsed = await start_failure(one_stage(tmp_path, model_path, hosts, [("gpu", [0, 30])]))
+    assert "gpu (" in message and "cannot reach the SSH server" in message and "refused" in message.lower()
+    assert elapsed < 5
+
+
+async def test_silent_host_times_out_within_the_connect_timeout(tmp_path, sshd, cache_dir, model_path):
+    """A host that accepts TCP and never speaks SSH (a black hole behind a
+    firewall looks the same to the orchestrator)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        hosts = {"gpu": host_entry(sshd, cache_dir, port=silent.getsockname()[1])}
+        path = write_inventory(tmp_path / "inv.yaml", model_path, hosts, [("gpu", [0, 30])], connect=1.5)
+        message, elapsed = await start_failure(path)
+    assert "gpu (" in message and "no SSH answer within 1.5s" in message, message
+    assert elapsed < 1.5 + 2
+
+
+async def test_missing_agent_says_how_to_install_it(tmp_path, sshd, cache_dir, model_path, none_left):
+    hosts = {"gpu": host_entry(sshd, cache_dir, agent="/opt/nowhere/bin/ggufpipe-agent")}
+    message, _ = await start_failure(one_stage(tmp_path, model_path, hosts, [("gpu", [0, 30])]))
+    assert "not available on gpu" in message and "exit status 127" in message, message
+    assert "pip install ggufpipe" in message and "Preparing a GPU host" in message
+
+
+# ---------------------------------------------------- nothing outlives us
+
+
+async def test_faulted_run_leaves_no_agent(tmp_path, sshd, cache_dir, model_path, none_left):
+    hosts = {"gpu": host_entry(sshd, cache_dir)}
+    stages = [("gpu", layers) for layers in UNEVEN]
+    inventory = load_inventory(
+        write_inventory(tmp_path / "inv.yaml", model_path, hosts, stages, max_tokens=400, ignore_eos=True)
+    )
+    streamed = asyncio.Event()
+    count = 0
+
+    def on_event(event: Any) -> None:
+        nonlocal count
+        if isinstance(event, TokenStreamed):
+            count += 1
+            if count == 5:
+                streamed.set()
+
+    pipeline = Pipeline(inventory, on_event)
+    try:
+        await pipeline.start()
+        running = asyncio.ensure_future(pipeline.generate("Count from one to one thousand."))
+        await asyncio.wait_for(streamed.wait(), 60)
+        hello = pipeline.links[1].hello
+        assert hello is not None
+        os.kill(hello.pid, signal.SIGKILL)  # the "host" is this machine
+        result = await asyncio.wait_for(running, 60)
+        killed = pipeline.links[1]
+        assert not killed.alive() and "killed by signal KILL" in killed.exit_detail(), killed.exit_detail()
+        assert pipeline.links[0].alive() and pipeline.links[2].alive()
+    finally:
+        await pipeline.close()
+    assert result.outcome == "faulted" and "stage 1 on gpu" in result.failure, result.failure
+
+
+async def test_sigkilled_orchestrator_leaves_no_agent(tmp_path, sshd, cache_dir, model_path):
+    hosts = {"gpu": host_entry(sshd, cache_dir)}
+    stages = [("gpu", layers) for layers in UNEVEN]
+    path = write_inventory(tmp_path / "inv.yaml", model_path, hosts, stages)
+    orchestrator = subprocess.Popen(
+        [str(REPO / ".venv" / "bin" / "ggufpipe-tui"), str(path), "--prompt", "Count to a thousand.",
+         "--max-tokens", "400", "--ignore-eos", "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert orchestrator.stdout is not None
+        text = b""
+        while len(text) < 20:  # generation is under way
+            chunk = orchestrator.stdout.read1(64)  # type: ignore[attr-defined]
+            assert chunk, "the orchestrator ended before generating"
+            text += chunk
+        assert len(wait_session_agents(sshd, 6)) == 6, "3 agents and 3 data bridges"
+        orchestrator.kill()
+        orchestrator.wait(5)
+        killed = time.monotonic()
+        left = wait_no_session_agents(sshd, 10)
+        assert not left, f"left on the host after SIGKILL: {sorted(left)}"
+        assert time.monotonic() - killed < 5
+    finally:
+        if orchestrator.poll() is None:
+            orchestrator.kill()
+            orchestrator.wait()
+
+
+# ----------------------------------------------------------- backpressure
+
+
+async def test_bridge_channel_keeps_backpressure_both_ways(tmp_path, sshd, cache_dir):
+    """A data channel (exec session + bridge) to a socket on the host buffers a
+    bounded amount: a consumer that stops reading stops its producer."""
+    total, chunk, bound = 48 << 20, 1 << 20, 16 << 20
+    path = str(tmp_path / "peer.sock")
+    reading = asyncio.Event()
+    received = hashlib.sha256()
+    got = 0
+    server_wrote = 0
+    done = asyncio.Event()
+
+    async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal got, server_wrote
+        await reading.wait()  # a stalled consumer first
+        while got < total:
+            data = await reader.read(1 << 18)
+            assert data
+            received.update(data)
+            got += len(data)
+        block = bytes(range(256)) * (chunk // 256)
+        while server_wrote < total:  # then a producer towards the orchestrator
+            writer.write(block)
+            await writer.drain()
+            server_wrote += len(block)
+        writer.close()
+        done.set()
+
+    server = await asyncio.start_unix_server(peer, path=path)
+    host = HostSpec(
+        name="gpu", line=1, address="127.0.0.1", port=sshd.port, identity=(str(sshd.client_key),),
+        known_hosts=(str(sshd.known_hosts),), agent=AGENT,
+    )
+    link = SshAgent(host, 0, lambda line: None)
+    try:
+        await link.connect(10)
+        reader, writer = await link.open_bridge(f"unix:{path}", 10)
+        sent, digest, stalled = 0, hashlib.sha256(), False
+        payload = os.urandom(chunk)
+        while sent < total:
+            writer.write(payload)
+            digest.update(payload)
+            sent += chunk
+            try:
+                await asyncio.wait_for(writer.drain(), 1.0)
+            except asyncio.TimeoutError:
+                stalled = True
+                break
+        assert stalled and sent <= bound, f"{sent >> 20} MiB accepted with nobody reading on the host"
+        reading.set()
+        await asyncio.wait_for(writer.drain(), 30)
+        while sent < total:
+            writer.write(payload)
+            digest.update(payload)
+            sent += chunk
+            await asyncio.wait_for(writer.drain(), 30)
+        for _ in range(300):
+            if got == total:
+                break
+            await asyncio.sleep(0.1)
+        assert got == total and received.digest() == digest.digest()
+        await asyncio.sleep(1.0)  # the orchestrator reads nothing: the host's writes must stall
+        assert server_wrote <= bound, f"the host wrote {server_wrote >> 20} MiB nobody read"
+        seen = 0
+        while seen < total:
+            data = await asyncio.wait_for(reader.read(1 << 18), 30)
+            assert data
+            seen += len(data)
+        await asyncio.wait_for(done.wait(), 30)
+        writer.close()
+    finally:
+        await link.close(1)
+        server.close()
