@@ -1,11 +1,11 @@
 """``ggufpipe-agent``: the stage agent.
 
-    ggufpipe-agent                      speak the protocol on stdin/stdout (how the
-                                        orchestrator starts it, locally or over SSH)
-    ggufpipe-agent --listen ADDR        started by hand: wait for an orchestrator on
-                                        HOST:PORT or unix:PATH, with readable logs
-    ggufpipe-agent bridge ENDPOINT      copy stdin/stdout to a local socket (the
-                                        orchestrator's data channel over SSH)
+ggufpipe-agent                      speak the protocol on stdin/stdout (how the
+                                    orchestrator starts it, locally or over SSH)
+ggufpipe-agent --listen ADDR        started by hand: wait for an orchestrator on
+                                    HOST:PORT or unix:PATH, with readable logs
+ggufpipe-agent bridge ENDPOINT      copy stdin/stdout to a local socket (the
+                                    orchestrator's data channel over SSH)
 """
 
 from __future__ import annotations
@@ -58,9 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         "reach it over SSH)",
     )
     parser.add_argument("--cache-dir", type=Path, help="stage file cache directory")
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="also log llama.cpp's own messages"
-    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="also log llama.cpp's own messages")
     parser.add_argument(
         "--version",
         action="version",

@@ -145,19 +145,16 @@ class StageEngine:
         self.context = llama_cpp.llama_init_from_model(self.model, context_params)
         if not self.context:
             self.close()
-            raise EngineError(
-                f"llama.cpp could not create a context of {options.n_ctx} positions for {path}"
-            )
-        self.n_ctx = llama_cpp.llama_n_ctx(self.context)
+            raise EngineError(f"llama.cpp could not create a context of {options.n_ctx} positions for {path}")
+        # llama.cpp may round the context up; the plan's size is the limit.
+        self.n_ctx = min(options.n_ctx, llama_cpp.llama_n_ctx(self.context))
         self.n_batch = min(options.n_batch, self.n_ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0 if shape.first else n_embd, 1)
         self._tokens = (
             np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,)) if shape.first else None
         )
         self._embd = (
-            None
-            if shape.first
-            else np.ctypeslib.as_array(self._batch.embd, shape=(self.n_batch, n_embd))
+            None if shape.first else np.ctypeslib.as_array(self._batch.embd, shape=(self.n_batch, n_embd))
         )
         self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
         self._outputs = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
@@ -191,9 +188,7 @@ class StageEngine:
             if 0 < sampling.top_p < 1:
                 lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(sampling.top_p, 1))
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(sampling.temperature))
-            lib.llama_sampler_chain_add(
-                chain, lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF)
-            )
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
         self._sampler = chain
 
     @property
@@ -246,9 +241,7 @@ class StageEngine:
                 else:
                     assert self._embd is not None
                     self._embd[:count] = rows[begin : begin + count]
-                self._pos[:count] = np.arange(
-                    self._n_past, self._n_past + count, dtype=np.int32
-                )
+                self._pos[:count] = np.arange(self._n_past, self._n_past + count, dtype=np.int32)
                 if self.shape.last:
                     self._outputs[:count] = 0
                     self._outputs[count - 1] = 1 if begin + count == n else 0

@@ -98,9 +98,7 @@ def unpack_header(data: bytes, max_payload: int) -> ObjectHeader:
     """
     if len(data) != HEADER_SIZE:
         raise ProtocolError(f"truncated object header ({len(data)} of {HEADER_SIZE} bytes)")
-    magic, version, kind, dtype, run_id, edge_id, sequence, rows, cols, nbytes = _HEADER.unpack(
-        data
-    )
+    magic, version, kind, dtype, run_id, edge_id, sequence, rows, cols, nbytes = _HEADER.unpack(data)
     if magic != OBJECT_MAGIC:
         raise ProtocolError(f"bad object magic {magic!r}")
     if version != OBJECT_VERSION:
@@ -112,9 +110,7 @@ def unpack_header(data: bytes, max_payload: int) -> ObjectHeader:
     if nbytes > max_payload:
         raise ProtocolError(f"object of {nbytes} bytes exceeds the limit of {max_payload}")
     if nbytes != rows * cols * DTYPES[dtype].itemsize:
-        raise ProtocolError(
-            f"object says {rows}x{cols} {DTYPE_NAMES[dtype]} but {nbytes} payload bytes"
-        )
+        raise ProtocolError(f"object says {rows}x{cols} {DTYPE_NAMES[dtype]} but {nbytes} payload bytes")
     return ObjectHeader(kind, dtype, run_id, edge_id, sequence, rows, cols, nbytes)
 
 
@@ -157,9 +153,7 @@ def decode_tokens(header: ObjectHeader, payload: bytes | bytearray | memoryview)
     return np.frombuffer(payload, dtype=DTYPES[header.dtype]).tolist()
 
 
-def decode_activation(
-    header: ObjectHeader, payload: bytes | bytearray | memoryview
-) -> np.ndarray:
+def decode_activation(header: ObjectHeader, payload: bytes | bytearray | memoryview) -> np.ndarray:
     """float32 rows [n, hidden]; float16 payloads are widened (exactly)."""
     if header.kind != KIND_ACTIVATION:
         raise ProtocolError(f"{header.describe()}: expected an activation object")
@@ -169,9 +163,7 @@ def decode_activation(
     return array
 
 
-async def read_record(
-    reader: asyncio.StreamReader, max_payload: int
-) -> tuple[ObjectHeader, bytes] | None:
+async def read_record(reader: asyncio.StreamReader, max_payload: int) -> tuple[ObjectHeader, bytes] | None:
     """The next record from a stream of records, or None on a clean end."""
     try:
         head = await reader.readexactly(HEADER_SIZE)

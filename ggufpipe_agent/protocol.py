@@ -463,9 +463,7 @@ def decode_message(frame: bytes) -> Message:
         raise ProtocolError("truncated control frame")
     length = parse_prefix(frame[:CONTROL_PREFIX_SIZE])
     if len(frame) != CONTROL_PREFIX_SIZE + length:
-        raise ProtocolError(
-            f"control frame says {length} bytes, has {len(frame) - CONTROL_PREFIX_SIZE}"
-        )
+        raise ProtocolError(f"control frame says {length} bytes, has {len(frame) - CONTROL_PREFIX_SIZE}")
     return decode_payload(frame[CONTROL_PREFIX_SIZE:])
 
 

@@ -233,8 +233,7 @@ def transition(stage: Stage, event: StageEvent) -> tuple[Stage, list[StageEffect
             if event.sequence != stage.next_sequence:
                 return _faulted(
                     stage,
-                    f"sequence violation: expected object {stage.next_sequence}, "
-                    f"got {event.sequence}",
+                    f"sequence violation: expected object {stage.next_sequence}, got {event.sequence}",
                 )
             return replace(stage, state=S.EXECUTING), [ExecuteStep(event.sequence)]
         if isinstance(event, InboundFault):

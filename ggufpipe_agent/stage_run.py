@@ -78,7 +78,9 @@ class EngineSlot:
         self.key: tuple[Any, ...] | None = None
         self.engine: StageEngine | None = None
 
-    def get(self, path: Path, shape: StageShape, options: Any, progress: Callable[[float], None]) -> StageEngine:
+    def get(
+        self, path: Path, shape: StageShape, options: Any, progress: Callable[[float], None]
+    ) -> StageEngine:
         key = (str(path), shape, options)
         if self.key == key and self.engine is not None:
             progress(1.0)
@@ -215,9 +217,7 @@ class StageRun:
             if fraction < 1.0 and now - self._progress_at < PROGRESS_INTERVAL_S:
                 return
             self._progress_at = now
-            loop.call_soon_threadsafe(
-                lambda: self._spawn(self._progress("Preparing", detail, fraction))
-            )
+            loop.call_soon_threadsafe(lambda: self._spawn(self._progress("Preparing", detail, fraction)))
 
         return report
 

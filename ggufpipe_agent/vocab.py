@@ -106,4 +106,3 @@ class Vocabulary:
 @functools.lru_cache(maxsize=4)
 def vocabulary(path: str) -> Vocabulary:
     return Vocabulary(path)
-

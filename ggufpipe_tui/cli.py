@@ -48,14 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("float32", "float16"),
         help="activations between stages: float32 (exact) or float16 (half the bytes)",
     )
-    group.add_argument("--ignore-eos", action="store_true", default=None, help="generate max_tokens even past EOS")
+    group.add_argument(
+        "--ignore-eos", action="store_true", default=None, help="generate max_tokens even past EOS"
+    )
     group.add_argument(
         "--raw", action="store_true", help="send the prompt as is, not through the model's chat template"
     )
     out = parser.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and timings at the end")
+    out.add_argument(
+        "--json", action="store_true", help="print one JSON object with tokens, text and timings at the end"
+    )
     out.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
-    out.add_argument("-v", "--verbose", action="store_true", help="agent logs and every state change on stderr")
+    out.add_argument(
+        "-v", "--verbose", action="store_true", help="agent logs and every state change on stderr"
+    )
     out.add_argument("--log-dir", metavar="DIR", help="where run event logs go")
     parser.add_argument("--version", action="version", version=f"ggufpipe {__version__}")
     return parser

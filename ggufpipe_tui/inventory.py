@@ -128,11 +128,12 @@ class _Reader:
         result: dict[str, yaml.Node] = {}
         for key_node, value_node in node.value:
             name = key_node.value
+            full = name if key == "inventory" else f"{key}.{name}"
             if not isinstance(key_node, yaml.ScalarNode) or name not in allowed:
                 known = ", ".join(allowed)
-                raise self.fail(key_node, f"{key}.{name}", f"unknown key (known: {known})")
+                raise self.fail(key_node, full, f"unknown key (known: {known})")
             if name in result:
-                raise self.fail(key_node, f"{key}.{name}", "given twice")
+                raise self.fail(key_node, full, "given twice")
             result[name] = value_node
         return result
 
@@ -212,7 +213,9 @@ def _stage(reader: _Reader, index: int, node: yaml.Node, hosts: dict[str, HostSp
     host = reader.scalar(entries["host"], f"{key}.host", str)
     if host not in hosts:
         defined = ", ".join(hosts) or "none"
-        raise reader.fail(entries["host"], f"{key}.host", f"'{host}' is not defined under hosts (defined: {defined})")
+        raise reader.fail(
+            entries["host"], f"{key}.host", f"'{host}' is not defined under hosts (defined: {defined})"
+        )
     layers = None
     if "layers" in entries:
         layer_node = entries["layers"]
@@ -362,7 +365,9 @@ def assign_layers(inventory: Inventory, block_count: int) -> list[tuple[int, int
         start, end = stage.layers
         where = f"{inventory.where(stage.line)}: stages[{index}].layers"
         if start < expected:
-            raise InventoryError(f"{where}: [{start}, {end}) overlaps the previous stage (ends at {expected})")
+            raise InventoryError(
+                f"{where}: [{start}, {end}) overlaps the previous stage (ends at {expected})"
+            )
         if start > expected:
             raise InventoryError(f"{where}: [{start}, {end}) leaves blocks [{expected}, {start}) unassigned")
         if end > block_count:

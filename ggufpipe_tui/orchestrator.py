@@ -251,6 +251,14 @@ class Pipeline:
             driver.stop(f"no prompt: {error}")
             await driver.done.wait()
             raise
+        limit = driver.plan.model.max_seq_len
+        if len(tokens) >= limit:
+            driver.stop("prompt too long")
+            await driver.done.wait()
+            raise PipelineError(
+                f"the prompt is {len(tokens)} tokens, the context holds {limit} "
+                "(raise run.context or --context)"
+            )
         driver.give_prompt(tokens, submitted)
         await driver.done.wait()
         assert driver.result is not None

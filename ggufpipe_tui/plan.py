@@ -143,14 +143,38 @@ def build_plan(
         return RingSpec(RING_SLOTS, spec.max_extent + HEADER_SIZE)
 
     edges = [
-        EdgePlan(run_id, base, "TokenIn", EdgeEndpoint(ORCHESTRATOR), EdgeEndpoint(node[0], 0), tokens_in, ring(tokens_in))
+        EdgePlan(
+            run_id,
+            base,
+            "TokenIn",
+            EdgeEndpoint(ORCHESTRATOR),
+            EdgeEndpoint(node[0], 0),
+            tokens_in,
+            ring(tokens_in),
+        )
     ]
     for i in range(1, n):
         edges.append(
-            EdgePlan(run_id, base + i, "Activation", EdgeEndpoint(node[i - 1], i - 1), EdgeEndpoint(node[i], i), activation, ring(activation))
+            EdgePlan(
+                run_id,
+                base + i,
+                "Activation",
+                EdgeEndpoint(node[i - 1], i - 1),
+                EdgeEndpoint(node[i], i),
+                activation,
+                ring(activation),
+            )
         )
     edges.append(
-        EdgePlan(run_id, base + n, "TokenOut", EdgeEndpoint(node[n - 1], n - 1), EdgeEndpoint(ORCHESTRATOR), tokens_out, ring(tokens_out))
+        EdgePlan(
+            run_id,
+            base + n,
+            "TokenOut",
+            EdgeEndpoint(node[n - 1], n - 1),
+            EdgeEndpoint(ORCHESTRATOR),
+            tokens_out,
+            ring(tokens_out),
+        )
     )
     stages = tuple(
         StagePlan(
@@ -191,9 +215,13 @@ def validate_plan(plan: RunPlan) -> None:
         if stage.run_id != plan.run_id:
             raise PlanError(f"stage {i} belongs to run {stage.run_id:016x}")
         if stage.layer_start >= stage.layer_end_exclusive:
-            raise PlanError(f"stage {i} has the empty range [{stage.layer_start}, {stage.layer_end_exclusive})")
+            raise PlanError(
+                f"stage {i} has the empty range [{stage.layer_start}, {stage.layer_end_exclusive})"
+            )
         if stage.layer_start < expected:
-            raise PlanError(f"stage {i} [{stage.layer_start}, {stage.layer_end_exclusive}) overlaps stage {i - 1}")
+            raise PlanError(
+                f"stage {i} [{stage.layer_start}, {stage.layer_end_exclusive}) overlaps stage {i - 1}"
+            )
         if stage.layer_start > expected:
             raise PlanError(f"stage {i} leaves layers [{expected}, {stage.layer_start}) unassigned")
         expected = stage.layer_end_exclusive
@@ -217,7 +245,9 @@ def validate_plan(plan: RunPlan) -> None:
         want_in = "TokenIn" if i == 0 else "Activation"
         want_out = "TokenOut" if i == n - 1 else "Activation"
         if inbound.kind != want_in or outbound.kind != want_out:
-            raise PlanError(f"stage {i} is wired {inbound.kind} -> {outbound.kind}, must be {want_in} -> {want_out}")
+            raise PlanError(
+                f"stage {i} is wired {inbound.kind} -> {outbound.kind}, must be {want_in} -> {want_out}"
+            )
         if inbound.consumer != EdgeEndpoint(stage.node_id, i):
             raise PlanError(f"edge {inbound.edge_id} is not consumed by stage {i}")
         if outbound.producer != EdgeEndpoint(stage.node_id, i):
@@ -226,7 +256,7 @@ def validate_plan(plan: RunPlan) -> None:
             raise PlanError("token-in must be produced by the orchestrator")
         if i == n - 1 and not outbound.consumer.is_orchestrator:
             raise PlanError("token-out must be consumed by the orchestrator")
-        if 0 < i and inbound.producer != EdgeEndpoint(stages[i - 1].node_id, i - 1):
+        if i > 0 and inbound.producer != EdgeEndpoint(stages[i - 1].node_id, i - 1):
             raise PlanError(f"activation edge {inbound.edge_id} must be produced by stage {i - 1}")
     consumed = [stage.inbound_edge for stage in stages]
     produced = [stage.outbound_edge for stage in stages]
@@ -258,7 +288,11 @@ def provision_message(plan: RunPlan, index: int) -> ProvisionStage:
         layer_end_exclusive=stage.layer_end_exclusive,
         inbound=InboundEdgeProvision(inbound.edge_id, inbound.kind, inbound.object_spec, inbound.ring_spec),
         outbound=OutboundEdgeProvision(
-            outbound.edge_id, outbound.kind, outbound.consumer.node_id, outbound.object_spec, outbound.ring_spec
+            outbound.edge_id,
+            outbound.kind,
+            outbound.consumer.node_id,
+            outbound.object_spec,
+            outbound.ring_spec,
         ),
         model=StageModelFacts(
             model_id=model.model_id,

@@ -340,9 +340,10 @@ def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
                     FinalizeOutput(),
                 ]
             if run.consumed >= run.max_tokens:
-                return replace(
-                    run, phase=P.COMPLETED, outcome="completed", stop_reason="max_tokens"
-                ), [*accepted, FinalizeOutput()]
+                return replace(run, phase=P.COMPLETED, outcome="completed", stop_reason="max_tokens"), [
+                    *accepted,
+                    FinalizeOutput(),
+                ]
             return run, [*accepted, InjectToken(run.consumed, event.token), StartTimer("step")]
         if isinstance(event, StopRequested):
             return replace(run, phase=P.COMPLETED, outcome="completed", stop_reason="stopped"), [

@@ -29,24 +29,47 @@ def model_path() -> Path:
     return smollm_path()
 
 
+#: This test session's private state directory. Agents started by this
+#: session carry it (in their environment or on their command line), which
+#: tells them apart from agents of other sessions running on the same machine.
+SESSION_STATE: list[Path] = []
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_state(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Stage caches and run logs of the test session stay in its temp dir
     (agents started by tests inherit this environment)."""
     base = tmp_path_factory.mktemp("state")
+    SESSION_STATE.append(base)
     os.environ["GGUFPIPE_CACHE_DIR"] = str(base / "stages")
     os.environ["GGUFPIPE_LOG_DIR"] = str(base / "runs")
 
 
+def _mine(pid: str, args: str) -> bool:
+    if not SESSION_STATE:
+        return True
+    marker = str(SESSION_STATE[0].parent)
+    if marker in args:
+        return True
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            return marker.encode() in handle.read()
+    except OSError:
+        return False
+
+
 def agent_pids() -> set[int]:
-    """Every live ggufpipe agent process on this machine (zombies excluded)."""
+    """Live ggufpipe agent processes of this test session (zombies excluded)."""
     out = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True).stdout
     pids = set()
     for line in out.splitlines():
-        pid, stat, args = line.strip().split(None, 2) + [""] * (3 - len(line.strip().split(None, 2)))
+        parts = line.strip().split(None, 2)
+        if len(parts) < 3:
+            continue
+        pid, stat, args = parts
         if stat.startswith("Z") or int(pid) == os.getpid():
             continue
-        if "ggufpipe_agent" in args or "ggufpipe-agent" in args:
+        if ("ggufpipe_agent" in args or "ggufpipe-agent" in args) and _mine(pid, args):
             pids.add(int(pid))
     return pids
 
@@ -70,7 +93,9 @@ def no_agent_left():
     assert not left, f"agent processes left behind: {sorted(left)}"
 
 
-def whole_model_greedy(path: Path, prompt: list[int], steps: int, n_ctx: int = 2048, n_ubatch: int = 512) -> list[int]:
+def whole_model_greedy(
+    path: Path, prompt: list[int], steps: int, n_ctx: int = 2048, n_ubatch: int = 512
+) -> list[int]:
     """The oracle: greedy tokens of the whole model in one llama.cpp context
     (llama-cpp-python's own Llama class, flash attention on as in our engine)."""
     import llama_cpp

@@ -1,0 +1,217 @@
+"""The inventory and the run plan: every malformed inventory names the key and
+the line; every guarantee of spec §11 is checked before anything starts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ggufpipe_agent.protocol import ModelFacts
+from ggufpipe_tui.inventory import InventoryError, assign_layers, parse_inventory, with_run_options
+from ggufpipe_tui.plan import EdgeEndpoint, PlanError, build_plan, provision_message, validate_plan
+
+FACTS = ModelFacts(
+    path="/m.gguf",
+    name="tiny",
+    architecture="llama",
+    file_type="Q4_1",
+    file_size=1,
+    block_count=30,
+    hidden_dim=576,
+    context_length=8192,
+    vocab_size=49152,
+    head_count=9,
+    head_count_kv=3,
+    key_length=64,
+    value_length=64,
+    bos_token_id=1,
+    eos_token_id=2,
+    eog_token_ids=(2,),
+    add_bos=False,
+    chat_template="",
+    block_bytes=(1000,) * 30,
+    embedding_bytes=500,
+    output_bytes=10,
+)
+
+GOOD = """\
+model: {path: models/m.gguf}
+hosts:
+  here: {local: true}
+  gpu-a: {address: 10.0.0.11, user: ubuntu, port: 2222, identity: [~/.ssh/a, ~/.ssh/b], model_path: /data/m.gguf}
+stages:
+  - {host: here, layers: [0, 12]}
+  - {host: gpu-a, layers: [12, 30]}
+run: {max_tokens: 64, temperature: 0.5, activation_dtype: float16}
+timeouts: {connect: 5}
+"""
+
+
+def parse(text: str):
+    return parse_inventory(text, Path("/inv/inventory.yaml"))
+
+
+def test_a_good_inventory():
+    inventory = parse(GOOD)
+    assert [s.layers for s in inventory.stages] == [(0, 12), (12, 30)]
+    gpu = inventory.hosts["gpu-a"]
+    assert gpu.port == 2222 and gpu.identity[0].endswith("/.ssh/a") and not gpu.identity[0].startswith("~")
+    assert inventory.run.max_tokens == 64 and inventory.run.activation_dtype == "float16"
+    assert inventory.timeouts.connect == 5 and inventory.timeouts.ready > 0
+    # A relative model path is relative to the inventory on a local host,
+    # and a host may give its own path.
+    assert inventory.model_path_for(inventory.hosts["here"]) == "/inv/models/m.gguf"
+    assert inventory.model_path_for(gpu) == "/data/m.gguf"
+    assert assign_layers(inventory, 30) == [(0, 12), (12, 30)]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "model: {path: m.gguf}\nhosts: {h: {local: true}}\nstages: [{host: h}]\nbogus: 1\n",
+            ":4: bogus: unknown key",
+        ),
+        (
+            "model: {path: m.gguf}\nhosts: {h: {local: true}}\nstages:\n  - {host: h}\n  - {host: x}\n",
+            ":5: stages[1].host: 'x' is not defined under hosts",
+        ),
+        (
+            "model: {path: m.gguf}\nhosts:\n  h: {local: true, port: many}\nstages: [{host: h}]\n",
+            ":3: hosts.h.port: expected an integer, got 'many'",
+        ),
+        (
+            "model: {path: m.gguf}\nhosts:\n  h: {user: me}\nstages: [{host: h}]\n",
+            ":3: hosts.h: needs an address",
+        ),
+        (
+            "model: {path: m.gguf}\nhosts: {h: {local: true}}\nstages:\n  - {host: h, layers: [5, 2]}\n",
+            ":4: stages[0].layers: [5, 2) is empty or reversed",
+        ),
+        (
+            "model: {path: m.gguf}\nhosts: {h: {local: true}}\nstages:\n  - {host: h, layers: [0, 2]}\n  - {host: h}\n",
+            ":5: stages[1].layers: give layers on every stage",
+        ),
+        ("model: {}\nhosts: {h: {local: true}}\nstages: [{host: h}]\n", ":1: model.path: missing"),
+        ("hosts: {h: {local: true}}\nstages: [{host: h}]\n", "model: missing"),
+        (
+            "model: {path: m.gguf}\nhosts: {h: {local: true}}\nstages: [{host: h}]\nrun:\n  max_tokens: 0\n",
+            ":5: run.max_tokens: must be at least 1",
+        ),
+        (
+            "model: {path: m.gguf}\nhosts: {h: {local: true}}\nstages: [{host: h}]\nrun: {activation_dtype: int8}\n",
+            "run.activation_dtype: must be one of float32, float16",
+        ),
+        (
+            "model: {path: m.gguf}\nhosts: {h: {local: true}}\nstages: [{host: h}]\nrun: {temperature: hot}\n",
+            ":4: run.temperature: expected a number",
+        ),
+        ("model: [\n", "not valid YAML"),
+        ("", ":1: the inventory is empty"),
+    ],
+)
+def test_malformed_inventories_name_the_line_and_key(text, expected):
+    with pytest.raises(InventoryError) as error:
+        parse(text)
+    assert expected in str(error.value)
+    assert str(error.value).startswith("/inv/inventory.yaml")
+
+
+@pytest.mark.parametrize(
+    ("layers", "expected"),
+    [
+        ([[0, 12], [10, 30]], ":5: stages[1].layers: [10, 30) overlaps the previous stage"),
+        ([[0, 12], [14, 30]], ":5: stages[1].layers: [14, 30) leaves blocks [12, 14) unassigned"),
+        ([[0, 12], [12, 28]], ":5: stages[1].layers: the stages end at block 28, the model has 30"),
+        ([[0, 12], [12, 31]], ":5: stages[1].layers: [12, 31) goes past the model's 30 blocks"),
+    ],
+)
+def test_layer_ranges_are_checked_against_the_model(layers, expected):
+    text = (
+        "model: {path: m.gguf}\nhosts: {h: {local: true}}\nstages:\n"
+        f"  - {{host: h, layers: {layers[0]}}}\n  - {{host: h, layers: {layers[1]}}}\n"
+    )
+    with pytest.raises(InventoryError, match=expected.replace("[", r"\[").replace(")", r"\)")):
+        assign_layers(parse(text), 30)
+
+
+def test_automatic_split_is_even():
+    text = "model: {path: m.gguf}\nhosts: {h: {local: true}}\nstages: [{host: h}, {host: h}, {host: h}, {host: h}]\n"
+    assert assign_layers(parse(text), 30) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+
+
+def test_command_line_overrides_are_checked():
+    inventory = with_run_options(parse(GOOD), max_tokens=3, temperature=None)
+    assert inventory.run.max_tokens == 3 and inventory.run.temperature == 0.5
+    with pytest.raises(InventoryError, match="--top-p"):
+        with_run_options(inventory, top_p=2.0)
+
+
+# ------------------------------------------------------------------- plan
+
+
+def three_stage_plan():
+    text = GOOD.replace(
+        "  - {host: gpu-a, layers: [12, 30]}",
+        "  - {host: gpu-a, layers: [12, 20]}\n  - {host: here, layers: [20, 30]}",
+    )
+    inventory = parse(text)
+    return build_plan(inventory, FACTS, assign_layers(inventory, 30), run_id=77, edge_base=1000)
+
+
+def test_plan_shape():
+    plan = three_stage_plan()
+    validate_plan(plan)
+    assert [e.kind for e in plan.edges] == ["TokenIn", "Activation", "Activation", "TokenOut"]
+    assert [e.edge_id for e in plan.edges] == [1000, 1001, 1002, 1003]
+    assert plan.edges[0].producer.is_orchestrator and plan.edges[-1].consumer.is_orchestrator
+    assert plan.model.max_seq_len == 2048 and plan.model.dtype_width_bytes == 2
+    assert plan.edges[1].object_spec.max_extent == 2048 * 576 * 2
+    assert plan.stages[1].gguf_source == "/data/m.gguf"
+    kv_per_block = 3 * (64 + 64) * 2 * 2048  # heads_kv * (k + v) * f16 * context
+    assert plan.stages[0].estimated_bytes == 12 * 1000 + 500 + 12 * kv_per_block
+    assert plan.stages[2].estimated_bytes == 10 * 1000 + 500 + 10 + 10 * kv_per_block
+    message = provision_message(plan, 1)
+    assert (message.inbound.edge_id, message.outbound.edge_id) == (1001, 1002)
+    assert message.outbound.consumer_node_id == "here" and message.model.max_seq_len == 2048
+
+
+def broken(plan, index, **changes):
+    stages = list(plan.stages)
+    stages[index] = replace(stages[index], **changes)
+    return replace(plan, stages=tuple(stages))
+
+
+def broken_edge(plan, index, **changes):
+    edges = list(plan.edges)
+    edges[index] = replace(edges[index], **changes)
+    return replace(plan, edges=tuple(edges))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "words"),
+    [
+        (lambda p: broken(p, 1, layer_start=10), "overlaps"),
+        (lambda p: broken(p, 1, layer_start=14), "unassigned"),
+        (lambda p: broken(p, 2, layer_end_exclusive=29), "cover layers"),
+        (lambda p: broken(p, 1, layer_start=20, layer_end_exclusive=20), "empty range"),
+        (lambda p: broken(p, 1, run_id=5), "belongs to run"),
+        (lambda p: broken_edge(p, 2, edge_id=1001), "not unique"),
+        (lambda p: broken_edge(p, 0, producer=EdgeEndpoint("here", 0)), "token-in must be produced"),
+        (lambda p: broken_edge(p, 3, consumer=EdgeEndpoint("here", 2)), "token-out must be consumed"),
+        (lambda p: broken_edge(p, 2, producer=EdgeEndpoint("here", 2)), "not produced by stage 1"),
+        (lambda p: broken_edge(p, 1, consumer=EdgeEndpoint("gpu-a", 2)), "not consumed by stage 1"),
+        (lambda p: broken(p, 1, outbound_edge=1001), "not produced by stage 1"),
+        (lambda p: broken_edge(p, 1, kind="TokenIn"), "wired"),
+        (lambda p: replace(p, edges=p.edges[:-1]), "need 4 edges"),
+        (lambda p: broken(p, 2, stage_index=1), "numbered"),
+        (lambda p: replace(p, max_tokens=0), "max_tokens"),
+        (lambda p: broken_edge(p, 1, object_spec=replace(p.edges[1].object_spec, width=7)), "disagrees"),
+        (lambda p: broken_edge(p, 1, run_id=3), "belongs to run"),
+    ],
+)
+def test_every_guarantee_of_section_11_is_checked(mutate, words):
+    with pytest.raises(PlanError, match=words):
+        validate_plan(mutate(three_stage_plan()))

@@ -1,0 +1,200 @@
+"""Control messages and object records: round trips, and every corrupt or
+oversize frame refused with a ProtocolError (never a crash or a hang)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+
+from ggufpipe_agent import objects, protocol
+from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.protocol import (
+    CONTROL_MAGIC,
+    MAX_CONTROL_BYTES,
+    Device,
+    EngineOptions,
+    Hello,
+    InboundEdgeProvision,
+    ModelFacts,
+    ModelInfo,
+    ObjectSpec,
+    OutboundEdgeProvision,
+    ProvisionStage,
+    RingSpec,
+    SamplingParams,
+    StageFault,
+    StageModelFacts,
+    StageStopped,
+    StepCounters,
+    StopRun,
+    decode_message,
+    encode_message,
+    read_message,
+)
+
+SPEC = ObjectSpec("activation", "float32", 8, 16)
+FACTS = ModelFacts(
+    "/m.gguf", "m", "llama", "Q4_1", 10, 2, 8, 64, 100, 2, 1, 4, 4, 1, 2, (2, 5), False, "", (1, 2), 3, 4
+)
+
+SAMPLES = [
+    Hello(
+        1,
+        "0.1.0",
+        "h",
+        7,
+        "3.11",
+        "0.3.36",
+        "cpu",
+        False,
+        (Device("CUDA0", "H200", 2, 1),),
+        5,
+        4,
+        "unix:/x",
+        "t",
+    ),
+    ProvisionStage(
+        run_id=2**63 - 1,
+        stage_index=1,
+        stage_count=3,
+        node_id="gpu-a",
+        gguf_source="/models/m.gguf",
+        layer_start=4,
+        layer_end_exclusive=9,
+        inbound=InboundEdgeProvision(11, "Activation", SPEC, RingSpec(2, 600)),
+        outbound=OutboundEdgeProvision(12, "Activation", "gpu-b", SPEC, RingSpec(2, 600)),
+        model=StageModelFacts("m", "llama", 30, 8, 100, "float", 4, 16),
+        engine=EngineOptions(16, 16, 8, threads=2, gpu_layers=-1),
+        sampling=SamplingParams(0.7, 40, 0.9, 3),
+    ),
+    StopRun(5, "completed"),
+    StageFault(5, 0, "here", "oom"),
+    StageStopped(5, 2, "here", StepCounters(3, 1.5, 4.5, 10, 20)),
+    ModelInfo(9, FACTS, (b"a", b"\xe2\x82", b"")),
+]
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=[m.tag for m in SAMPLES])
+def test_round_trip(message):
+    assert decode_message(encode_message(message)) == message
+
+
+def test_every_message_type_is_registered_once():
+    registry = protocol._REGISTRY
+    for tag, cls in registry.items():
+        assert getattr(protocol, tag) is cls, f"{tag} is registered as a stale class"
+    assert {"ProvisionStage", "StopRun", "StageReady", "StageFault", "StageStopped"} <= set(registry)
+
+
+def frame(payload: bytes, magic: bytes = CONTROL_MAGIC, length: int | None = None) -> bytes:
+    return struct.pack("<4sI", magic, len(payload) if length is None else length) + payload
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (frame(msgpack.packb(["StopRun", {"run_id": 1, "reason": "x"}]), magic=b"NOPE"), "magic"),
+        (frame(b"", length=MAX_CONTROL_BYTES + 1), "exceeds"),
+        (frame(msgpack.packb(["Launch", {}])), "unknown control message"),
+        (frame(msgpack.packb(["StopRun", {"run_id": "1", "reason": "x"}])), "expected int"),
+        (frame(msgpack.packb(["StopRun", {"run_id": 1}])), "StopRun"),
+        (frame(msgpack.packb(["StopRun", {"run_id": 1, "reason": "x", "extra": 1}])), "unknown field"),
+        (frame(b"\xc1\xc1"), "undecodable"),
+        (frame(msgpack.packb(["StopRun", {"run_id": 1, "reason": "x"}]))[:-2], "says"),
+        (b"GPC", "truncated"),
+    ],
+)
+def test_bad_control_frames_are_refused(data, words):
+    with pytest.raises(ProtocolError, match=words):
+        decode_message(data)
+
+
+def test_stream_reader_refuses_without_waiting_for_an_oversize_payload():
+    async def scenario():
+        reader = asyncio.StreamReader()
+        reader.feed_data(frame(b"", length=MAX_CONTROL_BYTES + 1))
+        with pytest.raises(ProtocolError):
+            await asyncio.wait_for(read_message(reader), 1)
+        clean = asyncio.StreamReader()
+        clean.feed_eof()
+        assert await read_message(clean) is None
+        cut = asyncio.StreamReader()
+        cut.feed_data(encode_message(StopRun(1, "x"))[:10])
+        cut.feed_eof()
+        with pytest.raises(ProtocolError, match="ended inside"):
+            await read_message(cut)
+
+    asyncio.run(scenario())
+
+
+# ----------------------------------------------------------- object records
+
+
+def test_token_record_round_trip():
+    record = objects.tokens_record(7, 3, 0, [1, 2, 49151])
+    header = objects.unpack_header(record[: objects.HEADER_SIZE], 1 << 20)
+    assert (header.run_id, header.edge_id, header.sequence, header.rows) == (7, 3, 0, 3)
+    assert objects.decode_tokens(header, record[objects.HEADER_SIZE :]) == [1, 2, 49151]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_activation_record_round_trip(dtype):
+    rows = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
+    head, body = objects.activation_record(1, 2, 3, rows, dtype)
+    header = objects.unpack_header(head, 1 << 20)
+    assert header.nbytes == len(body) == rows.size * (4 if dtype == "float32" else 2)
+    decoded = objects.decode_activation(header, bytes(body))
+    assert decoded.dtype == np.float32 and decoded.shape == (5, 8)
+    if dtype == "float32":
+        assert np.array_equal(decoded, rows)
+    else:
+        assert np.array_equal(decoded, rows.astype(np.float16).astype(np.float32))
+    objects.check_spec(header, dataclasses.replace(SPEC, dtype=dtype))
+
+
+def header_bytes(**changes: int) -> bytes:
+    base = dict(kind=2, dtype=2, run_id=1, edge_id=2, sequence=0, rows=2, cols=8, nbytes=64)
+    base.update(changes)
+    return objects.ObjectHeader(**base).pack()
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (b"XXXX" + header_bytes()[4:], "bad object magic"),
+        (header_bytes()[:4] + struct.pack("<H", 9) + header_bytes()[6:], "version 9"),
+        (header_bytes(kind=9), "unknown object kind"),
+        (header_bytes(dtype=9), "unknown object dtype"),
+        (header_bytes(rows=10**6, nbytes=10**6 * 32), "exceeds the limit"),
+        (header_bytes(nbytes=63), "payload bytes"),
+        (header_bytes()[:20], "truncated"),
+    ],
+)
+def test_bad_object_headers_are_refused(data, words):
+    with pytest.raises(ProtocolError, match=words):
+        objects.unpack_header(data, 4096)
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        (dict(kind=1, dtype=1, cols=1, nbytes=8), "carries activation"),
+        (dict(dtype=3, nbytes=32), "carries float32"),
+        (dict(cols=4, nbytes=32), "width 8"),
+        (dict(rows=17, nbytes=17 * 32), "rows must be"),
+    ],
+)
+def test_objects_that_do_not_fit_the_edge_are_refused(changes, words):
+    header = objects.unpack_header(header_bytes(**changes), 1 << 20)
+    with pytest.raises(ProtocolError, match=words):
+        objects.check_spec(header, SPEC)
+
+
+def test_max_extent_is_spec_formula():
+    assert SPEC.max_extent == 16 * 8 * 4
+    assert ObjectSpec("activation", "float16", 576, 2048).max_extent == 2048 * 576 * 2
