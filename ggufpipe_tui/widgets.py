@@ -1,0 +1,360 @@
+"""The TUI's widgets: the run's status line, the stage table, the transcript
+of prompts and replies, and the log pane.
+
+Each widget renders from plain data the app hands it (attributes down); none
+of them knows the orchestrator. Colours of the FSM states live here so the
+header, the table and the log agree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+from textual.containers import Vertical, VerticalScroll
+from textual.events import Resize
+from textual.widget import Widget
+from textual.widgets import RichLog, Static
+
+from ggufpipe_agent.protocol import StepCounters
+
+STAGE_STYLES = {
+    "Unprovisioned": "grey58",
+    "Preparing": "bold yellow",
+    "Ready": "bold green",
+    "Executing": "bold cyan",
+    "Faulted": "bold white on red3",
+    "Stopping": "magenta",
+    "Stopped": "grey58",
+    "Lost": "bold white on red3",  # not an FSM state: the agent process is gone
+}
+PHASE_STYLES = {
+    "Connecting": "bold black on yellow",
+    "Planning": "bold black on yellow",
+    "Provisioning": "bold black on yellow",
+    "WaitingReady": "bold black on dodger_blue1",
+    "Running": "bold black on green3",
+    "Completed": "bold black on green3",
+    "Faulted": "bold white on red3",
+    "TearingDown": "bold black on magenta",
+    "Done": "bold black on grey62",
+    "Closing": "bold black on magenta",
+    "Broken": "bold white on red3",
+}
+SPINNER = "◐◓◑◒"
+
+
+def format_bytes(count: int, compact: bool = False) -> str:
+    units = ("B", "K", "M", "G", "T") if compact else ("B", "KiB", "MiB", "GiB", "TiB")
+    value = float(count)
+    for unit in units:
+        if value < 1024 or unit == units[-1]:
+            if unit == "B":
+                return f"{int(value)}{'' if compact else ' '}{unit}"
+            digits = 0 if compact and value >= 10 else 1
+            return f"{value:.{digits}f}{'' if compact else ' '}{unit}"
+        value /= 1024
+    return str(count)  # unreachable
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(int(seconds), 60)
+    return f"{minutes}m{rest:02d}s"
+
+
+def bar(fraction: float, width: int, style: str = "yellow") -> Text:
+    """A progress bar of ``width`` cells (eighth-cell resolution)."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    eighths = round(fraction * width * 8)
+    full, part = divmod(eighths, 8)
+    text = Text("█" * full, style=style)
+    if part and full < width:
+        text.append(" ▏▎▍▌▋▊▉"[part], style=style)
+        full += 1
+    text.append("·" * (width - full), style="grey30")
+    return text
+
+
+# ----------------------------------------------------------------- stages
+
+
+@dataclass
+class StageRow:
+    """What the table shows of one stage; the app keeps it up to date."""
+
+    index: int
+    host: str
+    where: str = ""
+    layers: tuple[int, int] | None = None
+    estimated_bytes: int = 0
+    device: str = ""
+    state: str = "Unprovisioned"
+    connected: bool = False
+    fault: str = ""
+    load_detail: str = ""
+    load_fraction: float | None = None
+    counters: StepCounters | None = None
+    activity: int = 0  # StageStats received while the run is running
+    history: list[str] = field(default_factory=list)  # every state it passed through
+
+
+class StageTable(Static):
+    """One row per stage: where it runs, its layers, its FSM state and numbers."""
+
+    DEFAULT_CSS = "StageTable { height: auto; }"
+
+    def __init__(self, rows: list[StageRow], **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.rows = rows
+        self.running = False
+
+    def show(self, rows: list[StageRow], running: bool) -> None:
+        self.rows, self.running = rows, running
+        self.refresh(layout=True)
+
+    def render(self) -> RenderableType:
+        compact = self.size.width < 110
+        table = Table(box=None, expand=True, padding=(0, 1), pad_edge=False, header_style="bold grey70")
+        table.add_column("#", justify="right", no_wrap=True)
+        table.add_column("host", no_wrap=True, overflow="ellipsis", max_width=24)
+        if not compact:
+            table.add_column("device", no_wrap=True, overflow="ellipsis", max_width=28)
+        table.add_column("layers", no_wrap=True)
+        table.add_column("mem" if compact else "est. mem", justify="right", no_wrap=True)
+        table.add_column("state", no_wrap=True)
+        table.add_column("", ratio=1, min_width=10)  # load bar, activity or fault
+        table.add_column("step ms" if compact else "step last / mean", justify="right", no_wrap=True)
+        if compact:
+            table.add_column("in/out", justify="right", no_wrap=True)
+        else:
+            table.add_column("bytes in", justify="right", no_wrap=True)
+            table.add_column("bytes out", justify="right", no_wrap=True)
+        for row in self.rows:
+            table.add_row(*self._cells(row, compact))
+        return table
+
+    def _cells(self, row: StageRow, compact: bool) -> list[RenderableType]:
+        host = row.host if compact or not row.where or row.where == row.host else f"{row.host} ({row.where})"
+        layers = f"[{row.layers[0]},{row.layers[1]})" if row.layers else "auto"
+        mem = f"~{format_bytes(row.estimated_bytes, compact)}" if row.estimated_bytes else "?"
+        state = Text(row.state, style=STAGE_STYLES.get(row.state, ""))
+        cells: list[RenderableType] = [str(row.index), host]
+        if not compact:
+            cells.append(Text(row.device or "", style="grey70"))
+        cells += [layers, mem, state, self._detail(row, compact)]
+        counters = row.counters
+        if counters is None or counters.steps == 0:
+            cells.append(Text("-", style="grey50"))
+            cells += [Text("-", style="grey50")] * (1 if compact else 2)
+            return cells
+        if compact:
+            cells.append(f"{counters.last_ms:.0f}/{counters.mean_ms:.0f}")
+            cells.append(f"{format_bytes(counters.bytes_in, True)}/{format_bytes(counters.bytes_out, True)}")
+        else:
+            cells.append(f"{counters.last_ms:.1f} / {counters.mean_ms:.1f}")
+            cells.append(format_bytes(counters.bytes_in))
+            cells.append(format_bytes(counters.bytes_out))
+        return cells
+
+    def _detail(self, row: StageRow, compact: bool) -> RenderableType:
+        if row.state in ("Faulted", "Lost"):
+            return Text(row.fault or row.state, style="red")
+        if row.state == "Preparing" and row.load_fraction is not None:
+            label = "file" if row.load_detail.startswith("writing") else "load"
+            width = 8 if compact else 16
+            text = bar(row.load_fraction, width)
+            text.append(f" {label} {row.load_fraction * 100:3.0f}%", style="yellow")
+            return text
+        if row.state == "Preparing":
+            return Text("preparing…", style="yellow")
+        if self.running and row.state in ("Ready", "Executing") and row.counters is not None:
+            glyph = SPINNER[row.activity % len(SPINNER)]
+            steps = row.counters.steps
+            return Text(f"{glyph} {steps} step{'s' if steps != 1 else ''}", style="cyan")
+        if row.state == "Ready":
+            return Text("loaded", style="green")
+        if not row.connected:
+            return Text("connecting…", style="grey50")
+        if row.state == "Unprovisioned":
+            return Text("agent up", style="grey70")
+        if row.counters is not None and row.counters.steps:
+            return Text(f"{row.counters.steps} steps", style="grey58")
+        return Text("")
+
+
+# ------------------------------------------------------------- the header
+
+
+@dataclass
+class StatusView:
+    phase: str = "Connecting"
+    run_id: int | None = None
+    hint: str = ""
+    elapsed: float | None = None
+    tokens_per_s: float | None = None
+    tokens: int | None = None
+    last_run: bool = False  # the numbers are those of a finished run
+    model: str = ""
+    fault: str = ""
+
+
+class StatusBar(Static):
+    DEFAULT_CSS = "StatusBar { height: auto; }"
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.view = StatusView()
+
+    def show(self, view: StatusView) -> None:
+        self.view = view
+        self.refresh(layout=True)
+
+    def render(self) -> RenderableType:
+        view = self.view
+        top = Text(no_wrap=True, overflow="ellipsis")
+        top.append(f" {view.phase} ", style=PHASE_STYLES.get(view.phase, "reverse"))
+        if view.run_id is not None:
+            top.append(" run ", style="grey62")
+            top.append(f"{view.run_id:016x}", style="bold")
+        if view.hint:
+            top.append(f"  {view.hint}", style="grey70")
+        numbers = Text(justify="right", no_wrap=True)
+        if view.elapsed is not None:
+            if view.last_run:
+                numbers.append("last run ", style="grey62")
+            numbers.append(format_seconds(view.elapsed), style="bold")
+            numbers.append(" · ", style="grey50")
+            numbers.append("-" if not view.tokens_per_s else f"{view.tokens_per_s:.1f}", style="bold")
+            numbers.append(" tok/s", style="grey62")
+            if view.tokens is not None:
+                numbers.append(" · ", style="grey50")
+                numbers.append(str(view.tokens), style="bold")
+                numbers.append(" tok", style="grey62")
+        second = Table.grid(expand=True)
+        second.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
+        second.add_column(no_wrap=True, justify="right")
+        second.add_row(Text(f" {view.model or '…'}", style="grey70"), numbers)
+        parts: list[RenderableType] = [top, second]
+        if view.fault:
+            parts.append(Text(f" ✖ {view.fault}", style="bold red"))
+        return Group(*parts)
+
+
+# ------------------------------------------------------------- transcript
+
+
+class Exchange(Vertical):
+    """One prompt, its streamed reply and how the run ended."""
+
+    DEFAULT_CSS = """
+    Exchange { height: auto; margin-bottom: 1; }
+    Exchange > Static { height: auto; }
+    """
+
+    def __init__(self, prompt: str, run_id: int | None = None) -> None:
+        super().__init__()
+        self.prompt = prompt
+        self.run_id = run_id
+        self.parts: list[str] = []
+        self.appended_at: list[float] = []  # time.monotonic() of each piece, as it streamed in
+        self.finished = False
+        self._prompt = Static(self._prompt_text(), classes="prompt")
+        self._reply = Static(Text("waiting for the stages…", style="grey50 italic"), classes="reply")
+        self._summary = Static("", classes="summary")
+
+    def compose(self) -> Iterable[Widget]:
+        yield self._prompt
+        yield self._reply
+        yield self._summary
+
+    def _prompt_text(self) -> Text:
+        text = Text("› ", style="bold dodger_blue1")
+        text.append(self.prompt, style="bold")
+        if self.run_id is not None:
+            text.append(f"  run {self.run_id:016x}", style="grey50")
+        return text
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def assign(self, run_id: int) -> None:
+        self.run_id = run_id
+        self._prompt.update(self._prompt_text())
+
+    def append(self, piece: str) -> None:
+        self.parts.append(piece)
+        self.appended_at.append(time.monotonic())
+        self._reply.update(Text(self.text))
+
+    def finish(self, summary: Text) -> None:
+        self.finished = True
+        if not self.parts:
+            self._reply.update(Text("(no output)", style="grey50 italic"))
+        self._summary.update(summary)
+
+
+class Transcript(VerticalScroll):
+    """The prompts and their replies, newest at the bottom, kept in view."""
+
+    DEFAULT_CSS = "Transcript { height: 1fr; }"
+
+    def add(self, exchange: Exchange) -> Exchange:
+        self.query(".welcome").remove()
+        self.mount(exchange)
+        self.follow()
+        return exchange
+
+    def follow(self) -> None:
+        """Keep the newest text in view once it no longer fits. (Anchoring
+        earlier would push short content to the bottom of the pane.)"""
+        if not self.is_anchored:
+            self.call_after_refresh(self._anchor_if_full)
+
+    def _anchor_if_full(self) -> None:
+        if not self.is_anchored and self.max_scroll_y > 0:
+            self.anchor()
+
+
+# -------------------------------------------------------------------- log
+
+
+class LogPane(RichLog):
+    """Agents' stderr and every state change; shows one stage or all."""
+
+    def __init__(self, **kwargs: object) -> None:
+        # min_width=1: wrap to the pane's width (the default, 78, overflows a
+        # narrow pane into a horizontal scrollbar).
+        super().__init__(  # type: ignore[misc]
+            wrap=True, markup=False, highlight=False, max_lines=3000, min_width=1, **kwargs
+        )
+        self.entries: deque[tuple[int | None, Text]] = deque(maxlen=5000)
+        self.only: int | None = None
+        self._wrapped_at = 0
+
+    def on_resize(self, event: Resize) -> None:
+        # RichLog wraps a line once, when written: wrap every kept line again
+        # for the new width (a resized terminal, the wide layout switching in).
+        width = self.scrollable_content_region.width
+        if self._wrapped_at and width != self._wrapped_at:
+            self.call_after_refresh(self.show_only, self.only)
+        self._wrapped_at = width
+
+    def add(self, stage: int | None, line: Text) -> None:
+        self.entries.append((stage, line))
+        if self.only is None or stage == self.only:
+            self.write(line)
+
+    def show_only(self, stage: int | None) -> None:
+        self.only = stage
+        self.clear()
+        for entry_stage, line in self.entries:
+            if stage is None or entry_stage == stage:
+                self.write(line)
