@@ -250,6 +250,38 @@ async def test_insecure_no_host_key_check_logs_a_loud_warning(sshd, cache_dir, c
     assert any("host key checking is OFF for risky" in line for line in lines)
 
 
+async def test_ssh_config_and_ssh_agent_are_used_like_ssh_does(tmp_path, sshd, cache_dir, monkeypatch):
+    """A host entry with only an alias: ~/.ssh/config gives the address, port,
+    user and known_hosts file; the key comes from ssh-agent."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(
+        f"Host gpu-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
+        f"  UserKnownHostsFile {sshd.known_hosts}\n"
+    )
+    socket_path = tmp_path / "agent.sock"
+    ssh_agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(socket_path)], stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            if socket_path.exists():
+                break
+            time.sleep(0.05)
+        environment = {**os.environ, "SSH_AUTH_SOCK": str(socket_path)}
+        subprocess.run(["ssh-add", "-q", str(sshd.client_key)], env=environment, check=True, capture_output=True)
+        monkeypatch.setenv("HOME", str(home))
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(socket_path))
+        host = HostSpec(name="aliased", line=1, address="gpu-alias", agent=AGENT, cache_dir=str(cache_dir))
+        link = SshAgent(host, 0, lambda line: None)
+        try:
+            hello = await link.start(20)
+            assert hello.pid > 0
+        finally:
+            await link.close(3)
+    finally:
+        ssh_agent.terminate()
+        ssh_agent.wait(5)
+
+
 async def test_failed_authentication_is_clear_and_quick(tmp_path, sshd, cache_dir, model_path):
     hosts = {"gpu": host_entry(sshd, cache_dir, identity=str(sshd.stranger_key))}
     path = write_inventory(tmp_path / "inv.yaml", model_path, hosts, [("gpu", [0, 30])], connect=5)
