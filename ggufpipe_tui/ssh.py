@@ -60,18 +60,26 @@ class SshReader:
 
     def __init__(self, inner: asyncssh.SSHReader[bytes]) -> None:
         self._inner = inner
+        self.received = 0
 
     async def readexactly(self, count: int) -> bytes:
         try:
-            return await self._inner.readexactly(count)
+            data = await self._inner.readexactly(count)
+        except asyncio.IncompleteReadError as error:
+            self.received += len(error.partial)
+            raise
         except asyncssh.Error as error:
             raise _lost(error) from error
+        self.received += len(data)
+        return data
 
     async def read(self, count: int = -1) -> bytes:
         try:
-            return await self._inner.read(count)
+            data = await self._inner.read(count)
         except asyncssh.Error as error:
             raise _lost(error) from error
+        self.received += len(data)
+        return data
 
     async def readline(self) -> bytes:
         try:
@@ -94,7 +102,7 @@ class SshWriter:
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         try:
-            self._inner.write(bytes(data))
+            self._inner.write(data if isinstance(data, bytes) else bytes(data))
         except asyncssh.Error as error:
             raise _lost(error) from error
 
@@ -300,6 +308,7 @@ class SshAgent(AgentLink):
         self.pool: ConnectionPool | None = None
         self.connection: asyncssh.SSHClientConnection | None = None
         self._entry: _Entry | None = None
+        self._control_reader: SshReader | None = None
 
     def agent_command(self) -> str:
         command = self.host.agent
@@ -319,7 +328,8 @@ class SshAgent(AgentLink):
         listen = self.host.listen
         command = self.bridge_command(listen) if listen else self.agent_command()
         self.process = await self._exec(command, timeout)
-        self.reader, self.writer = SshReader(self.process.stdout), SshWriter(self.process.stdin)
+        self._control_reader = SshReader(self.process.stdout)
+        self.reader, self.writer = self._control_reader, SshWriter(self.process.stdin)
         self._spawn(self._pump(self.process, "bridge: " if listen else ""))
         try:
             return await self.handshake(timeout)
@@ -374,8 +384,9 @@ class SshAgent(AgentLink):
         process = self.process
         assert process is not None
         await self._settle(process)
-        if not process.is_closing() and process.returncode is None:
-            return error  # still running: the handshake's own message says it all
+        spoke = self._control_reader is not None and self._control_reader.received > 0
+        if spoke or (not process.is_closing() and process.returncode is None):
+            return error  # it spoke, or it still runs: the handshake's own message says it all
         lines = " | ".join(line for line in self.stderr_tail if line.strip())
         said = f": {lines}" if lines else ""
         name, listen = self.host.name, self.host.listen

@@ -186,6 +186,13 @@ async def test_hand_started_agent_is_attached_through_ssh(tmp_path, sshd, cache_
         try:
             await pipeline.start()
             assert pipeline.links[0].hello is not None and pipeline.links[0].hello.pid == by_hand.pid
+            second = SshAgent(inventory.hosts["manual"], 0, lambda line: None)
+            try:
+                with pytest.raises(TransportError, match="Refused") as busy:
+                    await second.start(10)
+                assert "no agent reachable" not in str(busy.value), "it is there, only busy"
+            finally:
+                await second.close(1)
             result = await pipeline.generate("The capital of France is")
         finally:
             await pipeline.close()
