@@ -28,6 +28,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
+from textual.reactive import var
 from textual.widgets import Footer, Input, Static
 from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
 
@@ -93,6 +94,7 @@ class Pending:
     text: str
     submitted: float  # time.perf_counter(), for the time to first token
     exchange: Exchange
+    shown: bool = False  # in the output pane yet
 
 
 @dataclass
@@ -131,6 +133,9 @@ class GgufpipeApp(App[int]):
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
+    #: A prompt has been given to the current run (the stop key applies).
+    prompt_active: var[bool] = var(False, bindings=True)
+
     def __init__(
         self,
         inventory: Inventory,
@@ -155,7 +160,6 @@ class GgufpipeApp(App[int]):
         self.model_line = ""
         self.fault = ""
         self.prompts: asyncio.Queue[Pending] = asyncio.Queue()
-        self.prompt_active = False
         self.exchanges: dict[int, Exchange] = {}
         self.runs: dict[int, RunStats] = {}
         self.results: list[RunResult] = []
@@ -210,8 +214,11 @@ class GgufpipeApp(App[int]):
     # ------------------------------------------------------------ session
 
     def _emitter(self, session: int) -> Callable[[Event], None]:
-        # Called by the pipeline on the app's own loop: post, never touch widgets.
-        return lambda event: self.post_message(PipelineEvent(event, session))
+        def emit(event: Event) -> None:
+            # Called by the pipeline on the app's own loop: post, never touch widgets.
+            self.post_message(PipelineEvent(event, session))
+
+        return emit
 
     def start_session(self) -> None:
         previous = next((w for w in self.workers if w.group == "session" and not w.is_finished), None)
@@ -224,6 +231,7 @@ class GgufpipeApp(App[int]):
         self.run_id, self.run_phase, self.driver = None, None, None
         for row in self.rows:
             row.state, row.connected, row.fault, row.load_fraction = "Unprovisioned", False, "", None
+            row.counters, row.activity = None, 0
             row.history.clear()
         self.agent_pids.clear()
         self._refresh()
@@ -235,7 +243,7 @@ class GgufpipeApp(App[int]):
             with contextlib.suppress(WorkerCancelled, WorkerFailed):
                 await previous.wait()
         await self._close_pipeline()
-        self._log(None, Text(f"session {session}: starting {len(self.rows)} agents", style="bold"))
+        self._note(None, Text(f"session {session}: starting {len(self.rows)} agents", style="bold"))
         pipeline = self.pipeline_factory(self.inventory, self._emitter(session), log_dir=self.log_dir)
         self.pipeline = pipeline
         try:
@@ -251,13 +259,14 @@ class GgufpipeApp(App[int]):
                 break
             self.prompt_active = True
             self.post_message(PipelineEvent(UserPrompt(driver.plan.run_id, pending.text), session))
+            self._show(pending)
             pending.exchange.assign(driver.plan.run_id)
             self.exchanges[driver.plan.run_id] = pending.exchange
             try:
                 tokens, _ = await pipeline.tokenize(pending.text, self.inventory.run.chat)
             except GgufpipeError as error:
                 driver.stop(f"no prompt: {error}")
-                self._log(None, Text(f"tokenizing the prompt failed: {error}", style="red"))
+                self._note(None, Text(f"tokenizing the prompt failed: {error}", style="red"))
             else:
                 driver.give_prompt(tokens, pending.submitted)
             await driver.done.wait()
@@ -293,8 +302,8 @@ class GgufpipeApp(App[int]):
         self.prompt_active = False
         if lost:
             self._mark_lost()
-        self._log(None, Text(f"session {session} stopped: {reason}", style="bold red"))
-        self._log(None, Text("ctrl+r closes this pipeline and starts a fresh one", style="red"))
+        self._note(None, Text(f"session {session} stopped: {reason}", style="bold red"))
+        self._note(None, Text("ctrl+r closes this pipeline and starts a fresh one", style="red"))
         self._refresh()
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
@@ -316,8 +325,9 @@ class GgufpipeApp(App[int]):
         for link in pipeline.links:
             row = self.rows[link.stage]
             if row.connected and not link.alive() and row.state != "Lost":
-                detail = link.exit_detail().strip().splitlines()
-                row.state, row.fault = "Lost", f"agent gone {detail[0]}" if detail else "agent gone"
+                # The exit status only: the stderr tail is in the log pane already.
+                status = link.exit_detail().split("; agent stderr:")[0].strip()
+                row.state, row.fault = "Lost", f"agent gone {status}".strip()
                 row.history.append("Lost")
 
     # ------------------------------------------------------------ actions
@@ -327,21 +337,35 @@ class GgufpipeApp(App[int]):
         if not text:
             return
         event.input.clear()
-        exchange = Exchange(text)
-        self.query_one(Transcript).add(exchange)
-        self.prompts.put_nowait(Pending(text, time.perf_counter(), exchange))
+        pending = Pending(text, time.perf_counter(), Exchange(text))
+        # A prompt that runs next shows at once; one queued behind another
+        # shows when its turn comes, so each reply streams under its prompt.
+        if not self.prompt_active and self.prompts.empty():
+            self._show(pending)
+        self.prompts.put_nowait(pending)
         if self.session_phase == "Faulted":
             self.notify("The pipeline faulted: ctrl+r starts a fresh one, then this prompt runs.",
                         severity="warning")
-        elif self.prompt_active or self.prompts.qsize() > 1:
-            self.notify("Queued: it runs when the current prompt is done.")
+        elif not pending.shown:
+            self.notify(f"Queued ({self.prompts.qsize()} waiting): it runs when the current prompt is done.")
+        self._refresh_status()
+
+    def _show(self, pending: Pending) -> None:
+        if not pending.shown:
+            pending.shown = True
+            self.query_one(Transcript).add(pending.exchange)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop":  # shown dimmed while nothing generates
+            return True if self.prompt_active else None
+        return True
 
     def action_stop(self) -> None:
         driver = self.driver
         if driver is None or not self.prompt_active or driver.done.is_set():
             self.notify("Nothing is generating.", timeout=2)
             return
-        self._log(None, Text("stop requested by the user", style="bold"))
+        self._note(None, Text("stop requested by the user", style="bold"))
         driver.stop("stopped by the user")
 
     def action_filter_log(self) -> None:
@@ -353,7 +377,7 @@ class GgufpipeApp(App[int]):
     def action_restart(self) -> None:
         if self.quitting or self.script is not None:
             return
-        self._log(None, Text("restart: closing the pipeline, starting a fresh one", style="bold"))
+        self._note(None, Text("restart: closing the pipeline, starting a fresh one", style="bold"))
         self.start_session()
 
     async def action_quit(self) -> None:
@@ -363,9 +387,9 @@ class GgufpipeApp(App[int]):
         self.quitting = True
         self.session_phase = "Closing"
         self._refresh()
-        self.run_worker(self._shutdown(), group="quit", exit_on_error=False)
+        self.run_worker(self._close_and_exit(), group="quit", exit_on_error=False)
 
-    async def _shutdown(self) -> None:
+    async def _close_and_exit(self) -> None:
         for worker in [w for w in self.workers if w.group == "session"]:
             worker.cancel()
             with contextlib.suppress(WorkerCancelled, WorkerFailed):
@@ -382,10 +406,10 @@ class GgufpipeApp(App[int]):
             return
         self._handle(message.event)
 
-    def _handle(self, event: Event | UserPrompt) -> None:  # noqa: C901 - one branch per event type
+    def _handle(self, event: Event | UserPrompt) -> None:
         now = self.now()
         if isinstance(event, AgentLog):
-            self._log(event.stage, Text(event.line))
+            self._note(event.stage, Text(event.line))
             return
         if isinstance(event, TokenStreamed):
             self._token(event, now)
@@ -396,7 +420,7 @@ class GgufpipeApp(App[int]):
             row.connected, row.where = True, event.where
             row.device = hello.devices[0].description if hello.devices else hello.backend.upper()
             self.agent_pids[event.stage] = hello.pid
-            self._log(event.stage, Text(
+            self._note(event.stage, Text(
                 f"agent on {event.host} ({event.where}), pid {hello.pid}, llama-cpp-python "
                 f"{hello.llama_cpp}, {row.device}", style="bold"))
         elif isinstance(event, ModelInspected):
@@ -406,17 +430,17 @@ class GgufpipeApp(App[int]):
                 f"{f.stem} · {f.architecture} · {f.file_type} · {format_bytes(f.file_size)} · "
                 f"{f.block_count} layers · {len(self.rows)} stages on {hosts} host{'s' if hosts > 1 else ''}"
             )
-            self._log(None, Text(f"model {self.model_line}", style="bold"))
+            self._note(None, Text(f"model {self.model_line}", style="bold"))
         elif isinstance(event, PlanMade):
             self.run_id = event.plan.run_id
             self.session_phase = None
             self.run_phase = "Planning"
-            self._log(None, Text(f"run {self.run_id:016x}: plan", style="bold"))
+            self._note(None, Text(f"run {self.run_id:016x}: plan", style="bold"))
             for stage, row in zip(event.plan.stages, self.rows, strict=False):
                 row.layers = (stage.layer_start, stage.layer_end_exclusive)
                 row.estimated_bytes = stage.estimated_bytes
                 row.state, row.fault, row.load_fraction = "Unprovisioned", "", None
-                self._log(row.index, Text(
+                self._note(row.index, Text(
                     f"  stage {row.index}: layers [{stage.layer_start}, {stage.layer_end_exclusive}) on "
                     f"{stage.node_id}, ~{format_bytes(stage.estimated_bytes)}"))
         elif isinstance(event, RunPhaseChanged):
@@ -434,13 +458,13 @@ class GgufpipeApp(App[int]):
             line.append(event.state, style=STAGE_STYLES.get(event.state, ""))
             if event.detail:
                 line.append(f": {event.detail}")
-            self._log(event.stage, line)
+            self._note(event.stage, line)
         elif isinstance(event, StageLoadProgress):
             row = self.rows[event.stage]
             row.load_detail, row.load_fraction = event.detail, event.fraction
             if self._load_detail.get(event.stage) != event.detail:
                 self._load_detail[event.stage] = event.detail
-                self._log(event.stage, Text(f"stage {event.stage}: {event.detail}", style="grey70"))
+                self._note(event.stage, Text(f"stage {event.stage}: {event.detail}", style="grey70"))
         elif isinstance(event, StageStats):
             row = self.rows[event.stage]
             row.counters = event.counters
@@ -450,13 +474,14 @@ class GgufpipeApp(App[int]):
             self._finished(event.result, now)
         elif isinstance(event, Notice):
             style = {"error": "bold red", "warning": "yellow"}.get(event.level, "grey70")
-            self._log(None, Text(f"{event.level}: {event.text}", style=style))
+            self._note(None, Text(f"{event.level}: {event.text}", style=style))
         elif isinstance(event, UserPrompt):
+            self.prompt_active = True
             exchange = self.exchanges.get(event.run_id)
             if exchange is None:  # a scripted prompt
                 exchange = self.query_one(Transcript).add(Exchange(event.text, event.run_id))
                 self.exchanges[event.run_id] = exchange
-            self._log(None, Text(f"run {event.run_id:016x}: prompt {event.text!r}", style="bold"))
+            self._note(None, Text(f"run {event.run_id:016x}: prompt {event.text!r}", style="bold"))
         self._refresh()
 
     def _phase(self, event: RunPhaseChanged, now: float) -> None:
@@ -470,7 +495,7 @@ class GgufpipeApp(App[int]):
         line.append(f" {event.phase} ", style=PHASE_STYLES.get(event.phase, ""))
         if event.detail:
             line.append(f" {event.detail}")
-        self._log(None, line)
+        self._note(None, line)
 
     def _token(self, event: TokenStreamed, now: float) -> None:
         exchange = self.exchanges.get(event.run_id)
@@ -487,6 +512,7 @@ class GgufpipeApp(App[int]):
 
     def _finished(self, result: RunResult, now: float) -> None:
         self.results.append(result)
+        self.prompt_active = False
         stats = self.runs.get(result.run_id)
         if stats is not None:
             stats.ended, stats.result = now, result
@@ -494,6 +520,9 @@ class GgufpipeApp(App[int]):
         t = result.timings
         if result.outcome == "faulted":
             summary = Text(f"✖ faulted: {result.failure}", style="bold red")
+        elif not result.tokens:
+            summary = Text(f"{result.outcome}: {result.failure or 'stopped before the first token'}",
+                           style="grey58")
         else:
             why = {"eos": "end of text", "max_tokens": "max tokens", "stopped": "stopped"}.get(
                 result.stop_reason, result.outcome)
@@ -504,7 +533,7 @@ class GgufpipeApp(App[int]):
             exchange.finish(summary)
             self.query_one(Transcript).follow()
         line = Text(f"run {result.run_id:016x} {result.outcome}", style=summary.style)
-        self._log(None, line + Text(f": {result.failure}" if result.failure else f": {summary.plain}"))
+        self._note(None, line + Text(f": {result.failure}" if result.failure else f": {summary.plain}"))
         if result.outcome == "faulted":  # the session stops here; the session loop agrees
             self.session_phase = "Faulted"
             self.fault = result.failure
@@ -512,7 +541,7 @@ class GgufpipeApp(App[int]):
 
     # ---------------------------------------------------------- rendering
 
-    def _log(self, stage: int | None, line: Text) -> None:
+    def _note(self, stage: int | None, line: Text) -> None:
         prefix = Text(f"[{stage}] " if stage is not None else "[·] ", style="bold dodger_blue1")
         self.query_one(LogPane).add(stage, prefix + line)
 
@@ -559,7 +588,8 @@ class GgufpipeApp(App[int]):
                 return f"loading: {ready}/{n} stages ready"
             return "starting…" if self.prompt_active else "ready for a prompt"
         if self.run_phase == "Running":
-            return "generating · esc stops"
+            queued = self.prompts.qsize()
+            return "generating · esc stops" + (f" · {queued} queued" if queued else "")
         return ""
 
     # -------------------------------------------------------------- tests

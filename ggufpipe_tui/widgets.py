@@ -110,8 +110,8 @@ class StageTable(Static):
 
     DEFAULT_CSS = "StageTable { height: auto; }"
 
-    def __init__(self, rows: list[StageRow], **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, rows: list[StageRow], id: str | None = None) -> None:
+        super().__init__(id=id)
         self.rows = rows
         self.running = False
 
@@ -121,7 +121,9 @@ class StageTable(Static):
 
     def render(self) -> RenderableType:
         compact = self.size.width < 110
-        table = Table(box=None, expand=True, padding=(0, 1), pad_edge=False, header_style="bold grey70")
+        # Narrow: fill the width. Wide: as wide as the content, so the numbers
+        # stay next to the state instead of at the far edge of a big screen.
+        table = Table(box=None, expand=compact, padding=(0, 1), pad_edge=False, header_style="bold grey70")
         table.add_column("#", justify="right", no_wrap=True)
         table.add_column("host", no_wrap=True, overflow="ellipsis", max_width=24)
         if not compact:
@@ -129,7 +131,10 @@ class StageTable(Static):
         table.add_column("layers", no_wrap=True)
         table.add_column("mem" if compact else "est. mem", justify="right", no_wrap=True)
         table.add_column("state", no_wrap=True)
-        table.add_column("", ratio=1, min_width=10)  # load bar, activity or fault
+        if compact:
+            table.add_column("", ratio=1, min_width=10)  # load bar, activity or fault
+        else:
+            table.add_column("", min_width=34, max_width=60)
         table.add_column("step ms" if compact else "step last / mean", justify="right", no_wrap=True)
         if compact:
             table.add_column("in/out", justify="right", no_wrap=True)
@@ -208,8 +213,8 @@ class StatusView:
 class StatusBar(Static):
     DEFAULT_CSS = "StatusBar { height: auto; }"
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, id: str | None = None) -> None:
+        super().__init__(id=id)
         self.view = StatusView()
 
     def show(self, view: StatusView) -> None:
@@ -266,7 +271,7 @@ class Exchange(Vertical):
         self.appended_at: list[float] = []  # time.monotonic() of each piece, as it streamed in
         self.finished = False
         self._prompt = Static(self._prompt_text(), classes="prompt")
-        self._reply = Static(Text("waiting for the stages…", style="grey50 italic"), classes="reply")
+        self._reply = Static(Text("waiting for the first token…", style="grey50 italic"), classes="reply")
         self._summary = Static("", classes="summary")
 
     def compose(self) -> Iterable[Widget]:
@@ -329,12 +334,10 @@ class Transcript(VerticalScroll):
 class LogPane(RichLog):
     """Agents' stderr and every state change; shows one stage or all."""
 
-    def __init__(self, **kwargs: object) -> None:
+    def __init__(self, id: str | None = None) -> None:
         # min_width=1: wrap to the pane's width (the default, 78, overflows a
         # narrow pane into a horizontal scrollbar).
-        super().__init__(  # type: ignore[misc]
-            wrap=True, markup=False, highlight=False, max_lines=3000, min_width=1, **kwargs
-        )
+        super().__init__(wrap=True, markup=False, highlight=False, max_lines=3000, min_width=1, id=id)
         self.entries: deque[tuple[int | None, Text]] = deque(maxlen=5000)
         self.only: int | None = None
         self._wrapped_at = 0

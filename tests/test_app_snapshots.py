@@ -154,3 +154,15 @@ def test_layout(snap_compare, scene, size) -> None:
     inv = inventory()
     app = GgufpipeApp(inv, script=scene(inv))
     assert snap_compare(app, terminal_size=size)
+
+
+def test_scripted_app_renders_and_exits_with_its_result() -> None:
+    """The pictures above are worth something only if the app exits as Textual
+    expects (an app method once shadowed App._shutdown and every snapshot was
+    an empty file)."""
+    from textual._doc import take_svg_screenshot
+
+    inv = inventory()
+    svg = take_svg_screenshot(app=GgufpipeApp(inv, script=running(inv)), terminal_size=(80, 24))
+    assert isinstance(svg, str) and svg.lstrip().startswith("<svg")
+    assert "Pipelines" in svg and "Running" in svg
