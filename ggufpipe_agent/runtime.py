@@ -47,7 +47,6 @@ from ggufpipe_agent.protocol import (
     RewireEdge,
     Shutdown,
     StageStopped,
-    StepCounters,
     StopRun,
     Tokenize,
     Tokenized,
@@ -141,8 +140,8 @@ class Agent:
                 log.warning("refused a data connection: no orchestrator session")
                 return
             await session.serve_data(reader, writer)
-        except (asyncio.TimeoutError, ProtocolError, ConnectionError) as error:
-            log.warning("data connection closed: %s", error)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ProtocolError, ConnectionError) as error:
+            log.warning("data connection closed: %s", error or type(error).__name__)
         finally:
             writer.close()
 
@@ -273,40 +272,44 @@ class Session:
     # --------------------------------------------------------------- data
 
     async def serve_data(self, reader: asyncio.StreamReader, writer: Any) -> None:
-        """Edge streams: OpenEdge frames and inbound object records."""
+        """Edge streams: OpenEdge frames and inbound object records. A frame
+        that cannot be parsed loses the stream (it cannot be resynchronised),
+        and with it the active run."""
         while True:
-            magic = await _read_or_none(reader, 4)
-            if magic is None:
-                return
-            if magic == CONTROL_MAGIC:
-                rest = await reader.readexactly(CONTROL_PREFIX_SIZE - 4)
-                length = parse_prefix(magic + rest)
-                message = decode_payload(await reader.readexactly(length))
-                if isinstance(message, OpenEdge):
-                    await self.open_edge(message, writer)
-                else:
-                    await self.refuse(message.tag, "not a data-connection message")
-                continue
-            if magic != objects.OBJECT_MAGIC:
-                await self._data_fault(f"bad frame magic {magic!r} on the data connection")
-                return
-            run = self.run
-            limit = run.provision.inbound.object_spec.max_extent if run else objects.ABSOLUTE_MAX_PAYLOAD
             try:
-                head = magic + await reader.readexactly(objects.HEADER_SIZE - 4)
-                header = objects.unpack_header(head, limit)
+                frame = await self._read_data_frame(reader)
             except ProtocolError as error:
                 await self._data_fault(str(error))
                 return
             except asyncio.IncompleteReadError:
-                await self._data_fault("data connection ended inside an object header")
+                await self._data_fault("truncated frame: the data connection ended inside it")
                 return
-            try:
-                payload = await reader.readexactly(header.nbytes)
-            except asyncio.IncompleteReadError:
-                await self._data_fault(f"data connection ended inside {header.describe()}")
+            if frame is None:
                 return
-            await self.inbound_object(header, payload)
+            if isinstance(frame, OpenEdge):
+                await self.open_edge(frame, writer)
+            elif isinstance(frame, Message):
+                await self.refuse(frame.tag, "not a data-connection message")
+            else:
+                await self.inbound_object(*frame)
+
+    async def _read_data_frame(
+        self, reader: asyncio.StreamReader
+    ) -> Message | tuple[objects.ObjectHeader, bytes] | None:
+        magic = await _read_or_none(reader, 4)
+        if magic is None:
+            return None
+        if magic == CONTROL_MAGIC:
+            rest = await reader.readexactly(CONTROL_PREFIX_SIZE - 4)
+            length = parse_prefix(magic + rest)
+            return decode_payload(await reader.readexactly(length))
+        if magic != objects.OBJECT_MAGIC:
+            raise ProtocolError(f"bad frame magic {magic!r} on the data connection")
+        run = self.run
+        limit = run.provision.inbound.object_spec.max_extent if run else objects.ABSOLUTE_MAX_PAYLOAD
+        head = magic + await reader.readexactly(objects.HEADER_SIZE - 4)
+        header = objects.unpack_header(head, limit)
+        return header, await reader.readexactly(header.nbytes)
 
     async def _data_fault(self, reason: str) -> None:
         """A frame that cannot be parsed: the stream is lost, and with it the run."""

@@ -1,0 +1,192 @@
+"""Spec §10: every rejection a stage owes, driven by a test client speaking the
+protocol to a real agent process. Each is a Refused message or a StageFault,
+logged, never a crash: the agent answers the next request and exits cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import numpy as np
+import pytest
+
+from ggufpipe_agent import objects
+from ggufpipe_agent.protocol import (
+    CONTROL_MAGIC,
+    OpenEdge,
+    Refused,
+    RewireEdge,
+    StageFault,
+    StageReady,
+    StageStopped,
+    StopRun,
+    Tokenize,
+    Tokenized,
+)
+from tests.agent_client import AgentClient, provision
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture
+async def agent(no_agent_left):
+    client = AgentClient()
+    await client.start()
+    await client.attach_data()
+    yield client
+    assert await client.close() == 0
+    assert b"Traceback" not in client.stderr, client.stderr.decode()
+
+
+async def ready_run(agent: AgentClient, model_path, run_id: int, **kwargs):
+    message = provision(run_id, str(model_path), **kwargs)
+    await agent.send(message)
+    await agent.open_edges(message)
+    await agent.expect(StageReady)
+    return message
+
+
+async def still_answers(agent: AgentClient, model_path) -> None:
+    await agent.send(Tokenize(1, str(model_path), "still there?", False))
+    assert (await agent.expect(Tokenized)).tokens
+
+
+async def test_unknown_run_id(agent, model_path):
+    await agent.send(StopRun(0xDEAD, "x"))
+    refused = await agent.expect(Refused)
+    assert refused.what == "StopRun" and "unknown run id" in refused.reason
+    await agent.send_data(objects.tokens_record(0xBEEF, 100, 0, [1, 2]))
+    refused = await agent.expect(Refused)
+    assert refused.what == "object" and "unknown run id 000000000000beef" in refused.reason
+    await still_answers(agent, model_path)
+
+
+async def test_stale_run_id(agent, model_path):
+    await ready_run(agent, model_path, 11)
+    await agent.send(StopRun(11, "done"))
+    await agent.expect(StageStopped)
+    await agent.send(provision(11, str(model_path)))
+    assert "stale run id" in (await agent.expect(Refused)).reason
+    await agent.send_data(objects.tokens_record(11, 100, 0, [1]))
+    assert "stale run id" in (await agent.expect(Refused)).reason
+    await agent.send(StopRun(11, "again"))  # a retried teardown is answered again
+    assert (await agent.expect(StageStopped)).run_id == 11
+    # A new run id is accepted, and the loaded stage is reused.
+    await ready_run(agent, model_path, 12)
+
+
+async def test_duplicate_provisioning_of_an_active_run(agent, model_path):
+    message = await ready_run(agent, model_path, 21)
+    await agent.send(message)
+    assert "already provisioned" in (await agent.expect(Refused)).reason
+    await agent.send(provision(22, str(model_path)))
+    assert "busy with run" in (await agent.expect(Refused)).reason
+    # ...unless explicitly stopped first.
+    await agent.send(StopRun(21, "stop"))
+    await agent.expect(StageStopped)
+    await ready_run(agent, model_path, 22)
+
+
+async def test_edge_ids_not_in_the_provision_message(agent, model_path):
+    message = provision(31, str(model_path))
+    await agent.send(message)
+    await agent.expect_state("Preparing")
+    await agent.send_data(OpenEdge(31, 999, "inbound"))
+    refused = await agent.expect(Refused)
+    assert (
+        refused.what == "OpenEdge" and "edge 999 (inbound) is not in the provision message" in refused.reason
+    )
+    await agent.send_data(OpenEdge(31, message.inbound.edge_id, "inbound"))
+    await agent.send_data(OpenEdge(31, message.outbound.edge_id, "outbound"))
+    await agent.expect(StageReady)
+    await agent.send_data(objects.tokens_record(31, 555, 0, [1]))
+    assert "edge 555 is not this stage's inbound edge" in (await agent.expect(Refused)).reason
+    # The run is unharmed: a real object still runs.
+    await agent.send_data(objects.tokens_record(31, message.inbound.edge_id, 0, [1, 2, 3]))
+    header, _ = await objects.read_record(agent.data_reader, 1 << 20)
+    assert header.sequence == 0 and header.edge_id == message.outbound.edge_id
+
+
+async def test_rewiring_requests_are_refused(agent, model_path):
+    message = await ready_run(agent, model_path, 41)
+    await agent.send(RewireEdge(41, message.outbound.edge_id, "evil-peer"))
+    refused = await agent.expect(Refused)
+    assert refused.what == "RewireEdge" and "peer rewiring is refused" in refused.reason
+    await still_answers(agent, model_path)
+
+
+async def test_object_out_of_sequence(agent, model_path):
+    message = await ready_run(agent, model_path, 51)
+    await agent.send_data(objects.tokens_record(51, message.inbound.edge_id, 1, [1, 2]))
+    fault = await agent.expect(StageFault)
+    assert "sequence violation: expected object 0, got 1" in fault.reason
+    # Faulted rejects new work and waits for StopRun.
+    await agent.send_data(objects.tokens_record(51, message.inbound.edge_id, 0, [1]))
+    assert "faulted" in (await agent.expect(Refused)).reason
+    await agent.send(StopRun(51, "teardown"))
+    await agent.expect(StageStopped)
+
+
+async def test_object_larger_than_max_extent(agent, model_path):
+    message = await ready_run(agent, model_path, 61)
+    too_many = list(range(message.inbound.object_spec.max_rows + 1))
+    await agent.send_data(objects.tokens_record(61, message.inbound.edge_id, 0, too_many))
+    refused = await agent.expect(Refused)
+    assert refused.what == "data frame" and "exceeds the limit" in refused.reason
+    fault = await agent.expect(StageFault)
+    assert "malformed frame on the inbound edge" in fault.reason
+    await still_answers(agent, model_path)
+
+
+async def test_malformed_and_truncated_frames(agent, model_path):
+    await ready_run(agent, model_path, 71)
+    await agent.send_data(b"JUNK" + b"\x00" * 40)
+    assert "bad frame magic" in (await agent.expect(Refused)).reason
+    await agent.expect(StageFault)
+    await agent.send(StopRun(71, "teardown"))
+    await agent.expect(StageStopped)
+    # A new data connection, a new run, and a frame cut short.
+    await agent.attach_data()
+    message = await ready_run(agent, model_path, 72)
+    record = objects.tokens_record(72, message.inbound.edge_id, 0, [1, 2, 3])
+    await agent.send_data(record[:30])
+    agent.data_writer.close()
+    assert "truncated" in (await agent.expect(Refused)).reason
+    assert "malformed frame" in (await agent.expect(StageFault)).reason
+    agent.data_writer = None
+    await still_answers(agent, model_path)
+
+
+async def test_activation_shape_or_dtype_mismatch(agent, model_path):
+    message = await ready_run(agent, model_path, 81, stage_index=1, stage_count=2, layers=(15, 30))
+    head, body = objects.activation_record(
+        81, message.inbound.edge_id, 0, np.zeros((2, 100), np.float32), "float32"
+    )
+    await agent.send_data(head + bytes(body))
+    assert "width 576" in (await agent.expect(StageFault)).reason
+    await agent.send(StopRun(81, "x"))
+    await agent.expect(StageStopped)
+    message = await ready_run(agent, model_path, 82, stage_index=1, stage_count=2, layers=(15, 30))
+    head, body = objects.activation_record(
+        82, message.inbound.edge_id, 0, np.zeros((2, 576), np.float32), "float16"
+    )
+    await agent.send_data(head + bytes(body))
+    assert "edge carries float32" in (await agent.expect(StageFault)).reason
+
+
+async def test_data_connection_without_the_token_is_closed(agent, model_path):
+    other = AgentClient()
+    other.hello = agent.hello
+    await other.attach_data(token="not-the-token")
+    assert await asyncio.wait_for(other.data_reader.read(), 10) == b""
+    await still_answers(agent, model_path)
+
+
+async def test_corrupt_control_frame_ends_the_session_cleanly(no_agent_left):
+    client = AgentClient()
+    await client.start()
+    await client.send_raw(struct.pack("<4sI", CONTROL_MAGIC, 5) + b"\xc1\xc1\xc1\xc1\xc1")
+    refused = await client.expect(Refused)
+    assert refused.what == "control frame" and "undecodable" in refused.reason
+    assert await asyncio.wait_for(client.process.wait(), 15) == 0
+    await client.close()
