@@ -197,7 +197,7 @@ async def _connect(host: HostSpec, timeout: float, entry: _Entry) -> asyncssh.SS
         ) from None
     except asyncssh.Error as error:
         raise TransportError(f"{where}: SSH connection failed: {error.reason}") from None
-    except TimeoutError:  # asyncio's too (3.11): before OSError, of which it is a subclass
+    except (asyncio.TimeoutError, TimeoutError):  # before OSError: builtin TimeoutError is one
         raise TransportError(f"{where}: no SSH answer within {timeout:g}s (timeouts.connect)") from None
     except OSError as error:
         reason = os.strerror(error.errno) if error.errno else str(error)
@@ -321,9 +321,8 @@ class SshAgent(AgentLink):
 
     async def start(self, timeout: float) -> Hello:
         if self.host.insecure_no_host_key_check:
-            self.log_line(
-                f"WARNING: host key checking is OFF for {self.host.name} (insecure_no_host_key_check)"
-            )
+            # Into the stage log, not the stderr tail that error messages quote.
+            self.on_log(f"WARNING: host key checking is OFF for {self.host.name} (insecure setting)")
         await self.connect(timeout)
         listen = self.host.listen
         command = self.bridge_command(listen) if listen else self.agent_command()
@@ -355,7 +354,7 @@ class SshAgent(AgentLink):
             ) from None
         except asyncssh.Error as error:
             raise TransportError(f"{self.label}: cannot run '{command}': {error.reason}") from None
-        except TimeoutError:
+        except (asyncio.TimeoutError, TimeoutError):
             raise TransportError(
                 f"{self.label}: sshd did not start '{command}' within {timeout:g}s"
             ) from None
@@ -438,23 +437,23 @@ class SshAgent(AgentLink):
 
     async def close(self, grace: float) -> None:
         """End the agent: EOF on its stdin is the request to exit, then TERM
-        and KILL signals (where sshd honours them), then the channel closes;
-        the last stage on a host closes the connection, which ends every
-        session sshd still runs for it."""
+        and KILL signals (OpenSSH 9.2 ignores them; others may not), then the
+        channel closes; the last stage on a host closes the connection, which
+        ends every session sshd still runs for it."""
         for bridge in self.bridges:
             bridge.close()
         process = self.process
         if process is not None:
             with contextlib.suppress(asyncssh.Error, OSError):
                 process.stdin.write_eof()
-            for signal in (None, "TERM", "KILL"):
+            for signal, wait in ((None, grace), ("TERM", min(grace, 1.0)), ("KILL", min(grace, 1.0))):
                 if process.is_closing():
                     break
                 if signal is not None:
                     with contextlib.suppress(asyncssh.Error, OSError):
                         process.send_signal(signal)
                 with contextlib.suppress(asyncio.TimeoutError, asyncssh.Error, OSError):
-                    await asyncio.wait_for(process.wait_closed(), grace)
+                    await asyncio.wait_for(process.wait_closed(), wait)
             process.close()
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):

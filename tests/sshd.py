@@ -137,14 +137,15 @@ class Sshd:
                 self.process.wait()
         self.process = None
 
-    def session_agents(self) -> set[int]:
-        """Live agent and bridge processes running in sessions of this server.
+    def session_agents(self) -> dict[int, str]:
+        """Live agent and bridge processes running in sessions of this server,
+        with their command lines (a login shell about to exec one counts too).
 
         Read from /proc rather than ps (whose args column is cut to $COLUMNS)
         and told apart by SSH_CONNECTION, which sshd sets in every session and
         which names our port: agents of other tests on this machine, or ones
         a test starts by hand, do not count."""
-        found = set()
+        found = {}
         port = str(self.port).encode()
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
@@ -161,5 +162,5 @@ class Sshd:
                 continue
             for variable in environ.split(b"\0"):
                 if variable.startswith(b"SSH_CONNECTION=") and variable.split()[-1] == port:
-                    found.add(int(entry.name))
+                    found[int(entry.name)] = command.replace(b"\0", b" ").decode(errors="replace").strip()
         return found

@@ -89,7 +89,7 @@ def write_inventory(
     return path
 
 
-def wait_no_session_agents(sshd: Sshd, timeout: float) -> set[int]:
+def wait_no_session_agents(sshd: Sshd, timeout: float) -> dict[int, str]:
     deadline = time.monotonic() + timeout
     while True:
         left = sshd.session_agents()
@@ -98,13 +98,15 @@ def wait_no_session_agents(sshd: Sshd, timeout: float) -> set[int]:
         time.sleep(0.1)
 
 
-def wait_session_agents(sshd: Sshd, count: int, timeout: float = 15) -> set[int]:
-    """The session's agents once there are ``count`` (a bridge may still be in
-    the login shell's startup files when the pipeline already runs)."""
+def wait_session_agents(sshd: Sshd, agents: int, bridges: int, timeout: float = 15) -> tuple[int, int]:
+    """How many agents and data bridges run under sshd, once there are as many
+    as expected (a bridge may still be in the login shell's startup files
+    when the pipeline already runs)."""
     deadline = time.monotonic() + timeout
     while True:
-        found = sshd.session_agents()
-        if len(found) >= count or time.monotonic() > deadline:
+        running = [line for line in sshd.session_agents().values() if not line.startswith(("bash", "sh "))]
+        found = (sum(" bridge " not in line for line in running), sum(" bridge " in line for line in running))
+        if found == (agents, bridges) or time.monotonic() > deadline:
             return found
         time.sleep(0.1)
 
@@ -113,7 +115,7 @@ def wait_session_agents(sshd: Sshd, count: int, timeout: float = 15) -> set[int]
 def none_left(sshd: Sshd):
     yield
     left = wait_no_session_agents(sshd, 10)
-    assert not left, f"agent or bridge processes left on the host: {sorted(left)}"
+    assert not left, f"agent or bridge processes left on the host: {left}"
 
 
 def one_stage(tmp_path: Path, model_path: Path, hosts: dict[str, Any], stages: list[Any]) -> Path:
@@ -144,7 +146,7 @@ async def test_three_stages_over_ssh_match_the_whole_model(tmp_path, sshd, cache
     pipeline = Pipeline(inventory, events.append)
     try:
         await pipeline.start()
-        assert len(wait_session_agents(sshd, 6)) == 6, "3 agents and 3 data bridges, all under sshd"
+        assert wait_session_agents(sshd, 3, 3) == (3, 3), "3 agents and 3 data bridges, all under sshd"
         result = await pipeline.generate(LONG_PROMPT)
     finally:
         await pipeline.close()
@@ -199,7 +201,7 @@ async def test_hand_started_agent_is_attached_through_ssh(tmp_path, sshd, cache_
         assert result.outcome == "completed", result.failure
         reference = whole_model_greedy(model_path, list(result.prompt_tokens), 12, n_ctx=512, n_ubatch=32)
         assert list(result.tokens) == reference
-        assert wait_no_session_agents(sshd, 10) == set(), "bridges end with the orchestrator"
+        assert wait_no_session_agents(sshd, 10) == {}, "bridges end with the orchestrator"
         assert by_hand.poll() is None, "a hand-started agent outlives the orchestrator by design"
     finally:
         by_hand.terminate()
@@ -254,7 +256,7 @@ async def test_insecure_no_host_key_check_logs_a_loud_warning(sshd, cache_dir, c
             await link.close(3)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("INSECURE" in text and "risky" in text for text in warnings), warnings
-    assert any("host key checking is OFF for risky" in line for line in lines)
+    assert any("host key checking is OFF for risky" in line for line in lines), lines
 
 
 async def test_ssh_config_and_ssh_agent_are_used_like_ssh_does(tmp_path, sshd, cache_dir, monkeypatch):
@@ -377,12 +379,12 @@ async def test_sigkilled_orchestrator_leaves_no_agent(tmp_path, sshd, cache_dir,
             chunk = orchestrator.stdout.read1(64)  # type: ignore[attr-defined]
             assert chunk, "the orchestrator ended before generating"
             text += chunk
-        assert len(wait_session_agents(sshd, 6)) == 6, "3 agents and 3 data bridges"
+        assert wait_session_agents(sshd, 3, 3) == (3, 3), "3 agents and 3 data bridges"
         orchestrator.kill()
         orchestrator.wait(5)
         killed = time.monotonic()
         left = wait_no_session_agents(sshd, 10)
-        assert not left, f"left on the host after SIGKILL: {sorted(left)}"
+        assert not left, f"left on the host after SIGKILL: {left}"
         assert time.monotonic() - killed < 5
     finally:
         if orchestrator.poll() is None:
