@@ -122,8 +122,9 @@ class Pipeline:
         self.broken = ""  # why the data plane cannot carry another run
         self.closing = False
         self.runlog = RunLog(log_dir)
-        self._requests: dict[int, asyncio.Future[Message]] = {}
+        self._requests: dict[int, tuple[AgentLink, asyncio.Future[Message]]] = {}
         self._request_ids = itertools.count(1)
+        self._lost_stages: set[int] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------- events
@@ -191,7 +192,7 @@ class Pipeline:
     async def request(self, link: AgentLink, make: Callable[[int], Message], timeout: float) -> Message:
         request_id = next(self._request_ids)
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self._requests[request_id] = future
+        self._requests[request_id] = (link, future)
         try:
             await link.send(make(request_id))
             return await asyncio.wait_for(future, timeout)
@@ -278,27 +279,40 @@ class Pipeline:
             reason = f"corrupt control stream ({error})"
         except (ConnectionError, OSError) as error:
             reason = f"control stream broke ({error})"
-        if self.closing:
-            return
-        await asyncio.sleep(0.05)  # let the exit status and last stderr lines arrive
-        detail = reason or "the agent exited"
-        self._lost(link.stage, f"{link.label}: {detail}{link.exit_detail()}")
+        self._lost(link.stage, reason or "the control stream ended")
 
-    def _lost(self, stage: int, reason: str) -> None:
+    def _lost(self, stage: int, symptom: str) -> None:
+        """A stage's stream broke or ended. Reported once per stage, with the
+        root cause when there is one (the agent exited, and how)."""
+        if self.closing or stage in self._lost_stages:
+            return
+        self._lost_stages.add(stage)
+        self._spawn(self._report_lost(stage, symptom))
+
+    async def _report_lost(self, stage: int, symptom: str) -> None:
+        link = self.links[stage]
+        for _ in range(20):  # the exit status and last stderr lines may lag a moment
+            if not link.alive():
+                break
+            await asyncio.sleep(0.05)
+        if link.alive():
+            reason = f"{link.label}: {symptom}{link.exit_detail()}"
+        else:
+            reason = f"{link.label}: the agent exited{link.exit_detail()}"
         if not self.broken:
             self.broken = reason
         self.emit(Notice("error", reason))
-        for future in self._requests.values():
-            if not future.done():
+        for owner, future in self._requests.values():
+            if owner.stage == stage and not future.done():
                 future.set_exception(PipelineError(reason))
         if self.driver is not None:
             self.driver.feed(fsm.StageLost(stage, reason))
 
     def _on_message(self, link: AgentLink, message: Message) -> None:
         if isinstance(message, ModelInfo | Tokenized | RequestFailed):
-            future = self._requests.get(message.request_id)
-            if future is not None and not future.done():
-                future.set_result(message)
+            pending = self._requests.get(message.request_id)
+            if pending is not None and not pending[1].done():
+                pending[1].set_result(message)
             return
         if isinstance(message, Refused):
             self.emit(AgentLog(link.stage, link.host.name, f"refused {message.what}: {message.reason}"))
@@ -397,9 +411,7 @@ class Pipeline:
             driver.feed(fsm.TokenConsumed(header.sequence, tokens[0]))
 
     def _data_lost(self, stage: int, reason: str) -> None:
-        if self.closing:
-            return
-        self._lost(stage, f"{self.links[stage].label}: {reason}")
+        self._lost(stage, reason)
 
     def _edge_fault(self, reason: str) -> None:
         if not self.broken:

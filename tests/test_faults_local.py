@@ -1,0 +1,197 @@
+"""Faults over the local transport: every failure ends in one clear reason, a
+full teardown, no process left behind, and the output so far kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ggufpipe_tui.events import RunPhaseChanged, StageStateChanged, TokenStreamed
+from ggufpipe_tui.inventory import load_inventory
+from ggufpipe_tui.orchestrator import Pipeline, PipelineError
+from tests.conftest import LONG_PROMPT
+from tests.test_pipeline_local import run_cli
+
+pytestmark = pytest.mark.model
+
+
+def inventory_file(
+    tmp_path: Path, model_path: Path, hosts: str = "", stage_hosts=("here", "here", "here"), **timeouts
+) -> Path:
+    limits = {"connect": 30, "ready": 60, "step": 30, "teardown": 5, **timeouts}
+    ranges = [(0, 7), (7, 23), (23, 30)]
+    stages = "".join(
+        f"  - {{host: {h}, layers: [{a}, {b}]}}\n" for h, (a, b) in zip(stage_hosts, ranges, strict=True)
+    )
+    path = tmp_path / "inventory.yaml"
+    path.write_text(
+        f"model: {{path: {model_path}}}\n"
+        f"hosts:\n  here: {{local: true}}\n{hosts}"
+        f"stages:\n{stages}"
+        "run: {context: 512, ubatch: 32, max_tokens: 40, ignore_eos: true, chat: false}\n"
+        f"timeouts: {{{', '.join(f'{k}: {v}' for k, v in limits.items())}}}\n"
+    )
+    return path
+
+
+class Saboteur:
+    """Consumes the pipeline's events and, when ``when(event)`` first holds,
+    sends ``sig`` to stage ``stage``'s agent process."""
+
+    def __init__(self, stage: int, sig: int, when) -> None:
+        self.stage, self.sig, self.when = stage, sig, when
+        self.pipeline: Pipeline | None = None
+        self.events: list[object] = []
+        self.fired = False
+
+    def __call__(self, event: object) -> None:
+        self.events.append(event)
+        if not self.fired and self.pipeline is not None and self.when(event):
+            self.fired = True
+            os.kill(self.pipeline.links[self.stage].hello.pid, self.sig)
+
+    def phases(self) -> list[str]:
+        return [e.phase for e in self.events if isinstance(e, RunPhaseChanged)]
+
+
+async def run_with(saboteur: Saboteur, inventory: Path, prompt: str = LONG_PROMPT):
+    pipeline = Pipeline(load_inventory(inventory), saboteur)
+    saboteur.pipeline = pipeline
+    try:
+        await pipeline.start()
+        return await pipeline.generate(prompt)
+    finally:
+        await pipeline.close()
+
+
+def log_events(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+async def test_agent_killed_while_loading(tmp_path, model_path, no_agent_left):
+    saboteur = Saboteur(
+        1,
+        signal.SIGKILL,
+        lambda e: isinstance(e, StageStateChanged) and e.stage == 1 and e.state == "Preparing",
+    )
+    result = await run_with(saboteur, inventory_file(tmp_path, model_path))
+    assert saboteur.fired and result.outcome == "faulted" and result.tokens == ()
+    assert result.failure.startswith("stage 1 on here (local)") and "killed by signal 9" in result.failure
+    assert saboteur.phases() == ["Provisioning", "WaitingReady", "Faulted", "TearingDown", "Done"]
+    records = log_events(result.log_path)
+    assert any(
+        r["event"] == "RunPhaseChanged" and r["phase"] == "Faulted" and "signal 9" in r["detail"]
+        for r in records
+    )
+
+
+async def test_agent_killed_during_prefill(tmp_path, model_path, no_agent_left):
+    saboteur = Saboteur(2, signal.SIGKILL, lambda e: isinstance(e, RunPhaseChanged) and e.phase == "Running")
+    result = await run_with(saboteur, inventory_file(tmp_path, model_path))
+    assert result.outcome == "faulted" and result.tokens == ()
+    assert "stage 2 on here" in result.failure and "signal 9" in result.failure
+    assert saboteur.phases()[-3:] == ["Faulted", "TearingDown", "Done"]
+
+
+async def test_agent_killed_during_decode_keeps_the_output(tmp_path, model_path, no_agent_left):
+    saboteur = Saboteur(0, signal.SIGKILL, lambda e: isinstance(e, TokenStreamed) and e.sequence == 5)
+    result = await run_with(saboteur, inventory_file(tmp_path, model_path))
+    assert result.outcome == "faulted" and "stage 0 on here" in result.failure
+    assert 6 <= len(result.tokens) < 40 and result.text.strip()
+    streamed = "".join(e.text for e in saboteur.events if isinstance(e, TokenStreamed))
+    assert streamed == result.text
+
+
+async def test_a_hanging_stage_hits_the_step_timeout(tmp_path, model_path, no_agent_left):
+    saboteur = Saboteur(1, signal.SIGSTOP, lambda e: isinstance(e, TokenStreamed) and e.sequence == 3)
+    result = await run_with(saboteur, inventory_file(tmp_path, model_path, step=2, teardown=2))
+    assert result.outcome == "faulted" and result.failure == "step timeout waiting for token 4"
+    assert len(result.tokens) == 4
+    assert any("no StageStopped from stage(s) 1" in note for note in result.notes)
+
+
+async def test_a_stage_that_never_becomes_ready(tmp_path, model_path, no_agent_left):
+    saboteur = Saboteur(
+        2,
+        signal.SIGSTOP,
+        lambda e: isinstance(e, StageStateChanged) and e.stage == 2 and e.state == "Preparing",
+    )
+    result = await run_with(saboteur, inventory_file(tmp_path, model_path, ready=3, teardown=2))
+    assert result.outcome == "faulted"
+    assert result.failure == "readiness timeout: stage(s) 2 never became ready"
+
+
+async def test_model_missing_on_one_host(tmp_path, model_path, no_agent_left):
+    hosts = f"  other: {{local: true, model_path: {tmp_path / 'elsewhere.gguf'}}}\n"
+    saboteur = Saboteur(0, 0, lambda e: False)
+    result = await run_with(saboteur, inventory_file(tmp_path, model_path, hosts, ("here", "other", "here")))
+    assert result.outcome == "faulted"
+    assert (
+        result.failure.startswith("stage 1 on other (local): ")
+        and "elsewhere.gguf: no such file" in result.failure
+    )
+
+
+async def test_corrupt_gguf_on_one_host(tmp_path, model_path, no_agent_left):
+    corrupt = tmp_path / "corrupt.gguf"
+    with model_path.open("rb") as source, corrupt.open("wb") as target:
+        target.write(source.read(5 * 2**20))  # the header is whole, the tensor data is cut
+    hosts = f"  other: {{local: true, model_path: {corrupt}}}\n"
+    saboteur = Saboteur(0, 0, lambda e: False)
+    result = await run_with(saboteur, inventory_file(tmp_path, model_path, hosts, ("here", "here", "other")))
+    assert result.outcome == "faulted" and result.failure.startswith("stage 2 on other (local): ")
+    assert "corrupt.gguf" in result.failure
+
+
+async def test_corrupt_gguf_where_the_model_is_inspected(tmp_path, model_path, no_agent_left):
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF\x03\x00\x00\x00" + os.urandom(64))
+    pipeline = Pipeline(load_inventory(inventory_file(tmp_path, corrupt)), lambda e: None)
+    with pytest.raises(PipelineError, match="corrupt.gguf: corrupt or truncated GGUF"):
+        try:
+            await pipeline.start()
+        finally:
+            await pipeline.close()
+
+
+def test_headless_fault_prints_the_output_so_far(tmp_path, model_path, no_agent_left):
+    """SIGSTOP an agent from outside mid-decode: the step timeout faults the
+    run, the text so far stays on stdout, the reason is the last stderr line."""
+    inventory = inventory_file(tmp_path, model_path, step=3, teardown=2)
+    command = [
+        sys.executable,
+        "-m",
+        "ggufpipe_tui.cli",
+        str(inventory),
+        "--prompt",
+        "Count to fifty.",
+        "--raw",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    seen = ""
+    while len(seen) < 20:
+        char = process.stdout.read(1)
+        assert char, "the run ended before it produced text"
+        seen += char
+    children = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(process.pid)], capture_output=True, text=True
+    )
+    os.kill(int(children.stdout.split()[1]), signal.SIGSTOP)
+    rest, errors = process.communicate(timeout=120)
+    assert process.returncode == 1, errors
+    assert len(seen + rest.strip()) >= 20, "the text generated before the fault is printed"
+    lines = errors.strip().splitlines()
+    assert lines[-1].startswith("ggufpipe: run faulted: step timeout waiting for token"), errors
+    assert lines[-2].startswith("ggufpipe: run log ")
+
+
+def test_headless_missing_model_exit_status(tmp_path, no_agent_left):
+    done = run_cli(str(inventory_file(tmp_path, tmp_path / "gone.gguf")), "--prompt", "x")
+    assert done.returncode == 2 and "gone.gguf: no such file" in done.stderr
