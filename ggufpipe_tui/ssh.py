@@ -36,6 +36,10 @@ from ggufpipe_tui.inventory import HostSpec
 from ggufpipe_tui.transport import AgentLink, LogLine, TransportError
 
 log = logging.getLogger("ggufpipe.ssh")
+# asyncssh logs every channel open and close at INFO; under -v those lines
+# would bury the agents' own logs. A level set by the user is kept.
+if logging.getLogger("asyncssh").level == logging.NOTSET:
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)
 
 INSTALL_HINT = (
     "install ggufpipe there (python3 -m venv ~/venvs/ggufpipe && ~/venvs/ggufpipe/bin/pip install "
