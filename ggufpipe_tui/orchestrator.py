@@ -544,6 +544,15 @@ class RunDriver:
                 follow = await self._perform(effect)
                 if follow is not None:
                     pending.append(follow)
+            run = self.run
+            if run.phase is fsm.RunPhase.WAITING_READY and run.all_ready and not run.prompt_given:
+                # The readiness barrier is met; what is left is waiting for the user's
+                # prompt, which the readiness timeout must not bound (the TUI keeps a
+                # run prepared for as long as it is open). Belongs in run_fsm's
+                # _maybe_start as a CancelTimer("ready"); kept additive here.
+                timer = self._timers.pop("ready", None)
+                if timer is not None:
+                    timer.cancel()
             if self.run.phase in (fsm.RunPhase.COMPLETED, fsm.RunPhase.FAULTED):
                 pending.insert(0, fsm.Advance())
 
