@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import os
 import shlex
 import signal
 import sys
@@ -22,7 +21,7 @@ from typing import Any
 
 from ggufpipe_agent import PROTOCOL_VERSION, __version__
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
-from ggufpipe_agent.protocol import DataAttach, Hello, Message, encode_message, read_message
+from ggufpipe_agent.protocol import DataAttach, Hello, Message, Refused, encode_message, read_message
 from ggufpipe_tui.inventory import HostSpec
 
 LogLine = Callable[[str], None]
@@ -67,6 +66,8 @@ class AgentLink:
             ) from None
         if first is None:
             raise TransportError(f"{self.label}: the agent exited before its Hello{self._tail()}")
+        if isinstance(first, Refused):
+            raise TransportError(f"{self.label}: the agent refused the connection: {first.reason}")
         if not isinstance(first, Hello):
             raise TransportError(f"{self.label}: the agent's first message is {first.tag}, not Hello")
         if first.protocol != PROTOCOL_VERSION:

@@ -60,7 +60,7 @@ def _mine(pid: str, args: str) -> bool:
 
 def agent_pids() -> set[int]:
     """Live ggufpipe agent processes of this test session (zombies excluded)."""
-    out = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True).stdout
     pids = set()
     for line in out.splitlines():
         parts = line.strip().split(None, 2)
