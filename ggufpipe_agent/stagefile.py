@@ -5,7 +5,9 @@ own: blocks ``a..b-1`` renumbered from 0, ``{arch}.block_count = b - a``, every
 other metadata field copied (per-layer arrays sliced to ``[a:b]``), the global
 tensors llama.cpp insists on (``token_embd``, ``output_norm``, ...), and
 ``output.weight`` only in the last stage. Quantized tensor bytes are streamed
-unchanged from the memory-mapped source.
+unchanged from the memory-mapped source. What an architecture derives from a
+block's index or the block count is pinned or refused by
+:mod:`ggufpipe_agent.arch` (``check_split``, ``stage_metadata_overrides``).
 
 Stage files live in a cache on the host that runs the stage, keyed by the
 source file's identity (path, size, mtime, inode) and the range. A file is
@@ -22,12 +24,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ggufpipe_agent.arch import stage_metadata_overrides
+from ggufpipe_agent.arch import Overrides, check_split, stage_metadata_overrides
 from ggufpipe_agent.errors import ModelError, RangeError
 from ggufpipe_agent.model import open_reader, read_gguf_header
 
 #: Bump when the stage file layout changes, so stale cache entries are not reused.
-STAGE_FORMAT = 2
+STAGE_FORMAT = 3  # 3: gemma3 stage files carry their slice of the sliding-window pattern
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.*)$")
 
 Progress = Callable[[float], None]
@@ -76,6 +78,7 @@ def ensure_stage_file(
     arch = header.architecture
     block_count = int(header.get(f"{arch}.block_count", 0))
     check_range(start, end, block_count, str(path))
+    check_split(arch, header.get, start, end, str(path))
     if start == 0 and end == block_count:
         return path
     directory = cache_dir or default_cache_dir()
@@ -89,9 +92,10 @@ def ensure_stage_file(
     except OSError as error:
         raise ModelError(f"cannot create stage cache {directory}: {error.strerror}") from None
     temporary = directory / f".{target.name}.{os.getpid()}.tmp"
+    overrides = stage_metadata_overrides(arch, header.get, start, end)
     reader = open_reader(path)
     try:
-        _write_stage_file(reader, arch, block_count, start, end, temporary, progress)
+        _write_stage_file(reader, arch, block_count, start, end, overrides, temporary, progress)
         os.replace(temporary, target)
     except OSError as error:
         raise ModelError(f"cannot write stage file {target}: {error}") from None
@@ -106,13 +110,13 @@ def _write_stage_file(
     block_count: int,
     start: int,
     end: int,
+    overrides: Overrides,
     destination: Path,
     progress: Progress | None,
 ) -> None:
     import gguf
 
     last = end == block_count
-    overrides = stage_metadata_overrides(arch, reader, start, end)
     writer = gguf.GGUFWriter(destination, arch=arch, endianess=reader.endianess)
     for field in reader.fields.values():
         name = field.name
