@@ -166,6 +166,7 @@ class GgufpipeApp(App[int]):
         self.latest: RunStats | None = None
         self.agent_pids: dict[int, int] = {}
         self.quitting = False
+        self._pipeline_closes: set[asyncio.Future[None]] = set()
         hosts = inventory.hosts
         self.rows = [
             StageRow(index, stage.host, hosts[stage.host].where, stage.layers)
@@ -313,9 +314,20 @@ class GgufpipeApp(App[int]):
             self._end_session(self.session, f"internal error: {type(error).__name__}: {error}")
 
     async def _close_pipeline(self) -> None:
+        """Close the pipeline and wait for every close under way. A close is
+        shielded: cancelling the worker that waits on it (a restart, then a
+        quit) must not leave agents half torn down."""
         pipeline, self.pipeline, self.driver = self.pipeline, None, None
         if pipeline is not None:
-            await pipeline.close()
+            task = asyncio.ensure_future(pipeline.close())
+            self._pipeline_closes.add(task)
+            task.add_done_callback(self._pipeline_closes.discard)
+        if self._pipeline_closes:
+            await asyncio.shield(asyncio.gather(*self._pipeline_closes, return_exceptions=True))
+
+    async def on_unmount(self) -> None:
+        # Every way out (ctrl+q, an exception, a test's run_test ending) ends every stage.
+        await self._close_pipeline()
 
     def _mark_lost(self) -> None:
         """Stages whose agent is gone: the agent cannot say so itself."""

@@ -178,6 +178,28 @@ async def test_stop_fault_and_start_again(
         await wait_for(pilot, lambda: app.return_code is not None, 60, "the app to quit")
 
 
+async def test_a_prepared_run_waits_for_its_prompt_past_the_ready_timeout(
+    tmp_path: Path, model_path: Path, no_agent_left: None
+) -> None:
+    """The app keeps a run prepared while the user thinks; the readiness
+    timeout bounds the loading, not the user."""
+    ready_timeout = 15.0
+    inventory = write_inventory(tmp_path, model_path, f"{{max_tokens: 4}}\ntimeouts: {{ready: {ready_timeout}}}")
+    app = GgufpipeApp(inventory, log_dir=tmp_path / "runs")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: app.run_phase == "WaitingReady", READY_TIMEOUT, "the first run")
+        waiting_since = time.monotonic()
+        await wait_for(pilot, lambda: ready_for_prompt(app), ready_timeout, "the stages to load")
+        prepared = app.run_id
+        await pilot.pause(ready_timeout + 2 - (time.monotonic() - waiting_since))
+        assert app.fault == "" and app.run_id == prepared and ready_for_prompt(app)
+        await type_prompt(pilot, "Hi")
+        await wait_for(pilot, lambda: len(app.results) == 1, RUN_TIMEOUT, "the run")
+        assert app.results[0].ok and app.results[0].run_id == prepared
+        await pilot.press("ctrl+q")
+        await wait_for(pilot, lambda: app.return_code is not None, 60, "the app to quit")
+
+
 async def test_setup_error_shows_in_the_header(tmp_path: Path, no_agent_left: None) -> None:
     inventory = write_inventory(tmp_path, tmp_path / "missing.gguf", "{max_tokens: 4}")
     app = GgufpipeApp(inventory, log_dir=tmp_path / "runs")
