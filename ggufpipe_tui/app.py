@@ -393,7 +393,7 @@ class GgufpipeApp(App[int]):
         self.start_session()
 
     async def action_quit(self) -> None:
-        if self.quitting:  # a second ctrl+q does not wait for the stages
+        if self.quitting:  # a second ctrl+q leaves the screen now; on_unmount still ends the stages
             self.exit(0)
             return
         self.quitting = True
@@ -603,12 +603,6 @@ class GgufpipeApp(App[int]):
             queued = self.prompts.qsize()
             return "generating · esc stops" + (f" · {queued} queued" if queued else "")
         return ""
-
-    # -------------------------------------------------------------- tests
-
-    @property
-    def transcript_text(self) -> str:
-        return "\n".join(exchange.text for exchange in self.query(Exchange))
 
 
 def run_app(inventory: Inventory, log_dir: Any = None) -> int:
