@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from ggufpipe_agent import objects
-from ggufpipe_agent.arch import check_architecture
+from ggufpipe_agent.arch import check_architecture, check_plan
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError, TransitionError
 from ggufpipe_agent.protocol import (
     Inspect,
@@ -210,8 +210,10 @@ class Pipeline:
             raise PipelineError(f"model on {link.host.name}: {reply.reason} (model.path at {where})")
         assert isinstance(reply, ModelInfo)
         facts = reply.facts
-        check_architecture(facts.architecture, f"{facts.path} on {link.host.name}")
+        where = f"{facts.path} on {link.host.name}"
+        check_architecture(facts.architecture, where)
         self.ranges = assign_layers(self.inventory, facts.block_count)
+        check_plan(facts, self.ranges, where)
         self.facts, self.pieces = facts, reply.pieces
         self.emit(ModelInspected(facts))
 
@@ -252,6 +254,15 @@ class Pipeline:
             driver.stop(f"no prompt: {error}")
             await driver.done.wait()
             raise
+        return await self.run_prompt(driver, tokens, submitted)
+
+    async def generate_tokens(self, tokens: list[int]) -> RunResult:
+        """One whole run of a prompt given as token ids."""
+        submitted = time.perf_counter()
+        return await self.run_prompt(await self.prepare_run(), tokens, submitted)
+
+    async def run_prompt(self, driver: RunDriver, tokens: list[int], submitted: float) -> RunResult:
+        """Give a prepared run its prompt and wait for its end."""
         limit = driver.plan.model.max_seq_len
         if len(tokens) >= limit:
             driver.stop("prompt too long")
@@ -544,15 +555,6 @@ class RunDriver:
                 follow = await self._perform(effect)
                 if follow is not None:
                     pending.append(follow)
-            run = self.run
-            if run.phase is fsm.RunPhase.WAITING_READY and run.all_ready and not run.prompt_given:
-                # The readiness barrier is met; what is left is waiting for the user's
-                # prompt, which the readiness timeout must not bound (the TUI keeps a
-                # run prepared for as long as it is open). Belongs in run_fsm's
-                # _maybe_start as a CancelTimer("ready"); kept additive here.
-                timer = self._timers.pop("ready", None)
-                if timer is not None:
-                    timer.cancel()
             if self.run.phase in (fsm.RunPhase.COMPLETED, fsm.RunPhase.FAULTED):
                 pending.insert(0, fsm.Advance())
 

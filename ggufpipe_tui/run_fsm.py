@@ -250,13 +250,14 @@ def _fault(run: Run, reason: str, *cancel: str) -> tuple[Run, list[RunEffect]]:
     return replace(run, phase=RunPhase.FAULTED, outcome="faulted", failure=reason), effects
 
 
-def _maybe_start(run: Run) -> tuple[Run, list[RunEffect]]:
+def _maybe_start(run: Run, became_ready: bool) -> tuple[Run, list[RunEffect]]:
     if run.all_ready and run.prompt_given:
-        return replace(run, phase=RunPhase.RUNNING), [
-            CancelTimer("ready"),
-            InjectPrompt(),
-            StartTimer("step"),
-        ]
+        effects: list[RunEffect] = [CancelTimer("ready")] if became_ready else []
+        return replace(run, phase=RunPhase.RUNNING), [*effects, InjectPrompt(), StartTimer("step")]
+    if run.all_ready and became_ready:
+        # The readiness barrier is met; only the prompt is missing, and the
+        # readiness timeout must not bound how long a user takes to type it.
+        return run, [CancelTimer("ready")]
     return run, []
 
 
@@ -278,7 +279,7 @@ def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
         if run.prompt_given:
             raise _reject(run, event)
         run = replace(run, prompt_given=True)
-        return _maybe_start(run) if phase is P.WAITING_READY else (run, [])
+        return _maybe_start(run, became_ready=False) if phase is P.WAITING_READY else (run, [])
 
     if phase is P.PLANNING:
         if isinstance(event, PlanValidated):
@@ -312,7 +313,7 @@ def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
         if isinstance(event, StageReadyEvent):
             if event.stage in run.ready or event.stage >= run.stage_count:
                 raise _reject(run, event)
-            return _maybe_start(replace(run, ready=run.ready | {event.stage}))
+            return _maybe_start(replace(run, ready=run.ready | {event.stage}), became_ready=True)
         if isinstance(event, StageFaultEvent | StageLost | EdgeFault):
             return _fault(run, event.reason, "ready")
         if isinstance(event, Timeout) and event.kind == "ready":

@@ -63,7 +63,7 @@ TABLE = {
     (P.PROVISIONING, "stage-lost"): (P.FAULTED, [f.RecordFailure]),
     (P.PROVISIONING, "stop"): (P.TEARING_DOWN, TEARDOWN),
     (P.WAITING_READY, "prompt"): (P.WAITING_READY, []),
-    (P.WAITING_READY, "stage-ready-2"): (P.WAITING_READY, []),
+    (P.WAITING_READY, "stage-ready-2"): (P.WAITING_READY, [f.CancelTimer]),
     (P.WAITING_READY, "stage-fault"): (P.FAULTED, [f.CancelTimer, f.RecordFailure]),
     (P.WAITING_READY, "stage-lost"): (P.FAULTED, [f.CancelTimer, f.RecordFailure]),
     (P.WAITING_READY, "edge-fault"): (P.FAULTED, [f.CancelTimer, f.RecordFailure]),
@@ -130,6 +130,7 @@ def test_a_whole_run_to_max_tokens():
         f.StageReadyEvent(1),
     )
     assert run.phase is P.WAITING_READY and not any(isinstance(e, f.InjectPrompt) for e in effects)
+    assert f.CancelTimer("ready") in effects, "a met barrier stops the readiness timeout"
     run, effects = drive(run, f.PromptGiven())
     assert run.phase is P.RUNNING and f.InjectPrompt() in effects
     run, effects = drive(run, f.TokenConsumed(0, 5))
