@@ -177,11 +177,15 @@ class ModelFacts:
 
 @dataclass(frozen=True, slots=True)
 class StepCounters:
+    """A stage's work in one run. ``steps``, ``total_ms`` and ``mean_ms`` count
+    decode steps only; the prefill (sequence 0) has its own ``prefill_ms``."""
+
     steps: int = 0
     last_ms: float = 0.0
     total_ms: float = 0.0
     bytes_in: int = 0
     bytes_out: int = 0
+    prefill_ms: float = 0.0
 
     @property
     def mean_ms(self) -> float:

@@ -104,10 +104,22 @@ class Counters:
     total_ms: float = 0.0
     bytes_in: int = 0
     bytes_out: int = 0
+    prefill_ms: float = 0.0
     sent_at: float = field(default=0.0)
 
+    def count(self, sequence: int, elapsed_ms: float, sent: int) -> None:
+        self.last_ms = elapsed_ms
+        self.bytes_out += sent
+        if sequence == 0:
+            self.prefill_ms = elapsed_ms
+        else:
+            self.steps += 1
+            self.total_ms += elapsed_ms
+
     def snapshot(self) -> StepCounters:
-        return StepCounters(self.steps, self.last_ms, self.total_ms, self.bytes_in, self.bytes_out)
+        return StepCounters(
+            self.steps, self.last_ms, self.total_ms, self.bytes_in, self.bytes_out, self.prefill_ms
+        )
 
 
 class StageRun:
@@ -308,6 +320,10 @@ class StageRun:
                 inputs: Any = objects.decode_tokens(header, payload)
             else:
                 inputs = objects.decode_activation(header, payload)
+            # Every step runs on the one worker thread, decode steps included:
+            # llama.cpp's OpenMP team belongs to the calling thread, and a
+            # second team (decode steps inline on the event loop) measured
+            # half the tokens/s of one team, whatever the thread hops save.
             result = await loop.run_in_executor(self._worker, engine.step, inputs)
         except GgufpipeError as error:
             self._apply_if_alive(StepFailed(f"step {sequence}: {error}"))
@@ -339,10 +355,7 @@ class StageRun:
             self._apply_if_alive(OutputFault(f"outbound edge {p.outbound.edge_id}: {error}"))
             return
         counters = self.counters
-        counters.steps += 1
-        counters.last_ms = elapsed
-        counters.total_ms += elapsed
-        counters.bytes_out += sent
+        counters.count(sequence, elapsed, sent)
         self.apply(StepCompleted(sequence))
         now = time.monotonic()
         if now - counters.sent_at >= STATS_INTERVAL_S:

@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt is not None:
         from ggufpipe_tui.headless import run_headless
 
-        return asyncio.run(
+        from ggufpipe_agent import aio
+
+        return aio.run(
             run_headless(
                 inventory,
                 args.prompt,

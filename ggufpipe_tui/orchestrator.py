@@ -309,7 +309,7 @@ class Pipeline:
         if link.alive():
             reason = f"{link.label}: {symptom}{link.exit_detail()}"
         else:
-            reason = f"{link.label}: the agent exited{link.exit_detail()}"
+            reason = f"{link.label}: {link.gone_reason()}"
         if not self.broken:
             self.broken = reason
         self.emit(Notice("error", reason))
@@ -470,7 +470,7 @@ class RunDriver:
         self.detokenizer = Detokenizer(pipeline.pieces)
         self.counters: dict[int, StepCounters] = {}
         self.stage_states: dict[int, str] = {}
-        self._timers: dict[str, asyncio.Task[None]] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
         self._submitted = 0.0
         self._injected = 0.0
         self._first_token = 0.0
@@ -619,12 +619,9 @@ class RunDriver:
         old = self._timers.pop(kind, None)
         if old is not None:
             old.cancel()
-
-        async def fire() -> None:
-            await asyncio.sleep(seconds)
-            self.feed(fsm.Timeout(kind))
-
-        self._timers[kind] = asyncio.ensure_future(fire())
+        # A plain loop callback: the step timer is restarted once per token.
+        loop = asyncio.get_running_loop()
+        self._timers[kind] = loop.call_later(seconds, self.feed, fsm.Timeout(kind))
 
     async def _write_tokens(self, sequence: int, tokens: list[int]) -> fsm.RunEvent | None:
         plan = self.plan

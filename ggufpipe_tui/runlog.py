@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ggufpipe_tui.events import AgentConnected, Event
+from ggufpipe_tui.events import AgentConnected, Event, StageStats, TokenStreamed
 
 
 def default_log_dir() -> Path:
@@ -66,7 +66,10 @@ class RunLog:
                 self._session.append(line)
             return
         self._file.write(line)
-        self._file.flush()
+        if not isinstance(event, TokenStreamed | StageStats):
+            # Per-token events wait for the next flush: a syscall per token
+            # is on the per-token path; everything else is flushed at once.
+            self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
