@@ -64,7 +64,7 @@ def host_entry(sshd: Sshd, cache: Path, **overrides: Any) -> dict[str, Any]:
         "known_hosts": str(sshd.known_hosts),
         "agent": AGENT,
         "cache_dir": str(cache),
-        "threads": 1,  # three stages share two cores: spinning threads would starve each other
+        "threads": 1,  # one thread per stage keeps these tests light on a shared 2-core machine
     }
     entry.update(overrides)
     return {key: value for key, value in entry.items() if value is not None}
