@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import re
 import shlex
 import signal
 import sys
@@ -26,6 +27,8 @@ from ggufpipe_tui.inventory import HostSpec
 
 LogLine = Callable[[str], None]
 STREAM_LIMIT = 1 << 20
+# The agent's own routine log records ("2026-01-01 12:00:00,000 INFO name: ...").
+ROUTINE_LOG = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (DEBUG|INFO) ")
 
 
 class TransportError(GgufpipeError):
@@ -88,7 +91,10 @@ class AgentLink:
         return await read_message(self.reader)
 
     def _tail(self) -> str:
-        lines = [line for line in self.stderr_tail if line.strip()]
+        """The agent's last words for a failure reason: its last stderr line
+        that is not a routine INFO/DEBUG record (a state change logged just
+        before a SIGKILL says nothing about it)."""
+        lines = [line for line in self.stderr_tail if line.strip() and not ROUTINE_LOG.match(line)]
         return f"; agent stderr: {lines[-1]}" if lines else ""
 
     def log_line(self, line: str) -> None:
@@ -130,6 +136,10 @@ class AgentLink:
     def exit_detail(self) -> str:
         """Why the agent is gone, for a fault reason."""
         return self._tail()
+
+    def gone_reason(self) -> str:
+        """A fault reason's tail once alive() is False."""
+        return f"the agent exited{self.exit_detail()}"
 
 
 def _die_with_parent() -> None:
