@@ -439,25 +439,69 @@ class SshAgent(AgentLink):
         connection = f" (SSH connection to {self.host.where} lost: {lost})" if lost else ""
         return self._status() + connection + self._tail()
 
+    def gone_reason(self) -> str:
+        """A lost connection is not an agent that exited: sshd reported no exit
+        for it, and its last stderr line predates the loss."""
+        lost = self._entry.lost if self._entry is not None else ""
+        if lost and not self._status():
+            return f"the SSH connection was lost ({lost})"
+        return super().gone_reason()
+
+    async def _kill_by_pid(self, timeout: float) -> None:
+        """SIGKILL the agent by the pid of its Hello, from a new exec session
+        on the same connection. Only a process whose environment holds this
+        connection's SSH_CONNECTION is killed: one this connection started,
+        seen in the same pid namespace (an agent: command that enters a
+        container reports a pid that means another process out here). A
+        hand-started agent (listen:) is never ours to end."""
+        process, connection, hello = self.process, self.connection, self.hello
+        if self.host.listen or hello is None or connection is None or (self._entry and self._entry.lost):
+            return
+        if process is None or process.returncode is not None:
+            return
+        pid = int(hello.pid)
+        command = (
+            f"tr '\\0' '\\n' < /proc/{pid}/environ 2>/dev/null | "
+            f'grep -qxF "SSH_CONNECTION=$SSH_CONNECTION" && kill -KILL {pid}'
+        )
+        try:
+            done = await asyncio.wait_for(connection.run(command, check=False), timeout)
+        except (asyncio.TimeoutError, asyncssh.Error, OSError) as error:
+            self.on_log(f"teardown: could not kill the agent (pid {pid}): {error}")
+            return
+        if done.exit_status == 0:
+            self.on_log(f"teardown: the agent (pid {pid}) did not end on EOF or signals; killed it")
+
     async def close(self, grace: float) -> None:
         """End the agent: EOF on its stdin is the request to exit, then TERM
-        and KILL signals (OpenSSH 9.2 ignores them; others may not), then the
-        channel closes; the last stage on a host closes the connection, which
-        ends every session sshd still runs for it."""
+        and KILL signal requests, then ``kill -KILL`` of its pid on an exec
+        session; then the channel closes, and the last stage on a host closes
+        the connection.
+
+        The kill by pid is for an agent that cannot read its EOF (stopped,
+        or stuck): sshd refuses signal requests on root logins ("session
+        signalling requires privilege separation", OpenSSH 9.2), and neither
+        closing the channel nor the connection signals a session's command,
+        so a SIGSTOPped agent would outlive the run with its data bridge."""
         for bridge in self.bridges:
             bridge.close()
         process = self.process
         if process is not None:
             with contextlib.suppress(asyncssh.Error, OSError):
                 process.stdin.write_eof()
+            # Not process.is_closing(): that is True as soon as our EOF is sent.
+            # The channel is closed once sshd has reported the command's exit.
             for signal, wait in ((None, grace), ("TERM", min(grace, 1.0)), ("KILL", min(grace, 1.0))):
-                if process.is_closing():
-                    break
                 if signal is not None:
                     with contextlib.suppress(asyncssh.Error, OSError):
                         process.send_signal(signal)
-                with contextlib.suppress(asyncio.TimeoutError, asyncssh.Error, OSError):
+                if signal == "KILL":
+                    await self._kill_by_pid(max(grace, 1.0))
+                try:
                     await asyncio.wait_for(process.wait_closed(), wait)
+                    break
+                except (asyncio.TimeoutError, asyncssh.Error, OSError):
+                    continue
             process.close()
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
