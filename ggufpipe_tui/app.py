@@ -546,6 +546,8 @@ class GgufpipeApp(App[int]):
             self.query_one(Transcript).follow()
         line = Text(f"run {result.run_id:016x} {result.outcome}", style=summary.style)
         self._note(None, line + Text(f": {result.failure}" if result.failure else f": {summary.plain}"))
+        if result.log_path:
+            self._note(None, Text(f"run log {result.log_path}", style="grey58"))
         if result.outcome == "faulted":  # the session stops here; the session loop agrees
             self.session_phase = "Faulted"
             self.fault = result.failure

@@ -17,7 +17,7 @@ from textual.pilot import Pilot
 
 from ggufpipe_tui.app import GgufpipeApp
 from ggufpipe_tui.inventory import Inventory, load_inventory
-from ggufpipe_tui.widgets import Exchange, StatusBar
+from ggufpipe_tui.widgets import Exchange, LogPane, StatusBar
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -106,6 +106,8 @@ async def test_prompts_stream_one_after_another_without_reloading(
         assert len(first.parts) >= 2, "the reply arrived in one piece, not streamed"
         assert first.appended_at[-1] > first.appended_at[0], "every token was shown at the same moment"
         assert first.finished
+        logged = [line.plain for _, line in app.query_one(LogPane).entries]
+        assert f"[·] run log {result.log_path}" in logged and Path(result.log_path).exists()
 
         # The next run is prepared at once; the stages keep their loaded model.
         await wait_for(pilot, lambda: ready_for_prompt(app, result.run_id), READY_TIMEOUT, "the next run")
