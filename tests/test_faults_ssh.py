@@ -1,0 +1,335 @@
+"""Faults over the SSH transport (issue 6, spec §5, §10, §11): real agents
+started through a real sshd on loopback (forwarding off), the real model.
+
+Two hosts, gpu-a and gpu-b, each with its own SSH connection to the same
+sshd; stages 0 and 2 on gpu-a, stage 1 on gpu-b. Every fault ends in one
+reason naming the stage, the host and the cause, the run's output so far is
+kept, and no agent or data bridge is left on the host (processes whose
+SSH_CONNECTION names this module's sshd): teardown is the code under test's
+own, nothing here kills a leftover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ggufpipe_tui.events import AgentLog, RunPhaseChanged, StageStateChanged, TokenStreamed
+from ggufpipe_tui.inventory import HostSpec, load_inventory
+from ggufpipe_tui.orchestrator import Pipeline
+from ggufpipe_tui.ssh import SshAgent
+from tests.conftest import LONG_PROMPT, REPO
+from tests.sshd import Sshd, sshd_missing
+from tests.test_ssh import AGENT, host_entry, wait_no_session_agents, write_inventory
+
+pytestmark = [pytest.mark.ssh, pytest.mark.model]
+
+RANGES = [[0, 7], [7, 23], [23, 30]]
+HOSTS = ("gpu-a", "gpu-b", "gpu-a")
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory):
+    missing = sshd_missing()
+    if missing:
+        pytest.skip(missing)
+    server = Sshd(tmp_path_factory.mktemp("sshd")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stage files of the module: the first run writes them, later ones reuse them."""
+    return tmp_path_factory.mktemp("ssh-cache")
+
+
+@pytest.fixture
+def none_left(sshd: Sshd):
+    """Fails the test if an agent or bridge it started through sshd outlives it."""
+    yield
+    left = wait_no_session_agents(sshd, 10)
+    assert not left, f"agent or bridge processes left on the host: {left}"
+
+
+def inventory_file(
+    tmp_path: Path, sshd: Sshd, cache: Path, model_path: Path, b_model: Path | None = None, **timeouts: float
+) -> Path:
+    hosts = {
+        "gpu-a": host_entry(sshd, cache),
+        "gpu-b": host_entry(sshd, cache, model_path=str(b_model) if b_model else None),
+    }
+    path = write_inventory(
+        tmp_path / "inventory.yaml",
+        model_path,
+        hosts,
+        list(zip(HOSTS, RANGES, strict=True)),
+        max_tokens=40,
+        ignore_eos=True,
+    )
+    if timeouts:  # write_inventory's timeouts, with these changed
+        limits = {"connect": 20, "ready": 120, "step": 30, "teardown": 10, **timeouts}
+        text = path.read_text().split("timeouts:")[0]
+        path.write_text(text + "timeouts: {" + ", ".join(f"{k}: {v}" for k, v in limits.items()) + "}\n")
+    return path
+
+
+def where(sshd: Sshd) -> str:
+    return f"{sshd.user}@127.0.0.1:{sshd.port}"
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+
+
+def sshd_session_of(pid: int) -> int:
+    """The sshd process serving the connection that started ``pid``."""
+    while pid > 1:
+        pid = parent(pid)
+        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sshd:"):
+            return pid
+    raise AssertionError("not started through sshd")
+
+
+class Saboteur:
+    """Consumes the pipeline's events and, when ``when(event)`` first holds,
+    does ``act(pipeline)`` (in the event loop, between two events)."""
+
+    def __init__(self, when: Callable[[Any], bool], act: Callable[[Pipeline], None]) -> None:
+        self.when, self.act = when, act
+        self.pipeline: Pipeline | None = None
+        self.events: list[Any] = []
+        self.fired = False
+        self.close_seconds = 0.0  # how long Pipeline.close() took
+
+    def __call__(self, event: Any) -> None:
+        self.events.append(event)
+        if not self.fired and self.pipeline is not None and self.when(event):
+            self.fired = True
+            self.act(self.pipeline)
+
+    def phases(self) -> list[str]:
+        return [e.phase for e in self.events if isinstance(e, RunPhaseChanged)]
+
+    def logged(self, stage: int) -> list[str]:
+        return [e.line for e in self.events if isinstance(e, AgentLog) and e.stage == stage]
+
+    def stopped(self) -> set[int]:
+        """Stages whose agent went through Stopping to Stopped (StopRun honoured)."""
+        return {e.stage for e in self.events if isinstance(e, StageStateChanged) and e.state == "Stopped"}
+
+
+def signal_agent(stage: int, sig: int) -> Callable[[Pipeline], None]:
+    def act(pipeline: Pipeline) -> None:
+        hello = pipeline.links[stage].hello
+        assert hello is not None
+        os.kill(hello.pid, sig)  # the "host" is this machine
+
+    return act
+
+
+def on_state(stage: int, state: str) -> Callable[[Any], bool]:
+    return lambda e: isinstance(e, StageStateChanged) and e.stage == stage and e.state == state
+
+
+def on_token(sequence: int) -> Callable[[Any], bool]:
+    return lambda e: isinstance(e, TokenStreamed) and e.sequence == sequence
+
+
+async def run_with(saboteur: Saboteur, inventory: Path, prompt: str = LONG_PROMPT):
+    pipeline = Pipeline(load_inventory(inventory), saboteur)
+    saboteur.pipeline = pipeline
+    try:
+        await pipeline.start()
+        return await pipeline.generate(prompt)
+    finally:
+        closing = time.monotonic()
+        await pipeline.close()
+        saboteur.close_seconds = time.monotonic() - closing
+
+
+async def test_agent_killed_while_loading(tmp_path, sshd, cache_dir, model_path, none_left):
+    saboteur = Saboteur(on_state(1, "Preparing"), signal_agent(1, signal.SIGKILL))
+    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path))
+    assert saboteur.fired and result.outcome == "faulted" and result.tokens == ()
+    assert result.failure == f"stage 1 on gpu-b ({where(sshd)}): the agent exited (killed by signal KILL)"
+    assert saboteur.phases() == ["Provisioning", "WaitingReady", "Faulted", "TearingDown", "Done"]
+    assert saboteur.stopped() == {0, 2}, "the other host's stages stopped"
+
+
+async def test_agent_killed_during_prefill(tmp_path, sshd, cache_dir, model_path, none_left):
+    saboteur = Saboteur(
+        lambda e: isinstance(e, RunPhaseChanged) and e.phase == "Running", signal_agent(2, signal.SIGKILL)
+    )
+    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path))
+    assert result.outcome == "faulted" and result.tokens == ()
+    assert result.failure == f"stage 2 on gpu-a ({where(sshd)}): the agent exited (killed by signal KILL)"
+    assert saboteur.phases()[-3:] == ["Faulted", "TearingDown", "Done"]
+    assert saboteur.stopped() == {0, 1}
+
+
+async def test_agent_killed_during_decode_keeps_the_output(tmp_path, sshd, cache_dir, model_path, none_left):
+    saboteur = Saboteur(on_token(5), signal_agent(0, signal.SIGKILL))
+    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path))
+    assert result.outcome == "faulted", result.failure
+    assert result.failure == f"stage 0 on gpu-a ({where(sshd)}): the agent exited (killed by signal KILL)"
+    assert 6 <= len(result.tokens) < 40 and result.text.strip()
+    streamed = "".join(e.text for e in saboteur.events if isinstance(e, TokenStreamed))
+    assert streamed == result.text
+    assert saboteur.stopped() == {1, 2}
+
+
+async def test_ssh_connection_dropped_mid_run(tmp_path, sshd, cache_dir, model_path, none_left):
+    """The sshd process serving gpu-b's connection dies mid-decode: the run
+    faults naming gpu-b and the lost connection; gpu-a's stages stop."""
+    dropped: list[int] = []
+
+    def drop(pipeline: Pipeline) -> None:
+        hello = pipeline.links[1].hello
+        assert hello is not None
+        dropped.append(sshd_session_of(hello.pid))
+        os.kill(dropped[0], signal.SIGKILL)
+
+    saboteur = Saboteur(on_token(5), drop)
+    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path))
+    assert result.outcome == "faulted", result.failure
+    # Not "the agent exited": sshd reported no exit, only the connection went.
+    assert result.failure.startswith(f"stage 1 on gpu-b ({where(sshd)}): the SSH connection was lost ("), (
+        result.failure
+    )
+    assert 6 <= len(result.tokens) < 40 and result.text.strip()
+    assert saboteur.stopped() == {0, 2}, "gpu-a's stages were torn down"
+
+
+def ended_by_teardown(saboteur: Saboteur, stage: int) -> None:
+    """A SIGSTOPped agent reads no EOF, sshd refuses signal requests on a root
+    login and closing the channel or connection signals nothing: the close
+    path's own kill by pid must have ended it."""
+    assert saboteur.pipeline is not None
+    link = saboteur.pipeline.links[stage]
+    assert "(killed by signal KILL)" in link.exit_detail(), link.exit_detail()
+    assert any("did not end on EOF or signals; killed it" in line for line in saboteur.logged(stage))
+    assert saboteur.close_seconds < 8, f"closing took {saboteur.close_seconds:.1f}s"
+
+
+async def test_a_hanging_stage_hits_the_step_timeout(tmp_path, sshd, cache_dir, model_path, none_left):
+    saboteur = Saboteur(on_token(3), signal_agent(1, signal.SIGSTOP))
+    inventory = inventory_file(tmp_path, sshd, cache_dir, model_path, step=2, teardown=2)
+    result = await run_with(saboteur, inventory)
+    assert result.outcome == "faulted" and result.failure == "step timeout waiting for token 4"
+    assert len(result.tokens) == 4 and result.text.strip(), "the output so far is kept"
+    assert result.notes == ("teardown timeout: no StageStopped from stage(s) 1",)
+    assert saboteur.stopped() == {0, 2}
+    ended_by_teardown(saboteur, 1)
+
+
+async def test_a_stage_that_never_becomes_ready(tmp_path, sshd, cache_dir, model_path, none_left):
+    saboteur = Saboteur(on_state(1, "Preparing"), signal_agent(1, signal.SIGSTOP))
+    inventory = inventory_file(tmp_path, sshd, cache_dir, model_path, ready=3, teardown=2)
+    result = await run_with(saboteur, inventory)
+    assert result.outcome == "faulted" and result.tokens == ()
+    assert result.failure == "readiness timeout: stage(s) 1 never became ready"
+    assert saboteur.stopped() == {0, 2}
+    ended_by_teardown(saboteur, 1)
+
+
+async def test_teardown_kills_only_what_its_connection_started(sshd, cache_dir, none_left):
+    """The kill by pid runs only on a process whose SSH_CONNECTION is the
+    connection's own: given the pid of an agent another connection started
+    (or a pid an agent reports from inside a container), it does nothing."""
+    hosts = {
+        name: HostSpec(
+            name=name,
+            line=1,
+            address="127.0.0.1",
+            port=sshd.port,
+            user=sshd.user,
+            identity=(str(sshd.client_key),),
+            known_hosts=(str(sshd.known_hosts),),
+            agent=AGENT,
+            cache_dir=str(cache_dir),
+        )
+        for name in ("gpu-a", "gpu-b")
+    }
+    ours, other = (
+        SshAgent(hosts["gpu-a"], 0, lambda line: None),
+        SshAgent(hosts["gpu-b"], 1, lambda line: None),
+    )
+    try:
+        own, others = await asyncio.gather(ours.start(20), other.start(20))
+        ours.hello = replace(own, pid=others.pid)
+        await ours._kill_by_pid(5)
+        await asyncio.sleep(0.5)
+        assert other.alive() and Path(f"/proc/{others.pid}").exists(), "another connection's agent was killed"
+        ours.hello = own
+    finally:
+        await asyncio.gather(ours.close(3), other.close(3))
+
+
+async def test_model_missing_on_one_host(tmp_path, sshd, cache_dir, model_path, none_left):
+    saboteur = Saboteur(lambda e: False, lambda p: None)
+    inventory = inventory_file(tmp_path, sshd, cache_dir, model_path, tmp_path / "elsewhere.gguf")
+    result = await run_with(saboteur, inventory)
+    assert result.outcome == "faulted"
+    missing = tmp_path / "elsewhere.gguf"
+    assert result.failure == f"stage 1 on gpu-b ({where(sshd)}): {missing}: no such file", result.failure
+    assert saboteur.stopped() == {0, 1, 2}, "the faulted stage's agent lives and takes StopRun too"
+
+
+async def test_corrupt_gguf_on_one_host(tmp_path, sshd, cache_dir, model_path, none_left):
+    corrupt = tmp_path / "corrupt.gguf"
+    with model_path.open("rb") as source, corrupt.open("wb") as target:
+        target.write(source.read(5 * 2**20))  # the header is whole, the tensor data is cut
+    saboteur = Saboteur(lambda e: False, lambda p: None)
+    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path, corrupt))
+    assert result.outcome == "faulted"
+    assert result.failure.startswith(
+        f"stage 1 on gpu-b ({where(sshd)}): {corrupt}: corrupt or truncated GGUF ("
+    ), result.failure
+    assert saboteur.stopped() == {0, 1, 2}
+
+
+def test_headless_fault_prints_the_output_so_far(tmp_path, sshd, cache_dir, model_path, none_left):
+    """ggufpipe-tui INVENTORY --prompt against the SSH hosts; gpu-b's agent is
+    SIGKILLed mid-decode: the text so far stays on stdout, the exit status is 1
+    and the reason is the last stderr line."""
+    inventory = inventory_file(tmp_path, sshd, cache_dir, model_path)
+    command = [
+        *(str(REPO / ".venv" / "bin" / "ggufpipe-tui"), str(inventory), "--prompt", LONG_PROMPT),
+        *("--raw", "--max-tokens", "400"),  # long enough to be under way when the agent dies
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        seen = ""
+        while len(seen) < 20:
+            char = process.stdout.read(1)
+            assert char, "the run ended before it produced text"
+            seen += char
+        agents = [pid for pid, line in sshd.session_agents().items() if " bridge " not in line]
+        sessions = [sshd_session_of(pid) for pid in agents]
+        (gpu_b,) = [
+            pid for pid, session in zip(agents, sessions, strict=True) if sessions.count(session) == 1
+        ]
+        os.kill(gpu_b, signal.SIGKILL)
+        rest, errors = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 1, errors
+    assert len(seen + rest.strip()) >= 20, "the text generated before the fault is printed"
+    lines = errors.strip().splitlines()
+    assert lines[-1] == (
+        f"ggufpipe: run faulted: stage 1 on gpu-b ({where(sshd)}): the agent exited (killed by signal KILL)"
+    ), errors
+    assert lines[-2].startswith("ggufpipe: run log ")
