@@ -190,7 +190,7 @@ async def test_hand_started_agent_is_attached_through_ssh(tmp_path, sshd, cache_
             assert pipeline.links[0].hello is not None and pipeline.links[0].hello.pid == by_hand.pid
             second = SshAgent(inventory.hosts["manual"], 0, lambda line: None)
             try:
-                with pytest.raises(TransportError, match="Refused") as busy:
+                with pytest.raises(TransportError, match="the agent refused the connection: another orchestrator is attached") as busy:
                     await second.start(10)
                 assert "no agent reachable" not in str(busy.value), "it is there, only busy"
             finally:
