@@ -94,12 +94,31 @@ def main(argv: list[str] | None = None) -> int:
 
     from ggufpipe_agent.runtime import serve_stdio
 
+    _die_with_parent()
+
     reason = aio.run(_with_signals(serve_stdio(options.cache_dir)))
     log.info("exiting: %s", reason)
     sys.stderr.flush()
     # A llama.cpp step may still run in the worker thread; it must not keep the
     # process (and the model's memory) alive after its orchestrator is gone.
     os._exit(0)
+
+
+def _die_with_parent() -> None:
+    """On stdio the agent belongs to whoever started it (the orchestrator, or
+    sshd's session for it): when that process ends, so does the agent, even
+    one that is stopped (SIGSTOP) or stuck and cannot read its stdin's EOF."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 async def _serve_listen(endpoint: str, cache_dir: Path | None) -> None:

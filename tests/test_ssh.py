@@ -362,7 +362,10 @@ async def test_faulted_run_leaves_no_agent(tmp_path, sshd, cache_dir, model_path
     assert result.outcome == "faulted" and "stage 1 on gpu" in result.failure, result.failure
 
 
-async def test_sigkilled_orchestrator_leaves_no_agent(tmp_path, sshd, cache_dir, model_path):
+@pytest.mark.parametrize("stopped_agent", [False, True], ids=["running", "one-agent-sigstopped"])
+async def test_sigkilled_orchestrator_leaves_no_agent(tmp_path, sshd, cache_dir, model_path, stopped_agent):
+    """Also when one agent is stopped (SIGSTOP) and cannot read the EOF of its
+    stdin: it dies with the sshd session that started it (PR_SET_PDEATHSIG)."""
     hosts = {"gpu": host_entry(sshd, cache_dir)}
     stages = [("gpu", layers) for layers in UNEVEN]
     path = write_inventory(tmp_path / "inv.yaml", model_path, hosts, stages)
@@ -380,6 +383,9 @@ async def test_sigkilled_orchestrator_leaves_no_agent(tmp_path, sshd, cache_dir,
             assert chunk, "the orchestrator ended before generating"
             text += chunk
         assert wait_session_agents(sshd, 3, 3) == (3, 3), "3 agents and 3 data bridges"
+        if stopped_agent:
+            agent = next(pid for pid, args in sshd.session_agents().items() if "bridge" not in args)
+            os.kill(agent, signal.SIGSTOP)
         orchestrator.kill()
         orchestrator.wait(5)
         killed = time.monotonic()
