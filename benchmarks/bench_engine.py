@@ -55,7 +55,9 @@ def measure(chain: Chain, prompt: list[int], tokens: int) -> tuple[float, float]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128, help="decode steps per repeat")
     parser.add_argument("--prompt", type=int, default=512, help="prompt length in tokens")

@@ -68,7 +68,9 @@ def prompt_tokens(path: Path, length: int) -> list[int]:
 
 def baseline(path: Path, prompts: dict[int, list[int]], repeats: int) -> list[Sample]:
     engine = StageEngine(
-        str(path), StageShape(True, True, 30, 576), EngineOptions(n_ctx=CONTEXT, n_batch=CONTEXT, n_ubatch=UBATCH)
+        str(path),
+        StageShape(True, True, 30, 576),
+        EngineOptions(n_ctx=CONTEXT, n_batch=CONTEXT, n_ubatch=UBATCH),
     )
     samples = []
     try:
@@ -112,7 +114,9 @@ def inventory_text(model: Path, hosts: str, stage_host: str, stages: int, dtype:
     )
 
 
-async def pipeline_samples(text: str, prompts: dict[int, list[int]], repeats: int, log_dir: str) -> list[Sample]:
+async def pipeline_samples(
+    text: str, prompts: dict[int, list[int]], repeats: int, log_dir: str
+) -> list[Sample]:
     inventory = parse_inventory(text, REPO / "benchmarks" / "bench.yaml")
     pipeline = Pipeline(inventory, lambda event: None, log_dir=log_dir)
     samples = []
@@ -131,7 +135,9 @@ async def pipeline_samples(text: str, prompts: dict[int, list[int]], repeats: in
             result = await pipeline.generate_tokens(prompts[128])
             assert result.ok and len(result.tokens) == DECODE + 1, result.failure
             timings = result.timings
-            samples.append(Sample(prefill, timings.decode_tokens_per_s, timings.ttft_ms, timings.stage_mean_step_ms))
+            samples.append(
+                Sample(prefill, timings.decode_tokens_per_s, timings.ttft_ms, timings.stage_mean_step_ms)
+            )
     finally:
         await pipeline.close()
     return samples
@@ -254,7 +260,9 @@ async def main_async(args: argparse.Namespace) -> int:
     print()
     print(report)
     docs = REPO / "docs"
-    command = "python benchmarks/bench_pipeline.py" + (f" --repeats {args.repeats}" if args.repeats != 5 else "")
+    command = "python benchmarks/bench_pipeline.py" + (
+        f" --repeats {args.repeats}" if args.repeats != 5 else ""
+    )
     (docs / "bench-pipeline.md").write_text(
         "# Pipeline benchmark\n\n"
         f"Measured {time.strftime('%Y-%m-%d')} with `{command}` ([plot](bench-pipeline.png)).\n\n" + report
@@ -265,7 +273,9 @@ async def main_async(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="threads per agent (0: all cores)")
     parser.add_argument("--quick", action="store_true", help="1 and 3 stages, float32 only")

@@ -8,6 +8,7 @@ milliseconds and only copies bytes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -47,10 +48,8 @@ def bridge_main(args: list[str]) -> int:
         except OSError:
             pass
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
 
     threading.Thread(target=upstream, daemon=True).start()
     buffer = bytearray(CHUNK)

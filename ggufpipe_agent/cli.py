@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -86,10 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("ggufpipe.agent")
 
     if options.listen:
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             aio.run(_with_signals(_serve_listen(options.listen, options.cache_dir)))
-        except KeyboardInterrupt:
-            pass
         return 0
 
     from ggufpipe_agent.runtime import serve_stdio

@@ -16,6 +16,7 @@ a new run and keeps the loaded weights.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -315,10 +316,9 @@ class StageEngine:
             self.model = None
 
     def __del__(self) -> None:
-        try:
+        # At interpreter shutdown llama_cpp may already be gone: nothing to report to.
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
-            pass
 
 
 def timed_step(engine: StageEngine, inputs: np.ndarray | list[int]) -> tuple[np.ndarray | int, float]:

@@ -315,7 +315,11 @@ class Session:
         """A frame that cannot be parsed: the stream is lost, and with it the run."""
         await self.refuse("data frame", reason)
         run = self.run
-        if run is not None and run.fsm.state in (StageState.READY, StageState.EXECUTING, StageState.PREPARING):
+        if run is not None and run.fsm.state in (
+            StageState.READY,
+            StageState.EXECUTING,
+            StageState.PREPARING,
+        ):
             from ggufpipe_agent.stage_fsm import InboundFault
 
             run.apply(InboundFault(f"malformed frame on the inbound edge: {reason}"))

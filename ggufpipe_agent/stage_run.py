@@ -9,6 +9,7 @@ See docs/rings.md for the ring and pump design.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -218,10 +219,8 @@ class StageRun:
     # -------------------------------------------------------------- effects
 
     async def _progress(self, state: str, detail: str, fraction: float) -> None:
-        try:
+        with contextlib.suppress(ConnectionError, OSError):
             await self._send(StageProgress(self.run_id, self.index, state, detail, fraction))
-        except (ConnectionError, OSError):
-            pass
 
     def _load_progress(self, loop: asyncio.AbstractEventLoop, detail: str) -> Callable[[float], None]:
         def report(fraction: float) -> None:

@@ -7,6 +7,7 @@ second and no tensor data.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import threading
@@ -97,10 +98,9 @@ class Vocabulary:
             self._model = None
 
     def __del__(self) -> None:
-        try:
+        # At interpreter shutdown llama_cpp may already be gone: nothing to report to.
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 @functools.lru_cache(maxsize=4)

@@ -356,8 +356,9 @@ class GgufpipeApp(App[int]):
             self._show(pending)
         self.prompts.put_nowait(pending)
         if self.session_phase == "Faulted":
-            self.notify("The pipeline faulted: ctrl+r starts a fresh one, then this prompt runs.",
-                        severity="warning")
+            self.notify(
+                "The pipeline faulted: ctrl+r starts a fresh one, then this prompt runs.", severity="warning"
+            )
         elif not pending.shown:
             self.notify(f"Queued ({self.prompts.qsize()} waiting): it runs when the current prompt is done.")
         self._refresh_status()
@@ -432,9 +433,14 @@ class GgufpipeApp(App[int]):
             row.connected, row.where = True, event.where
             row.device = hello.devices[0].description if hello.devices else hello.backend.upper()
             self.agent_pids[event.stage] = hello.pid
-            self._note(event.stage, Text(
-                f"agent on {event.host} ({event.where}), pid {hello.pid}, llama-cpp-python "
-                f"{hello.llama_cpp}, {row.device}", style="bold"))
+            self._note(
+                event.stage,
+                Text(
+                    f"agent on {event.host} ({event.where}), pid {hello.pid}, llama-cpp-python "
+                    f"{hello.llama_cpp}, {row.device}",
+                    style="bold",
+                ),
+            )
         elif isinstance(event, ModelInspected):
             f = event.facts
             hosts = len({row.host for row in self.rows})
@@ -452,9 +458,13 @@ class GgufpipeApp(App[int]):
                 row.layers = (stage.layer_start, stage.layer_end_exclusive)
                 row.estimated_bytes = stage.estimated_bytes
                 row.state, row.fault, row.load_fraction = "Unprovisioned", "", None
-                self._note(row.index, Text(
-                    f"  stage {row.index}: layers [{stage.layer_start}, {stage.layer_end_exclusive}) on "
-                    f"{stage.node_id}, ~{format_bytes(stage.estimated_bytes)}"))
+                self._note(
+                    row.index,
+                    Text(
+                        f"  stage {row.index}: layers [{stage.layer_start}, {stage.layer_end_exclusive}) on "
+                        f"{stage.node_id}, ~{format_bytes(stage.estimated_bytes)}"
+                    ),
+                )
         elif isinstance(event, RunPhaseChanged):
             self._phase(event, now)
         elif isinstance(event, StageStateChanged):
@@ -533,14 +543,18 @@ class GgufpipeApp(App[int]):
         if result.outcome == "faulted":
             summary = Text(f"✖ faulted: {result.failure}", style="bold red")
         elif not result.tokens:
-            summary = Text(f"{result.outcome}: {result.failure or 'stopped before the first token'}",
-                           style="grey58")
+            summary = Text(
+                f"{result.outcome}: {result.failure or 'stopped before the first token'}", style="grey58"
+            )
         else:
             why = {"eos": "end of text", "max_tokens": "max tokens", "stopped": "stopped"}.get(
-                result.stop_reason, result.outcome)
+                result.stop_reason, result.outcome
+            )
             summary = Text(
                 f"{why} · {len(result.tokens)} tokens · first after {t.ttft_ms:.0f} ms · "
-                f"{t.decode_tokens_per_s:.1f} tok/s", style="grey58")
+                f"{t.decode_tokens_per_s:.1f} tok/s",
+                style="grey58",
+            )
         if exchange is not None:
             exchange.finish(summary)
             self.query_one(Transcript).follow()
@@ -574,8 +588,12 @@ class GgufpipeApp(App[int]):
 
     def _refresh_status(self) -> None:
         now = self.now()
-        view = StatusView(phase=self.session_phase or self.run_phase or "Connecting", run_id=self.run_id,
-                          model=self.model_line, fault=self.fault)
+        view = StatusView(
+            phase=self.session_phase or self.run_phase or "Connecting",
+            run_id=self.run_id,
+            model=self.model_line,
+            fault=self.fault,
+        )
         view.hint = self._hint(now)
         stats = self.latest
         if stats is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
@@ -90,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ggufpipe: error: {error}", file=sys.stderr)
         return 2
     if args.prompt is not None:
-        from ggufpipe_tui.headless import run_headless
-
         from ggufpipe_agent import aio
+        from ggufpipe_tui.headless import run_headless
 
         return aio.run(
             run_headless(

@@ -100,9 +100,8 @@ class Printer:
         elif isinstance(event, AgentLog):
             if self.verbose:
                 print(f"[stage {event.stage} {event.host}] {event.line}", file=self.err, flush=True)
-        elif isinstance(event, Notice):
-            if self.verbose or event.level == "warning":
-                print(f"ggufpipe: {event.level}: {event.text}", file=self.err, flush=True)
+        elif isinstance(event, Notice) and (self.verbose or event.level == "warning"):
+            print(f"ggufpipe: {event.level}: {event.text}", file=self.err, flush=True)
 
 
 async def run_headless(

@@ -153,7 +153,9 @@ class Pipeline:
             host = inventory.hosts[stage.host]
             links.append(self.link_factory(host, index, self._log_sink(index, host.name)))
         self.links = links
-        results = await asyncio.gather(*(self._start_link(link, timeout) for link in links), return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._start_link(link, timeout) for link in links), return_exceptions=True
+        )
         failures = [result for result in results if isinstance(result, BaseException)]
         if failures:
             await self.close()
@@ -204,7 +206,9 @@ class Pipeline:
     async def _inspect(self) -> None:
         link = self.links[0]
         path = self.inventory.model_path_for(link.host)
-        reply = await self.request(link, lambda rid: Inspect(rid, path, True), max(60.0, self.inventory.timeouts.connect))
+        reply = await self.request(
+            link, lambda rid: Inspect(rid, path, True), max(60.0, self.inventory.timeouts.connect)
+        )
         if isinstance(reply, RequestFailed):
             where = self.inventory.where(self.inventory.model_line)
             raise PipelineError(f"model on {link.host.name}: {reply.reason} (model.path at {where})")
@@ -290,9 +294,9 @@ class Pipeline:
             reason = f"corrupt control stream ({error})"
         except (ConnectionError, OSError) as error:
             reason = f"control stream broke ({error})"
-        self._lost(link.stage, reason or "the control stream ended")
+        self.lost(link.stage, reason or "the control stream ended")
 
-    def _lost(self, stage: int, symptom: str) -> None:
+    def lost(self, stage: int, symptom: str) -> None:
         """A stage's stream broke or ended. Reported once per stage, with the
         root cause when there is one (the agent exited, and how)."""
         if self.closing or stage in self._lost_stages:
@@ -347,10 +351,10 @@ class Pipeline:
             try:
                 head = await reader.readexactly(objects.HEADER_SIZE)
             except asyncio.IncompleteReadError as error:
-                self._data_lost(index, "data stream ended" + (" inside a header" if error.partial else ""))
+                self.lost(index, "data stream ended" + (" inside a header" if error.partial else ""))
                 return
             except (ConnectionError, OSError) as error:
-                self._data_lost(index, f"data stream broke ({error})")
+                self.lost(index, f"data stream broke ({error})")
                 return
             driver = self.driver
             try:
@@ -373,10 +377,10 @@ class Pipeline:
                 if edge is not None:
                     await writer.drain()
             except asyncio.IncompleteReadError:
-                self._data_lost(index, "data stream ended inside an object")
+                self.lost(index, "data stream ended inside an object")
                 return
             except (ConnectionError, OSError) as error:
-                self._data_lost(index + 1, f"data stream broke ({error})")
+                self.lost(index + 1, f"data stream broke ({error})")
                 return
 
     def _check_object(
@@ -391,7 +395,9 @@ class Pipeline:
         edge = plan.edge(plan.stages[index].outbound_edge)
         header = objects.unpack_header(head, edge.object_spec.max_extent)
         if header.run_id != plan.run_id:
-            self.emit(AgentLog(index, self.links[index].host.name, f"dropped {header.describe()} of an old run"))
+            self.emit(
+                AgentLog(index, self.links[index].host.name, f"dropped {header.describe()} of an old run")
+            )
             return header, None
         if header.edge_id != edge.edge_id:
             raise ProtocolError(f"{header.describe()}: expected edge {edge.edge_id}")
@@ -408,10 +414,10 @@ class Pipeline:
                 header, edge = self._check_object(index, head, driver)
                 payload = await reader.readexactly(header.nbytes)
             except asyncio.IncompleteReadError:
-                self._data_lost(index, "data stream ended")
+                self.lost(index, "data stream ended")
                 return
             except (ConnectionError, OSError) as error:
-                self._data_lost(index, f"data stream broke ({error})")
+                self.lost(index, f"data stream broke ({error})")
                 return
             except ProtocolError as error:
                 self._edge_fault(f"stage {index} sent a bad token object: {error}")
@@ -420,9 +426,6 @@ class Pipeline:
                 continue
             tokens = objects.decode_tokens(header, payload)
             driver.feed(fsm.TokenConsumed(header.sequence, tokens[0]))
-
-    def _data_lost(self, stage: int, reason: str) -> None:
-        self._lost(stage, reason)
 
     def _edge_fault(self, reason: str) -> None:
         if not self.broken:
@@ -505,7 +508,9 @@ class RunDriver:
             self.feed(fsm.StageReadyEvent(stage))
         elif isinstance(message, StageFault):
             host = self.pipeline.links[stage].host
-            self.feed(fsm.StageFaultEvent(stage, f"stage {stage} on {host.name} ({host.where}): {message.reason}"))
+            self.feed(
+                fsm.StageFaultEvent(stage, f"stage {stage} on {host.name} ({host.where}): {message.reason}")
+            )
         elif isinstance(message, StageStopped):
             self.counters[stage] = message.counters
             emit(StageStats(run_id, stage, message.counters))
@@ -522,7 +527,8 @@ class RunDriver:
             writer.write(encode_message(OpenEdge(self.plan.run_id, plan.outbound_edge, "outbound")))
             await writer.drain()
         except (ConnectionError, OSError) as error:
-            self.feed(fsm.EdgeFault(f"stage {stage}: cannot set up edge streams ({error})"))
+            # A broken stream to a stage: report it with its root cause.
+            self.pipeline.lost(stage, f"cannot set up edge streams ({error})")
 
     # --------------------------------------------------------------- loop
 
@@ -565,12 +571,15 @@ class RunDriver:
             link = pipeline.links[effect.stage]
             message = provision_message(plan, effect.stage)
             message = replace(
-                message, engine=replace(message.engine, threads=link.host.threads, gpu_layers=link.host.gpu_layers)
+                message,
+                engine=replace(message.engine, threads=link.host.threads, gpu_layers=link.host.gpu_layers),
             )
             try:
                 await link.send(message)
             except (ConnectionError, OSError) as error:
-                return fsm.ProvisionFailed(effect.stage, f"{link.label}: cannot send ProvisionStage ({error})")
+                return fsm.ProvisionFailed(
+                    effect.stage, f"{link.label}: cannot send ProvisionStage ({error})"
+                )
             if effect.stage == len(plan.stages) - 1:
                 return fsm.ProvisionsSent()
         elif isinstance(effect, fsm.OpenTokenEndpoints):
@@ -600,7 +609,9 @@ class RunDriver:
             try:
                 if not link.alive():
                     raise ConnectionError("the agent is gone")
-                await asyncio.wait_for(link.send(StopRun(plan.run_id, self.run.stop_reason or self.run.outcome)), 5)
+                await asyncio.wait_for(
+                    link.send(StopRun(plan.run_id, self.run.stop_reason or self.run.outcome)), 5
+                )
             except (ConnectionError, OSError, asyncio.TimeoutError) as error:
                 return fsm.StageLost(effect.stage, f"{link.label}: StopRun not delivered ({error})")
         elif isinstance(effect, fsm.CloseTokenEndpoints):
@@ -630,7 +641,7 @@ class RunDriver:
             writer.write(objects.tokens_record(plan.run_id, plan.stages[0].inbound_edge, sequence, tokens))
             await writer.drain()
         except (ConnectionError, OSError) as error:
-            return fsm.EdgeFault(f"token-in edge to stage 0: {error}")
+            self.pipeline.lost(0, f"token-in edge: {error}")
         return None
 
     def _accept(self, sequence: int, token: int) -> None:

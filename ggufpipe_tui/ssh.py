@@ -228,8 +228,15 @@ class _Entry:
 
 
 def _pool_key(host: HostSpec) -> tuple[Any, ...]:
-    return (host.name, host.address, host.port, host.user, host.identity, host.known_hosts,
-            host.insecure_no_host_key_check)
+    return (
+        host.name,
+        host.address,
+        host.port,
+        host.user,
+        host.identity,
+        host.known_hosts,
+        host.insecure_no_host_key_check,
+    )
 
 
 class ConnectionPool:

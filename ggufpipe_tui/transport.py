@@ -207,7 +207,9 @@ class LocalAgent(AgentLink):
         try:
             return await open_endpoint(endpoint)
         except OSError as error:
-            raise TransportError(f"{self.label}: cannot reach the agent's data socket {endpoint}: {error}") from None
+            raise TransportError(
+                f"{self.label}: cannot reach the agent's data socket {endpoint}: {error}"
+            ) from None
 
     def alive(self) -> bool:
         if self.process is not None:

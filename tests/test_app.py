@@ -127,9 +127,7 @@ async def test_prompts_stream_one_after_another_without_reloading(
     assert not any(alive(pid) for pid in pids.values()), "an agent outlived the app"
 
 
-async def test_stop_fault_and_start_again(
-    tmp_path: Path, model_path: Path, no_agent_left: None
-) -> None:
+async def test_stop_fault_and_start_again(tmp_path: Path, model_path: Path, no_agent_left: None) -> None:
     inventory = write_inventory(tmp_path, model_path, "{max_tokens: 400, ignore_eos: true}")
     app = GgufpipeApp(inventory, log_dir=tmp_path / "runs")
     async with app.run_test(size=(80, 24)) as pilot:
@@ -186,7 +184,9 @@ async def test_a_prepared_run_waits_for_its_prompt_past_the_ready_timeout(
     """The app keeps a run prepared while the user thinks; the readiness
     timeout bounds the loading, not the user."""
     ready_timeout = 15.0
-    inventory = write_inventory(tmp_path, model_path, f"{{max_tokens: 4}}\ntimeouts: {{ready: {ready_timeout}}}")
+    inventory = write_inventory(
+        tmp_path, model_path, f"{{max_tokens: 4}}\ntimeouts: {{ready: {ready_timeout}}}"
+    )
     app = GgufpipeApp(inventory, log_dir=tmp_path / "runs")
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_for(pilot, lambda: app.run_phase == "WaitingReady", READY_TIMEOUT, "the first run")

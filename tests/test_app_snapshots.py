@@ -81,9 +81,19 @@ def inventory() -> Inventory:
 def hello(stage: int) -> Hello:
     devices = (Device("CUDA0", DEVICES[stage], 40 << 30, 38 << 30),) if DEVICES[stage] else ()
     return Hello(
-        protocol=1, version="0.1.0", hostname=f"host{stage}", pid=4100 + stage, python="3.11.7",
-        llama_cpp="0.3.36", backend="cuda" if devices else "cpu", gpu_offload=bool(devices), devices=devices,
-        memory_total=64 << 30, memory_available=60 << 30, data_endpoint="unix:/tmp/x", data_token="t",
+        protocol=1,
+        version="0.1.0",
+        hostname=f"host{stage}",
+        pid=4100 + stage,
+        python="3.11.7",
+        llama_cpp="0.3.36",
+        backend="cuda" if devices else "cpu",
+        gpu_offload=bool(devices),
+        devices=devices,
+        memory_total=64 << 30,
+        memory_available=60 << 30,
+        data_endpoint="unix:/tmp/x",
+        data_token="t",
     )
 
 
@@ -91,13 +101,21 @@ def planned(inv: Inventory) -> list[ScriptItem]:
     plan = build_plan(inv, FACTS, [(0, 8), (8, 21), (21, 30)], RUN_ID, edge_base=0x100)
     items: list[ScriptItem] = [0.0]
     for stage in range(3):
-        items.append(AgentConnected(stage, inv.stages[stage].host, inv.hosts[inv.stages[stage].host].where,
-                                    hello(stage)))
+        items.append(
+            AgentConnected(
+                stage, inv.stages[stage].host, inv.hosts[inv.stages[stage].host].where, hello(stage)
+            )
+        )
     items += [ModelInspected(FACTS), PlanMade(plan, ("gpu-a", "gpu-b", "here")), 0.2]
     items += [RunPhaseChanged(RUN_ID, "Provisioning"), RunPhaseChanged(RUN_ID, "WaitingReady")]
     for stage in range(3):
-        items.append(AgentLog(stage, "gpu", f"INFO ggufpipe.stage: run {RUN_ID:016x} stage {stage}: "
-                                            "Unprovisioned -> Preparing"))
+        items.append(
+            AgentLog(
+                stage,
+                "gpu",
+                f"INFO ggufpipe.stage: run {RUN_ID:016x} stage {stage}: Unprovisioned -> Preparing",
+            )
+        )
         items.append(StageStateChanged(RUN_ID, stage, "Preparing"))
     items += [
         StageLoadProgress(RUN_ID, 0, "writing stage file", 1.0),
@@ -139,8 +157,13 @@ def faulted(inv: Inventory) -> list[ScriptItem]:
         2.6,
         RunFinished(
             RunResult(
-                run_id=RUN_ID, outcome="faulted", stop_reason="", failure=reason, prompt_tokens=(1, 2, 3),
-                tokens=tuple(range(1000, 1000 + len(REPLY))), text="".join(REPLY),
+                run_id=RUN_ID,
+                outcome="faulted",
+                stop_reason="",
+                failure=reason,
+                prompt_tokens=(1, 2, 3),
+                tokens=tuple(range(1000, 1000 + len(REPLY))),
+                text="".join(REPLY),
                 timings=Timings(ttft_ms=300.0, prefill_ms=250.0, decode_ms=450.0, decode_tokens_per_s=20.0),
             )
         ),

@@ -152,7 +152,9 @@ def test_gemma3_27b_split_is_refused():
 
 
 def test_gemma3_27b_plan_is_refused_from_model_facts():
-    facts = SimpleNamespace(architecture="gemma3", block_count=62, hidden_dim=5376, head_count=32, key_length=128)
+    facts = SimpleNamespace(
+        architecture="gemma3", block_count=62, hidden_dim=5376, head_count=32, key_length=128
+    )
     check_plan(facts, [(0, 62)], "27b")
     with pytest.raises(UnsupportedArchitecture, match="27B"):
         check_plan(facts, [(0, 20), (20, 62)], "27b")
@@ -303,4 +305,3 @@ def ggufpipe_tui(inventory: Path, prompt: str, timeout: float) -> subprocess.Com
     return subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=os.environ.copy(), cwd=REPO
     )
-

@@ -190,7 +190,9 @@ async def test_hand_started_agent_is_attached_through_ssh(tmp_path, sshd, cache_
             assert pipeline.links[0].hello is not None and pipeline.links[0].hello.pid == by_hand.pid
             second = SshAgent(inventory.hosts["manual"], 0, lambda line: None)
             try:
-                with pytest.raises(TransportError, match="the agent refused the connection: another orchestrator is attached") as busy:
+                with pytest.raises(
+                    TransportError, match="the agent refused the connection: another orchestrator is attached"
+                ) as busy:
                     await second.start(10)
                 assert "no agent reachable" not in str(busy.value), "it is there, only busy"
             finally:
@@ -276,7 +278,9 @@ async def test_ssh_config_and_ssh_agent_are_used_like_ssh_does(tmp_path, sshd, c
                 break
             time.sleep(0.05)
         environment = {**os.environ, "SSH_AUTH_SOCK": str(socket_path)}
-        subprocess.run(["ssh-add", "-q", str(sshd.client_key)], env=environment, check=True, capture_output=True)
+        subprocess.run(
+            ["ssh-add", "-q", str(sshd.client_key)], env=environment, check=True, capture_output=True
+        )
         monkeypatch.setenv("HOME", str(home))
         monkeypatch.setenv("SSH_AUTH_SOCK", str(socket_path))
         host = HostSpec(name="aliased", line=1, address="gpu-alias", agent=AGENT, cache_dir=str(cache_dir))
@@ -370,8 +374,16 @@ async def test_sigkilled_orchestrator_leaves_no_agent(tmp_path, sshd, cache_dir,
     stages = [("gpu", layers) for layers in UNEVEN]
     path = write_inventory(tmp_path / "inv.yaml", model_path, hosts, stages)
     orchestrator = subprocess.Popen(
-        [str(REPO / ".venv" / "bin" / "ggufpipe-tui"), str(path), "--prompt", "Count to a thousand.",
-         "--max-tokens", "400", "--ignore-eos", "--quiet"],
+        [
+            str(REPO / ".venv" / "bin" / "ggufpipe-tui"),
+            str(path),
+            "--prompt",
+            "Count to a thousand.",
+            "--max-tokens",
+            "400",
+            "--ignore-eos",
+            "--quiet",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
@@ -430,8 +442,13 @@ async def test_bridge_channel_keeps_backpressure_both_ways(tmp_path, sshd, cache
 
     server = await asyncio.start_unix_server(peer, path=path)
     host = HostSpec(
-        name="gpu", line=1, address="127.0.0.1", port=sshd.port, identity=(str(sshd.client_key),),
-        known_hosts=(str(sshd.known_hosts),), agent=AGENT,
+        name="gpu",
+        line=1,
+        address="127.0.0.1",
+        port=sshd.port,
+        identity=(str(sshd.client_key),),
+        known_hosts=(str(sshd.known_hosts),),
+        agent=AGENT,
     )
     link = SshAgent(host, 0, lambda line: None)
     try:
