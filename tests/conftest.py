@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+#: The loopback OpenSSH server's fixtures (sshd, cache_dir) for the SSH tests.
+pytest_plugins = ["tests.sshd"]
+
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPO = Path(__file__).resolve().parent.parent
 

@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 SSHD = "/usr/sbin/sshd"
 PRIVSEP_DIR = Path("/run/sshd")
 
@@ -164,3 +166,24 @@ class Sshd:
                 if variable.startswith(b"SSH_CONNECTION=") and variable.split()[-1] == port:
                     found[int(entry.name)] = command.replace(b"\0", b" ").decode(errors="replace").strip()
         return found
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory: pytest.TempPathFactory):
+    """A real sshd for the test module. Missing OpenSSH is an error, not a
+    skip: scripts/test installs it, and a skipped SSH suite proves nothing."""
+    missing = sshd_missing()
+    if missing:
+        raise RuntimeError(f"the SSH tests need OpenSSH: {missing}")
+    server = Sshd(tmp_path_factory.mktemp("sshd")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One stage-file cache for the module: the first run writes, later ones reuse."""
+    return tmp_path_factory.mktemp("ssh-cache")

@@ -28,29 +28,13 @@ from ggufpipe_tui.inventory import HostSpec, load_inventory
 from ggufpipe_tui.orchestrator import Pipeline
 from ggufpipe_tui.ssh import SshAgent
 from tests.conftest import LONG_PROMPT, REPO
-from tests.sshd import Sshd, sshd_missing
+from tests.sshd import Sshd
 from tests.test_ssh import AGENT, host_entry, wait_no_session_agents, write_inventory
 
 pytestmark = [pytest.mark.ssh, pytest.mark.model]
 
 RANGES = [[0, 7], [7, 23], [23, 30]]
 HOSTS = ("gpu-a", "gpu-b", "gpu-a")
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory):
-    missing = sshd_missing()
-    if missing:
-        pytest.skip(missing)
-    server = Sshd(tmp_path_factory.mktemp("sshd")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Stage files of the module: the first run writes them, later ones reuse them."""
-    return tmp_path_factory.mktemp("ssh-cache")
 
 
 @pytest.fixture

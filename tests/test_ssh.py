@@ -30,29 +30,13 @@ from ggufpipe_tui.orchestrator import Pipeline
 from ggufpipe_tui.ssh import SshAgent
 from ggufpipe_tui.transport import TransportError
 from tests.conftest import LONG_PROMPT, REPO, whole_model_greedy
-from tests.sshd import Sshd, free_port, keygen, sshd_missing
+from tests.sshd import Sshd, free_port, keygen
 
 pytestmark = [pytest.mark.ssh, pytest.mark.model]
 
 
 AGENT = f"{sys.executable} -m ggufpipe_agent"  # sshd passes none of our environment
 UNEVEN = [[0, 7], [7, 20], [20, 30]]
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory: pytest.TempPathFactory):
-    missing = sshd_missing()
-    if missing:
-        pytest.skip(missing)
-    server = Sshd(tmp_path_factory.mktemp("sshd")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One stage-file cache for the module: the first run writes, later ones reuse."""
-    return tmp_path_factory.mktemp("ssh-cache")
 
 
 def host_entry(sshd: Sshd, cache: Path, **overrides: Any) -> dict[str, Any]:
