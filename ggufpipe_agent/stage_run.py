@@ -84,8 +84,7 @@ class EngineSlot:
     ) -> StageEngine:
         key = (str(path), shape, options)
         if self.key == key and self.engine is not None:
-            progress(1.0)
-            return self.engine
+            return self.engine  # loaded by an earlier run: nothing to load, nothing to report
         self.close()
         self.engine = StageEngine(str(path), shape, options, progress)
         self.key = key

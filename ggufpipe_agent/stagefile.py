@@ -84,9 +84,7 @@ def ensure_stage_file(
     directory = cache_dir or default_cache_dir()
     target = directory / f"{path.stem}.blk{start}-{end}of{block_count}.{cache_key(path, start, end)}.gguf"
     if target.exists():
-        if progress:
-            progress(1.0)
-        return target
+        return target  # cached: nothing to write, nothing to report
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
