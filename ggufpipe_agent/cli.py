@@ -36,6 +36,9 @@ subcommands:
 
 environment:
   GGUFPIPE_CACHE_DIR  where stage files are cached (default ~/.cache/ggufpipe/stages)
+  GOMP_SPINCOUNT      how long llama.cpp's idle CPU threads spin before they sleep;
+                      the agent sets 10000 unless given, so stages sharing a host
+                      do not starve each other (docs/performance.md)
 """
 
 

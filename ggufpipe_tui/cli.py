@@ -18,9 +18,13 @@ llama.cpp, and streams the generated text.
 Without --prompt it opens the terminal UI; with --prompt it runs headless."""
 
 EPILOG = """\
-exit status: 0 the run completed, 1 the run faulted (the output so far is
-printed, the reason is the last line on stderr), 2 the pipeline could not be
-set up (bad inventory, unreachable host, missing model, ...).
+in the UI: Enter runs the prompt, esc stops the generation (it keeps what it
+has), ctrl+f filters the log by stage, ctrl+r starts the pipeline again,
+ctrl+q stops every stage and quits.
+
+exit status (headless): 0 the run completed, 1 the run faulted (the output so
+far is printed, the reason is the last line on stderr), 2 the pipeline could
+not be set up (bad inventory, unreachable host, missing model, ...).
 
 Each run writes a JSON Lines event log; its path is printed at the end
 (directory: --log-dir, $GGUFPIPE_LOG_DIR or ~/.local/state/ggufpipe/runs)."""
