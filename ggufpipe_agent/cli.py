@@ -17,9 +17,13 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ggufpipe_agent import PROTOCOL_VERSION, __version__, aio
+
+T = TypeVar("T")
 
 DESCRIPTION = """\
 ggufpipe stage agent: runs one contiguous layer range of a GGUF model with
@@ -35,7 +39,8 @@ subcommands:
                     forwarding is needed on the host.
 
 environment:
-  GGUFPIPE_CACHE_DIR  where stage files are cached (default ~/.cache/ggufpipe/stages)
+  GGUFPIPE_CACHE_DIR  where stage files are cached (default
+                      $XDG_CACHE_HOME/ggufpipe/stages or ~/.cache/ggufpipe/stages)
   GOMP_SPINCOUNT      how long llama.cpp's idle CPU threads spin before they sleep;
                       the agent sets 10000 unless given, so stages sharing a host
                       do not starve each other (docs/performance.md)
@@ -69,6 +74,16 @@ def main(argv: list[str] | None = None) -> int:
         version=f"ggufpipe-agent {__version__} (protocol {PROTOCOL_VERSION})",
     )
     options = parser.parse_args(args)
+    if options.listen:
+        from ggufpipe_agent.bridge import parse_endpoint
+
+        try:
+            parse_endpoint(options.listen)
+        except ValueError as error:
+            parser.error(f"--listen: {error}")
+    if options.cache_dir is not None:
+        # No shell expands it when the orchestrator starts a local agent.
+        options.cache_dir = options.cache_dir.expanduser()
     # llama.cpp's CPU backend runs its threads in OpenMP regions and
     # synchronises them with OpenMP barriers. libgomp lets an idle thread spin
     # for GOMP_SPINCOUNT iterations (300k by default, endless with
@@ -129,9 +144,9 @@ async def _serve_listen(endpoint: str, cache_dir: Path | None) -> None:
     await serve_listen(endpoint, cache_dir)
 
 
-async def _with_signals(work: object) -> object:
+async def _with_signals(work: Coroutine[Any, Any, T]) -> T | str:
     """Run ``work``; SIGTERM and SIGHUP end it like the orchestrator leaving."""
-    task = asyncio.ensure_future(work)  # type: ignore[arg-type]
+    task = asyncio.ensure_future(work)
     loop = asyncio.get_running_loop()
     for number in (signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(number, task.cancel)

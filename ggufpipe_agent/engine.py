@@ -21,7 +21,6 @@ import ctypes
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -192,11 +191,6 @@ class StageEngine:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
         self._sampler = chain
 
-    @property
-    def position(self) -> int:
-        """Positions already in the KV cache."""
-        return self._n_past
-
     def abort(self) -> None:
         """Make a running prefill stop at its next graph node (StopRun)."""
         self._abort.set()
@@ -264,7 +258,7 @@ class StageEngine:
                 self._n_past += count
         finally:
             if long_step:
-                lib.llama_set_abort_callback(self.context, ctypes.cast(None, lib.ggml_abort_callback), None)
+                lib.llama_set_abort_callback(self.context, lib.ggml_abort_callback(), None)  # NULL: none
         if self.shape.last:
             return int(lib.llama_sampler_sample(self._sampler, self.context, -1))
         captured, self._capture = self._capture, None
@@ -319,9 +313,3 @@ class StageEngine:
         # At interpreter shutdown llama_cpp may already be gone: nothing to report to.
         with contextlib.suppress(Exception):
             self.close()
-
-
-def timed_step(engine: StageEngine, inputs: np.ndarray | list[int]) -> tuple[np.ndarray | int, float]:
-    started = time.perf_counter()
-    result = engine.step(inputs)
-    return result, (time.perf_counter() - started) * 1000.0

@@ -1,11 +1,14 @@
 """Model facts read lazily from a GGUF file (no tensor data is loaded).
 
-``GGUFReader`` memory-maps the file and parses only the header, the metadata
-and the tensor table, so this is cheap even for a file of tens of GB.
+:mod:`ggufpipe_agent.gguf_header` walks only the memory-mapped header (the
+metadata and the tensor table), so this is cheap even for a file of tens of
+GB; the results are cached per file identity. ``gguf.GGUFReader`` is used only
+where tensors are copied (stage files).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -48,13 +51,6 @@ def open_reader(path: str | os.PathLike[str]) -> Any:
         raise ModelError(f"{target}: corrupt or truncated GGUF ({error})") from None
 
 
-def field_value(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
 def read_gguf_header(path: str | os.PathLike[str]) -> GgufHeader:
     return read_header(check_gguf_path(path))
 
@@ -67,7 +63,16 @@ def _scalar(value: Any) -> int:
 
 
 def read_model_facts(path: str | os.PathLike[str]) -> ModelFacts:
-    header = read_gguf_header(path)
+    """The facts of a GGUF file, parsed once per file identity (path, size,
+    mtime): every prompt's Tokenize and every run's preparation ask again."""
+    target = check_gguf_path(path)
+    stat = target.stat()
+    return _facts(str(target), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _facts(path: str, _size: int, _mtime_ns: int) -> ModelFacts:
+    header = read_header(Path(path))
     source = header.path
     arch = header.architecture
 

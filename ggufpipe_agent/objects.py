@@ -144,7 +144,7 @@ def activation_record(
     array = np.ascontiguousarray(rows, dtype=DTYPES[code])
     n, width = array.shape
     header = ObjectHeader(KIND_ACTIVATION, code, run_id, edge_id, sequence, n, width, array.nbytes)
-    return header.pack(), memoryview(array).cast("B")
+    return header.pack(), array.data.cast("B")
 
 
 def decode_tokens(header: ObjectHeader, payload: bytes | bytearray | memoryview) -> list[int]:

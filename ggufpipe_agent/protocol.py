@@ -19,7 +19,6 @@ import dataclasses
 import struct
 import types
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -415,7 +414,7 @@ def _from_wire(tp: Any, value: Any, where: str) -> Any:
     raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
 
 
-def _build(cls: Callable[..., T], value: Any, where: str) -> T:
+def _build(cls: Any, value: Any, where: str) -> Any:
     if not isinstance(value, dict):
         raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
     assert isinstance(cls, type)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufpipe_agent import PROTOCOL_VERSION, __version__, objects
+from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.protocol import (
     CONTROL_MAGIC,
@@ -180,8 +181,8 @@ class Session:
     async def serve(self) -> str:
         """Answer control messages until the stream ends; returns why it ended."""
         self.agent.session = self
-        await self.send(self.agent.hello())
         try:
+            await self.send(self.agent.hello())
             while True:
                 try:
                     message = await read_message(self.reader)
@@ -194,6 +195,8 @@ class Session:
                 if isinstance(message, Shutdown):
                     return f"shutdown requested: {message.reason}"
                 await self.dispatch(message)
+        except (ConnectionError, OSError) as error:
+            return f"the control stream broke ({error})"
         finally:
             await self.stop_all("orchestrator session ended")
             self.closing = True
@@ -254,7 +257,8 @@ class Session:
         run = self.run
         if run is None or run.run_id != message.run_id:
             if message.run_id in self.agent.seen_runs:
-                # Stopped before: answer again so a retried teardown completes.
+                # An older run than the current one. (A retried StopRun of the
+                # current, stopped run is answered with StageStopped again.)
                 await self.refuse("StopRun", f"stale run id {message.run_id:016x}")
             else:
                 await self.refuse("StopRun", f"unknown run id {message.run_id:016x}")
@@ -483,11 +487,11 @@ async def serve_listen(endpoint: str, cache_dir: Path | None) -> None:
             log.info("orchestrator detached: %s", reason)
             writer.close()
 
-    if endpoint.startswith("unix:"):
-        server = await asyncio.start_unix_server(on_connect, path=endpoint[5:], limit=1 << 20)
+    where, port = parse_endpoint(endpoint)
+    if port is None:
+        server = await asyncio.start_unix_server(on_connect, path=where, limit=1 << 20)
     else:
-        host, _, port = endpoint.rpartition(":")
-        server = await asyncio.start_server(on_connect, host or "127.0.0.1", int(port), limit=1 << 20)
+        server = await asyncio.start_server(on_connect, where, port, limit=1 << 20)
     log.info("listening on %s (data socket unix:%s)", endpoint, agent.data_path)
     try:
         async with server:

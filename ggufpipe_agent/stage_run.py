@@ -286,8 +286,8 @@ class StageRun:
     async def _pump(self) -> None:
         """Inbound ring -> ExecuteStep, one object at a time, only when Ready."""
         while True:
+            await self._ready.wait()  # the next object stays in the ring until then
             item = await self.ring.get()
-            await self._ready.wait()
             self._current = item
             self.counters.bytes_in += item[0].nbytes
             self.apply(ObjectLoaded(item[0].sequence))
@@ -342,6 +342,7 @@ class StageRun:
                 self.outbound.write(record)
                 sent = len(record) - objects.HEADER_SIZE
             else:
+                assert not isinstance(result, int)  # a non-last stage returns activations
                 head, body = objects.activation_record(
                     self.run_id, p.outbound.edge_id, sequence, result, p.outbound.object_spec.dtype
                 )
@@ -373,7 +374,3 @@ class StageRun:
         self.outbound = None
         self._current = None
         self.apply(StopComplete())
-
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()

@@ -89,6 +89,7 @@ def ensure_stage_file(
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ModelError(f"cannot create stage cache {directory}: {error.strerror}") from None
+    _remove_orphans(directory, target.name)
     temporary = directory / f".{target.name}.{os.getpid()}.tmp"
     overrides = stage_metadata_overrides(arch, header.get, start, end)
     reader = open_reader(path)
@@ -171,3 +172,22 @@ def _write_stage_file(
         handle.flush()
         os.fsync(handle.fileno())
     writer.close()
+
+
+def _remove_orphans(directory: Path, name: str) -> None:
+    """Temporary files of this entry left by writers that died (a killed
+    agent, a StopRun during the first load): never trusted, so only space."""
+    for leftover in directory.glob(f".{name}.*.tmp"):
+        pid = leftover.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            leftover.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import functools
 import threading
+from typing import Any
 
 from ggufpipe_agent.errors import ModelError
 from ggufpipe_agent.model import check_gguf_path
@@ -33,6 +34,7 @@ class Vocabulary:
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self._lock = threading.Lock()
+        self._formatters: dict[str, Any] = {}
 
     def token_text(self, token: int) -> str:
         raw = self._lib.llama_vocab_get_text(self._vocab, token)
@@ -70,16 +72,19 @@ class Vocabulary:
 
     def render_chat(self, template: str, text: str) -> str:
         """The user's message in the model's chat template, ready to generate."""
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+        formatter = self._formatters.get(template)
+        if formatter is None:  # compiling the Jinja template once per model
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        bos = self._lib.llama_vocab_bos(self._vocab)
-        eos = self._lib.llama_vocab_eos(self._vocab)
-        formatter = Jinja2ChatFormatter(
-            template,
-            eos_token=self.token_text(eos) if eos >= 0 else "",
-            bos_token=self.token_text(bos) if bos >= 0 else "",
-            add_generation_prompt=True,
-        )
+            bos = self._lib.llama_vocab_bos(self._vocab)
+            eos = self._lib.llama_vocab_eos(self._vocab)
+            formatter = Jinja2ChatFormatter(
+                template,
+                eos_token=self.token_text(eos) if eos >= 0 else "",
+                bos_token=self.token_text(bos) if bos >= 0 else "",
+                add_generation_prompt=True,
+            )
+            self._formatters[template] = formatter
         try:
             return formatter(messages=[{"role": "user", "content": text}]).prompt
         except Exception as error:  # noqa: BLE001 - jinja2 raises many kinds

@@ -265,11 +265,13 @@ class GgufpipeApp(App[int]):
             self.exchanges[driver.plan.run_id] = pending.exchange
             try:
                 tokens, _ = await pipeline.tokenize(pending.text, self.inventory.run.chat)
+                await pipeline.run_prompt(driver, tokens, pending.submitted)
             except GgufpipeError as error:
-                driver.stop(f"no prompt: {error}")
-                self._note(None, Text(f"tokenizing the prompt failed: {error}", style="red"))
-            else:
-                driver.give_prompt(tokens, pending.submitted)
+                # Not run (tokenizing failed, or too long for the context): the
+                # prepared run is torn down and the next one prepared.
+                if not driver.done.is_set():
+                    driver.stop(f"no prompt: {error}")
+                self._note(None, Text(f"the prompt was not run: {error}", style="red"))
             await driver.done.wait()
             self.prompt_active = False
             result = driver.result

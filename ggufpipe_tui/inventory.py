@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.errors import GgufpipeError
 
 ACTIVATION_DTYPES = ("float32", "float16")
@@ -200,6 +201,11 @@ def _host(reader: _Reader, name: str, node: yaml.Node) -> HostSpec:
         raise reader.fail(node, key, "needs an address (or local: true)")
     if not 0 < host.port < 65536:
         raise reader.fail(node, f"{key}.port", f"{host.port} is not a TCP port")
+    if host.listen:
+        try:
+            parse_endpoint(host.listen)
+        except ValueError as error:
+            raise reader.fail(node, f"{key}.listen", str(error)) from None
     if host.insecure_no_host_key_check and host.known_hosts:
         raise reader.fail(node, key, "known_hosts and insecure_no_host_key_check exclude each other")
     return host

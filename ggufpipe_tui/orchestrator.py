@@ -19,7 +19,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from ggufpipe_agent import objects
@@ -115,6 +114,8 @@ class Pipeline:
         self.link_factory = link_factory
         self.links: list[AgentLink] = []
         self.data: list[tuple[Any, Any]] = []
+        #: One writer per data stream at a time: relays, edge setup, token-in.
+        self.write_locks: list[asyncio.Lock] = []
         self.facts: ModelFacts | None = None
         self.pieces: tuple[bytes, ...] = ()
         self.ranges: list[tuple[int, int]] = []
@@ -130,7 +131,11 @@ class Pipeline:
     # ------------------------------------------------------------- events
 
     def emit(self, event: Event) -> None:
-        self.runlog.write(event)
+        try:
+            self.runlog.write(event)
+        except OSError as error:  # a full disk must not stop the run
+            self.runlog.disable(f"{error.strerror or error}")
+            self._emit_view(Notice("warning", f"run log disabled: cannot write {self.runlog.path} ({error})"))
         try:
             self._emit_view(event)
         except Exception:  # noqa: BLE001 - a view's bug must not break the run
@@ -139,8 +144,22 @@ class Pipeline:
     def _spawn(self, coroutine: Any) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        """A pipeline task that dies of a bug must not leave a run waiting
+        forever: the failure becomes the run's fault."""
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        log.error("pipeline task failed", exc_info=error)
+        reason = f"internal error in the orchestrator: {type(error).__name__}: {error}"
+        if not self.broken:
+            self.broken = reason
+        if self.driver is not None:
+            self.driver.feed(fsm.EdgeFault(reason))
 
     # -------------------------------------------------------------- start
 
@@ -168,6 +187,7 @@ class Pipeline:
         try:
             await self._inspect()
             self.data = list(await asyncio.gather(*(self._open_data(link, timeout) for link in links)))
+            self.write_locks = [asyncio.Lock() for _ in links]
         except BaseException:
             await self.close()
             raise
@@ -180,7 +200,7 @@ class Pipeline:
 
     async def _start_link(self, link: AgentLink, timeout: float) -> None:
         try:
-            hello = await asyncio.wait_for(link.start(timeout), timeout + 5)  # type: ignore[attr-defined]
+            hello = await asyncio.wait_for(link.start(timeout), timeout + 5)
         except asyncio.TimeoutError:
             raise TransportError(f"{link.label}: no answer within {timeout:g}s") from None
         self.emit(AgentConnected(link.stage, link.host.name, link.host.where, hello))
@@ -200,6 +220,8 @@ class Pipeline:
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             raise PipelineError(f"{link.label}: no answer to a request within {timeout:g}s") from None
+        except (ConnectionError, OSError) as error:
+            raise PipelineError(f"{link.label}: the control stream broke ({error})") from None
         finally:
             self._requests.pop(request_id, None)
 
@@ -243,7 +265,10 @@ class Pipeline:
         plan = self.make_plan()
         driver = RunDriver(self, plan)
         self.driver = driver
-        self.runlog.open(plan.run_id)
+        try:
+            self.runlog.open(plan.run_id)
+        except OSError as error:
+            self.emit(Notice("warning", f"run log disabled: cannot write {self.runlog.path} ({error})"))
         self.emit(PlanMade(plan, tuple(stage.host for stage in self.inventory.stages)))
         self._spawn(driver.drive())
         return driver
@@ -331,6 +356,16 @@ class Pipeline:
             return
         if isinstance(message, Refused):
             self.emit(AgentLog(link.stage, link.host.name, f"refused {message.what}: {message.reason}"))
+            driver = self.driver
+            setting_up = (fsm.RunPhase.PROVISIONING, fsm.RunPhase.WAITING_READY)
+            if (
+                driver is not None
+                and driver.run.phase in setting_up
+                and message.what in ("ProvisionStage", "OpenEdge")
+            ):
+                # The stage will never become ready: say why now, not at the readiness timeout.
+                reason = f"{link.label} refused {message.what}: {message.reason}"
+                driver.feed(fsm.StageFaultEvent(link.stage, reason))
             return
         run_id = getattr(message, "run_id", None)
         driver = self.driver
@@ -344,9 +379,12 @@ class Pipeline:
     async def _relay(self, index: int) -> None:
         """Stage i's outbound objects to stage i+1, header checked, payload
         untouched and streamed in chunks (memory bounded, backpressure kept:
-        nothing more is read until the consumer has drained)."""
+        nothing more is read until the consumer has drained). The consumer's
+        stream lock is held for a whole object, so edge setup for the next
+        run never lands inside one."""
         reader, _ = self.data[index]
         _, writer = self.data[index + 1]
+        lock = self.write_locks[index + 1]
         while True:
             try:
                 head = await reader.readexactly(objects.HEADER_SIZE)
@@ -356,32 +394,32 @@ class Pipeline:
             except (ConnectionError, OSError) as error:
                 self.lost(index, f"data stream broke ({error})")
                 return
-            driver = self.driver
             try:
-                header, edge = self._check_object(index, head, driver)
+                header, edge = self._check_object(index, head, self.driver)
             except ProtocolError as error:
                 self._edge_fault(f"stage {index} sent a bad object: {error}")
                 return
-            try:
-                remaining = header.nbytes
-                if edge is not None:
-                    writer.write(head)
-                while remaining:
-                    chunk = await reader.read(min(remaining, RELAY_CHUNK))
-                    if not chunk:
-                        raise asyncio.IncompleteReadError(b"", remaining)
-                    remaining -= len(chunk)
+            async with lock:
+                try:
                     if edge is not None:
-                        writer.write(chunk)
-                        await writer.drain()
-                if edge is not None:
-                    await writer.drain()
-            except asyncio.IncompleteReadError:
-                self.lost(index, "data stream ended inside an object")
-                return
-            except (ConnectionError, OSError) as error:
-                self.lost(index + 1, f"data stream broke ({error})")
-                return
+                        writer.write(head)
+                    remaining = header.nbytes
+                    while remaining:
+                        try:
+                            chunk = await reader.read(min(remaining, RELAY_CHUNK))
+                        except (ConnectionError, OSError) as error:
+                            self.lost(index, f"data stream broke ({error})")
+                            return
+                        if not chunk:
+                            self.lost(index, "data stream ended inside an object")
+                            return
+                        remaining -= len(chunk)
+                        if edge is not None:
+                            writer.write(chunk)
+                            await writer.drain()
+                except (ConnectionError, OSError) as error:
+                    self.lost(index + 1, f"data stream broke ({error})")
+                    return
 
     def _check_object(
         self, index: int, head: bytes, driver: RunDriver | None
@@ -498,7 +536,7 @@ class RunDriver:
         if isinstance(message, StageProgress):
             if message.state == "Preparing" and message.fraction < 0:
                 # The agent has taken the provision: set up its edge streams.
-                asyncio.ensure_future(self._open_edges(stage))
+                self.pipeline._spawn(self._open_edges(stage))
             if message.fraction < 0:
                 self.stage_states[stage] = message.state
                 emit(StageStateChanged(run_id, stage, message.state, message.detail))
@@ -523,9 +561,10 @@ class RunDriver:
         plan = self.plan.stages[stage]
         try:
             _, writer = self.pipeline.data[stage]
-            writer.write(encode_message(OpenEdge(self.plan.run_id, plan.inbound_edge, "inbound")))
-            writer.write(encode_message(OpenEdge(self.plan.run_id, plan.outbound_edge, "outbound")))
-            await writer.drain()
+            async with self.pipeline.write_locks[stage]:
+                writer.write(encode_message(OpenEdge(self.plan.run_id, plan.inbound_edge, "inbound")))
+                writer.write(encode_message(OpenEdge(self.plan.run_id, plan.outbound_edge, "outbound")))
+                await writer.drain()
         except (ConnectionError, OSError) as error:
             # A broken stream to a stage: report it with its root cause.
             self.pipeline.lost(stage, f"cannot set up edge streams ({error})")
@@ -570,10 +609,6 @@ class RunDriver:
         if isinstance(effect, fsm.SendProvision):
             link = pipeline.links[effect.stage]
             message = provision_message(plan, effect.stage)
-            message = replace(
-                message,
-                engine=replace(message.engine, threads=link.host.threads, gpu_layers=link.host.gpu_layers),
-            )
             try:
                 await link.send(message)
             except (ConnectionError, OSError) as error:
@@ -592,9 +627,9 @@ class RunDriver:
                 timer.cancel()
         elif isinstance(effect, fsm.InjectPrompt):
             self._injected = time.perf_counter()
-            return await self._write_tokens(0, self.prompt)
+            await self._write_tokens(0, self.prompt)
         elif isinstance(effect, fsm.InjectToken):
-            return await self._write_tokens(effect.sequence, [effect.token])
+            await self._write_tokens(effect.sequence, [effect.token])
         elif isinstance(effect, fsm.AcceptToken):
             self._accept(effect.sequence, effect.token)
         elif isinstance(effect, fsm.FinalizeOutput):
@@ -634,15 +669,16 @@ class RunDriver:
         loop = asyncio.get_running_loop()
         self._timers[kind] = loop.call_later(seconds, self.feed, fsm.Timeout(kind))
 
-    async def _write_tokens(self, sequence: int, tokens: list[int]) -> fsm.RunEvent | None:
+    async def _write_tokens(self, sequence: int, tokens: list[int]) -> None:
         plan = self.plan
         try:
             _, writer = self.pipeline.data[0]
-            writer.write(objects.tokens_record(plan.run_id, plan.stages[0].inbound_edge, sequence, tokens))
-            await writer.drain()
+            async with self.pipeline.write_locks[0]:
+                record = objects.tokens_record(plan.run_id, plan.stages[0].inbound_edge, sequence, tokens)
+                writer.write(record)
+                await writer.drain()
         except (ConnectionError, OSError) as error:
             self.pipeline.lost(0, f"token-in edge: {error}")
-        return None
 
     def _accept(self, sequence: int, token: int) -> None:
         now = time.perf_counter()
@@ -681,7 +717,7 @@ class RunDriver:
             timings=timings,
             architecture=self.plan.model.architecture,
             model=self.plan.model.model_id,
-            log_path=str(self.pipeline.runlog.path or ""),
+            log_path="" if self.pipeline.runlog.disabled else str(self.pipeline.runlog.path or ""),
             notes=run.notes,
         )
         self.pipeline.emit(RunFinished(self.result))

@@ -9,7 +9,7 @@ edges 1..N-1 are Activation (stage i-1 -> stage i), edge N is TokenOut
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.model import estimate_stage_bytes
@@ -85,6 +85,7 @@ class StagePlan:
     inbound_edge: int
     outbound_edge: int
     estimated_bytes: int
+    engine: EngineOptions  # the run's sizes with this stage's host's threads and GPU layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +177,11 @@ def build_plan(
             ring(tokens_out),
         )
     )
+    engine = EngineOptions(
+        n_ctx=max_seq_len,
+        n_batch=min(max_seq_len, 2048),
+        n_ubatch=min(options.ubatch, max_seq_len),
+    )
     stages = tuple(
         StagePlan(
             run_id=run_id,
@@ -188,13 +194,13 @@ def build_plan(
             inbound_edge=base + i,
             outbound_edge=base + i + 1,
             estimated_bytes=estimate_stage_bytes(facts, ranges[i][0], ranges[i][1], max_seq_len, i == n - 1),
+            engine=replace(
+                engine,
+                threads=inventory.hosts[node[i]].threads,
+                gpu_layers=inventory.hosts[node[i]].gpu_layers,
+            ),
         )
         for i in range(n)
-    )
-    engine = EngineOptions(
-        n_ctx=max_seq_len,
-        n_batch=min(max_seq_len, 2048),
-        n_ubatch=min(options.ubatch, max_seq_len),
     )
     sampling = SamplingParams(options.temperature, options.top_k, options.top_p, options.seed)
     return RunPlan(run_id, model, stages, tuple(edges), options.max_tokens, engine, sampling)
@@ -304,6 +310,6 @@ def provision_message(plan: RunPlan, index: int) -> ProvisionStage:
             dtype_width_bytes=model.dtype_width_bytes,
             max_seq_len=model.max_seq_len,
         ),
-        engine=plan.engine,
+        engine=stage.engine,
         sampling=plan.sampling,
     )

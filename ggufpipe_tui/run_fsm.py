@@ -293,7 +293,7 @@ def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
         if isinstance(event, PlanRejected):
             return _fault(run, event.reason)
         if isinstance(event, StopRequested):
-            return _teardown(replace(run, outcome="torn down"))
+            return _teardown(replace(run, outcome="torn down", failure=event.reason))
         raise _reject(run, event)
 
     if phase is P.PROVISIONING:
@@ -303,10 +303,10 @@ def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
             return _fault(replace(run, provisioned=run.provisioned - {event.stage}), event.reason)
         if isinstance(event, StageReadyEvent):
             return replace(run, ready=run.ready | {event.stage}), []
-        if isinstance(event, StageFaultEvent | StageLost):
+        if isinstance(event, StageFaultEvent | StageLost | EdgeFault):
             return _fault(run, event.reason)
         if isinstance(event, StopRequested):
-            return _teardown(replace(run, outcome="torn down"))
+            return _teardown(replace(run, outcome="torn down", failure=event.reason))
         raise _reject(run, event)
 
     if phase is P.WAITING_READY:
@@ -322,7 +322,7 @@ def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
                 run, f"readiness timeout: stage(s) {', '.join(map(str, waiting))} never became ready"
             )
         if isinstance(event, StopRequested):
-            return _teardown(replace(run, outcome="torn down"))
+            return _teardown(replace(run, outcome="torn down", failure=event.reason))
         raise _reject(run, event)
 
     if phase is P.RUNNING:

@@ -8,6 +8,7 @@ line, so a faulted run's log says exactly what happened. The directory is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -45,16 +46,33 @@ class RunLog:
         self.path: Path | None = None
         self._file: IO[str] | None = None
         self._session: list[str] = []
+        self._opened = False
+        self.disabled = ""
 
     def open(self, run_id: int) -> None:
         self.close()
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.disabled:
+            return
+        self._opened = True
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.path = self.directory / f"{stamp}-{run_id:016x}.jsonl"
-        self._file = self.path.open("w", encoding="utf-8")
-        for line in self._session:
-            self._file.write(line)
-        self._file.flush()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("w", encoding="utf-8")
+            for line in self._session:
+                self._file.write(line)
+            self._file.flush()
+        except OSError as error:
+            self.disable(str(error))
+            raise
+
+    def disable(self, reason: str) -> None:
+        """Stop logging (a full disk, an unwritable directory); runs go on."""
+        self.disabled = reason
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
 
     def write(self, event: Event) -> None:
         record = {"t": round(time.time(), 6), "event": type(event).__name__, **_plain(event)}
@@ -62,7 +80,9 @@ class RunLog:
             record["hello"].pop("data_token", None)  # a capability, not for logs
         line = json.dumps(record, ensure_ascii=False, default=str) + "\n"
         if self._file is None:
-            if len(self._session) < 10_000:
+            # Before the first run (agents connecting, the model): kept for the
+            # top of every run's log. Between runs: not part of any run.
+            if not self._opened and len(self._session) < 10_000:
                 self._session.append(line)
             return
         self._file.write(line)

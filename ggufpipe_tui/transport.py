@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import re
 import shlex
-import signal
 import sys
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from ggufpipe_agent import PROTOCOL_VERSION, __version__
+from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.protocol import DataAttach, Hello, Message, Refused, encode_message, read_message
 from ggufpipe_tui.inventory import HostSpec
@@ -124,6 +123,10 @@ class AgentLink:
         await writer.drain()
         return reader, writer
 
+    async def start(self, timeout: float) -> Hello:
+        """Start (or reach) the agent and return its Hello."""
+        raise NotImplementedError
+
     async def _connect_data(self, endpoint: str) -> tuple[Any, Any]:
         raise NotImplementedError
 
@@ -142,18 +145,11 @@ class AgentLink:
         return f"the agent exited{self.exit_detail()}"
 
 
-def _die_with_parent() -> None:
-    """The agent gets SIGKILL if the orchestrator dies, even by SIGKILL (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 async def open_endpoint(endpoint: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    if endpoint.startswith("unix:"):
-        return await asyncio.open_unix_connection(endpoint[5:], limit=STREAM_LIMIT)
-    host, _, port = endpoint.removeprefix("tcp:").rpartition(":")
-    return await asyncio.open_connection(host or "127.0.0.1", int(port), limit=STREAM_LIMIT)
+    where, port = parse_endpoint(endpoint)
+    if port is None:
+        return await asyncio.open_unix_connection(where, limit=STREAM_LIMIT)
+    return await asyncio.open_connection(where, port, limit=STREAM_LIMIT)
 
 
 class LocalAgent(AgentLink):
@@ -163,7 +159,6 @@ class LocalAgent(AgentLink):
     def __init__(self, host: HostSpec, stage: int, on_log: LogLine) -> None:
         super().__init__(host, stage, on_log)
         self.process: asyncio.subprocess.Process | None = None
-        self._control_writer: asyncio.StreamWriter | None = None
 
     def command(self) -> list[str]:
         if self.host.agent != "ggufpipe-agent":
@@ -194,8 +189,7 @@ class LocalAgent(AgentLink):
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 limit=STREAM_LIMIT,
-                preexec_fn=_die_with_parent,
-            )
+            )  # the agent ends itself with its parent (PR_SET_PDEATHSIG, agent cli)
         except OSError as error:
             raise TransportError(f"{self.label}: cannot start {command[0]}: {error.strerror}") from None
         assert self.process.stdout and self.process.stdin and self.process.stderr

@@ -44,7 +44,6 @@ PHASE_STYLES = {
     "TearingDown": "bold black on magenta",
     "Done": "bold black on grey62",
     "Closing": "bold black on magenta",
-    "Broken": "bold white on red3",
 }
 SPINNER = "◐◓◑◒"
 

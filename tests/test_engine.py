@@ -123,9 +123,11 @@ def test_a_broken_temporary_file_is_never_trusted(model_path, tmp_path):
     # A crash while writing leaves only a dot-prefixed temporary name behind.
     target = ensure_stage_file(model_path, 0, 5, tmp_path)
     target.unlink()
-    (tmp_path / f".{target.name}.12345.tmp").write_bytes(b"GGUF truncated")
+    orphan = tmp_path / f".{target.name}.999999999.tmp"  # its writer (that pid) is gone
+    orphan.write_bytes(b"GGUF truncated")
     rebuilt = ensure_stage_file(model_path, 0, 5, tmp_path)
     assert rebuilt == target and read_model_facts(rebuilt).block_count == 5
+    assert not orphan.exists(), "a dead writer's temporary file is cleaned up"
 
 
 @pytest.mark.parametrize(

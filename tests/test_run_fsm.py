@@ -61,6 +61,7 @@ TABLE = {
     (P.PROVISIONING, "stage-ready-2"): (P.PROVISIONING, []),
     (P.PROVISIONING, "stage-fault"): (P.FAULTED, [f.RecordFailure]),
     (P.PROVISIONING, "stage-lost"): (P.FAULTED, [f.RecordFailure]),
+    (P.PROVISIONING, "edge-fault"): (P.FAULTED, [f.RecordFailure]),
     (P.PROVISIONING, "stop"): (P.TEARING_DOWN, TEARDOWN),
     (P.WAITING_READY, "prompt"): (P.WAITING_READY, []),
     (P.WAITING_READY, "stage-ready-2"): (P.WAITING_READY, [f.CancelTimer]),
