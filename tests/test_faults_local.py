@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_tui.events import RunPhaseChanged, StageStateChanged, TokenStreamed
+from ggufpipe_tui.events import RunPhaseChanged, TokenStreamed
 from ggufpipe_tui.inventory import load_inventory
 from ggufpipe_tui.orchestrator import Pipeline, PipelineError
-from tests.conftest import LONG_PROMPT
+from tests.sabotage import Saboteur, on_state, on_token, run_with, signal_agent
 from tests.test_pipeline_local import run_cli
 
 pytestmark = pytest.mark.model
@@ -40,46 +40,12 @@ def inventory_file(
     return path
 
 
-class Saboteur:
-    """Consumes the pipeline's events and, when ``when(event)`` first holds,
-    sends ``sig`` to stage ``stage``'s agent process."""
-
-    def __init__(self, stage: int, sig: int, when) -> None:
-        self.stage, self.sig, self.when = stage, sig, when
-        self.pipeline: Pipeline | None = None
-        self.events: list[object] = []
-        self.fired = False
-
-    def __call__(self, event: object) -> None:
-        self.events.append(event)
-        if not self.fired and self.pipeline is not None and self.when(event):
-            self.fired = True
-            os.kill(self.pipeline.links[self.stage].hello.pid, self.sig)
-
-    def phases(self) -> list[str]:
-        return [e.phase for e in self.events if isinstance(e, RunPhaseChanged)]
-
-
-async def run_with(saboteur: Saboteur, inventory: Path, prompt: str = LONG_PROMPT):
-    pipeline = Pipeline(load_inventory(inventory), saboteur)
-    saboteur.pipeline = pipeline
-    try:
-        await pipeline.start()
-        return await pipeline.generate(prompt)
-    finally:
-        await pipeline.close()
-
-
 def log_events(path: str) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
 async def test_agent_killed_while_loading(tmp_path, model_path, no_agent_left):
-    saboteur = Saboteur(
-        1,
-        signal.SIGKILL,
-        lambda e: isinstance(e, StageStateChanged) and e.stage == 1 and e.state == "Preparing",
-    )
+    saboteur = Saboteur(on_state(1, "Preparing"), signal_agent(1, signal.SIGKILL))
     result = await run_with(saboteur, inventory_file(tmp_path, model_path))
     assert saboteur.fired and result.outcome == "faulted" and result.tokens == ()
     assert result.failure.startswith("stage 1 on here (local)") and "killed by signal 9" in result.failure
@@ -92,7 +58,9 @@ async def test_agent_killed_while_loading(tmp_path, model_path, no_agent_left):
 
 
 async def test_agent_killed_during_prefill(tmp_path, model_path, no_agent_left):
-    saboteur = Saboteur(2, signal.SIGKILL, lambda e: isinstance(e, RunPhaseChanged) and e.phase == "Running")
+    saboteur = Saboteur(
+        lambda e: isinstance(e, RunPhaseChanged) and e.phase == "Running", signal_agent(2, signal.SIGKILL)
+    )
     result = await run_with(saboteur, inventory_file(tmp_path, model_path))
     assert result.outcome == "faulted" and result.tokens == ()
     assert "stage 2 on here" in result.failure and "signal 9" in result.failure
@@ -100,7 +68,7 @@ async def test_agent_killed_during_prefill(tmp_path, model_path, no_agent_left):
 
 
 async def test_agent_killed_during_decode_keeps_the_output(tmp_path, model_path, no_agent_left):
-    saboteur = Saboteur(0, signal.SIGKILL, lambda e: isinstance(e, TokenStreamed) and e.sequence == 5)
+    saboteur = Saboteur(on_token(5), signal_agent(0, signal.SIGKILL))
     result = await run_with(saboteur, inventory_file(tmp_path, model_path))
     assert result.outcome == "faulted" and "stage 0 on here" in result.failure
     assert 6 <= len(result.tokens) < 40 and result.text.strip()
@@ -109,7 +77,7 @@ async def test_agent_killed_during_decode_keeps_the_output(tmp_path, model_path,
 
 
 async def test_a_hanging_stage_hits_the_step_timeout(tmp_path, model_path, no_agent_left):
-    saboteur = Saboteur(1, signal.SIGSTOP, lambda e: isinstance(e, TokenStreamed) and e.sequence == 3)
+    saboteur = Saboteur(on_token(3), signal_agent(1, signal.SIGSTOP))
     result = await run_with(saboteur, inventory_file(tmp_path, model_path, step=2, teardown=2))
     assert result.outcome == "faulted" and result.failure == "step timeout waiting for token 4"
     assert len(result.tokens) == 4
@@ -117,11 +85,7 @@ async def test_a_hanging_stage_hits_the_step_timeout(tmp_path, model_path, no_ag
 
 
 async def test_a_stage_that_never_becomes_ready(tmp_path, model_path, no_agent_left):
-    saboteur = Saboteur(
-        2,
-        signal.SIGSTOP,
-        lambda e: isinstance(e, StageStateChanged) and e.stage == 2 and e.state == "Preparing",
-    )
+    saboteur = Saboteur(on_state(2, "Preparing"), signal_agent(2, signal.SIGSTOP))
     result = await run_with(saboteur, inventory_file(tmp_path, model_path, ready=3, teardown=2))
     assert result.outcome == "faulted"
     assert result.failure == "readiness timeout: stage(s) 2 never became ready"
@@ -129,7 +93,7 @@ async def test_a_stage_that_never_becomes_ready(tmp_path, model_path, no_agent_l
 
 async def test_model_missing_on_one_host(tmp_path, model_path, no_agent_left):
     hosts = f"  other: {{local: true, model_path: {tmp_path / 'elsewhere.gguf'}}}\n"
-    saboteur = Saboteur(0, 0, lambda e: False)
+    saboteur = Saboteur(lambda e: False, lambda pipeline: None)
     result = await run_with(saboteur, inventory_file(tmp_path, model_path, hosts, ("here", "other", "here")))
     assert result.outcome == "faulted"
     assert (
@@ -143,7 +107,7 @@ async def test_corrupt_gguf_on_one_host(tmp_path, model_path, no_agent_left):
     with model_path.open("rb") as source, corrupt.open("wb") as target:
         target.write(source.read(5 * 2**20))  # the header is whole, the tensor data is cut
     hosts = f"  other: {{local: true, model_path: {corrupt}}}\n"
-    saboteur = Saboteur(0, 0, lambda e: False)
+    saboteur = Saboteur(lambda e: False, lambda pipeline: None)
     result = await run_with(saboteur, inventory_file(tmp_path, model_path, hosts, ("here", "here", "other")))
     assert result.outcome == "faulted" and result.failure.startswith("stage 2 on other (local): ")
     assert "corrupt.gguf" in result.failure
