@@ -38,8 +38,8 @@ sys.path.insert(0, str(REPO))
 
 from ggufpipe_agent.engine import StageEngine, StageShape  # noqa: E402
 from ggufpipe_agent.protocol import EngineOptions  # noqa: E402
-from ggufpipe_tui.inventory import parse_inventory, with_run_options  # noqa: E402
-from ggufpipe_tui.orchestrator import Pipeline  # noqa: E402
+from ggufpipe_tui.core.inventory import parse_inventory, with_run_options  # noqa: E402
+from ggufpipe_tui.session.pipeline import Pipeline  # noqa: E402
 from tests.conftest import LONG_PROMPT, smollm_path  # noqa: E402
 
 CONTEXT = 1024

@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, stream=sys.stderr)
-    from ggufpipe_tui.inventory import load_inventory, with_run_options
+    from ggufpipe_tui.core.inventory import load_inventory, with_run_options
 
     try:
         inventory = load_inventory(args.inventory)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.prompt is not None:
         from ggufpipe_agent import aio
-        from ggufpipe_tui.headless import run_headless
+        from ggufpipe_tui.views.headless import run_headless
 
         return aio.run(
             run_headless(
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 log_dir=args.log_dir,
             )
         )
-    from ggufpipe_tui.app import run_app
+    from ggufpipe_tui.views.app import run_app
 
     return run_app(inventory, log_dir=args.log_dir)
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from textual.pilot import Pilot
 
-from ggufpipe_tui.app import GgufpipeApp
-from ggufpipe_tui.inventory import Inventory, load_inventory
-from ggufpipe_tui.widgets import Exchange, LogPane, StatusBar
+from ggufpipe_tui.core.inventory import Inventory, load_inventory
+from ggufpipe_tui.views.app import GgufpipeApp
+from ggufpipe_tui.views.widgets import Exchange, LogPane, StatusBar
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

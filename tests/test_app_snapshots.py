@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from ggufpipe_agent.protocol import Device, Hello, ModelFacts, StepCounters
-from ggufpipe_tui.app import GgufpipeApp, ScriptItem, UserPrompt
-from ggufpipe_tui.events import (
+from ggufpipe_tui.core.events import (
     AgentConnected,
     AgentLog,
     ModelInspected,
@@ -30,8 +29,9 @@ from ggufpipe_tui.events import (
     Timings,
     TokenStreamed,
 )
-from ggufpipe_tui.inventory import Inventory, parse_inventory
-from ggufpipe_tui.plan import build_plan
+from ggufpipe_tui.core.inventory import Inventory, parse_inventory
+from ggufpipe_tui.core.plan import build_plan
+from ggufpipe_tui.views.app import GgufpipeApp, ScriptItem, UserPrompt
 
 INVENTORY = """\
 model:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_tui.events import RunPhaseChanged, TokenStreamed
-from ggufpipe_tui.inventory import load_inventory
-from ggufpipe_tui.orchestrator import Pipeline, PipelineError
+from ggufpipe_tui.core.events import RunPhaseChanged, TokenStreamed
+from ggufpipe_tui.core.inventory import load_inventory
+from ggufpipe_tui.session.pipeline import Pipeline, PipelineError
 from tests.sabotage import Saboteur, on_state, on_token, run_with, signal_agent
 from tests.test_pipeline_local import run_cli
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_tui.events import RunPhaseChanged, TokenStreamed
-from ggufpipe_tui.inventory import HostSpec
-from ggufpipe_tui.orchestrator import Pipeline
-from ggufpipe_tui.ssh import SshAgent
+from ggufpipe_tui.core.events import RunPhaseChanged, TokenStreamed
+from ggufpipe_tui.core.inventory import HostSpec
+from ggufpipe_tui.session.pipeline import Pipeline
+from ggufpipe_tui.transports.ssh import SshAgent
 from tests.conftest import LONG_PROMPT, REPO
 from tests.sabotage import Saboteur, on_state, on_token, run_with, signal_agent
 from tests.sshd import Sshd

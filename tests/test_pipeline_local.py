@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_tui.events import AgentLog, RunPhaseChanged, StageStateChanged, TokenStreamed
-from ggufpipe_tui.inventory import load_inventory
-from ggufpipe_tui.orchestrator import Pipeline
+from ggufpipe_tui.core.events import AgentLog, RunPhaseChanged, StageStateChanged, TokenStreamed
+from ggufpipe_tui.core.inventory import load_inventory
+from ggufpipe_tui.session.pipeline import Pipeline
 from tests.conftest import LONG_PROMPT, REPO, whole_model_greedy
 
 pytestmark = pytest.mark.model

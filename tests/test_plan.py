@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ggufpipe_agent.protocol import ModelFacts
-from ggufpipe_tui.inventory import InventoryError, assign_layers, parse_inventory, with_run_options
-from ggufpipe_tui.plan import EdgeEndpoint, PlanError, build_plan, provision_message, validate_plan
+from ggufpipe_tui.core.inventory import InventoryError, assign_layers, parse_inventory, with_run_options
+from ggufpipe_tui.core.plan import EdgeEndpoint, PlanError, build_plan, provision_message, validate_plan
 
 FACTS = ModelFacts(
     path="/m.gguf",

@@ -8,8 +8,8 @@ import itertools
 import pytest
 
 from ggufpipe_agent.errors import TransitionError
-from ggufpipe_tui import run_fsm as f
-from ggufpipe_tui.run_fsm import Run, RunPhase, transition
+from ggufpipe_tui.core import run_fsm as f
+from ggufpipe_tui.core.run_fsm import Run, RunPhase, transition
 
 P = RunPhase
 ALL = frozenset({0, 1, 2})

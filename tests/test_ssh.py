@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 import yaml
 
-from ggufpipe_tui.events import AgentLog, TokenStreamed
-from ggufpipe_tui.inventory import HostSpec, load_inventory
-from ggufpipe_tui.orchestrator import Pipeline
-from ggufpipe_tui.ssh import SshAgent
-from ggufpipe_tui.transport import TransportError
+from ggufpipe_tui.core.events import AgentLog, TokenStreamed
+from ggufpipe_tui.core.inventory import HostSpec, load_inventory
+from ggufpipe_tui.session.pipeline import Pipeline
+from ggufpipe_tui.transports.link import TransportError
+from ggufpipe_tui.transports.ssh import SshAgent
 from tests.conftest import LONG_PROMPT, REPO, whole_model_greedy
 from tests.sshd import Sshd, free_port, keygen
 

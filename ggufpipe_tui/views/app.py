@@ -1,6 +1,6 @@
 """``ggufpipe-tui INVENTORY``: the terminal UI.
 
-The app is a view of one :class:`~ggufpipe_tui.orchestrator.Pipeline`: the
+The app is a view of one :class:`~ggufpipe_tui.session.pipeline.Pipeline`: the
 pipeline's emit callback posts each event as a Textual message, and the app
 turns them into the status line, the stage table, the streamed reply and the
 log (the core never imports Textual). A session worker drives the pipeline:
@@ -33,7 +33,7 @@ from textual.widgets import Footer, Input, Static
 from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_tui.events import (
+from ggufpipe_tui.core.events import (
     AgentConnected,
     AgentLog,
     Event,
@@ -48,9 +48,9 @@ from ggufpipe_tui.events import (
     StageStats,
     TokenStreamed,
 )
-from ggufpipe_tui.inventory import Inventory
-from ggufpipe_tui.orchestrator import Pipeline, RunDriver
-from ggufpipe_tui.widgets import (
+from ggufpipe_tui.core.inventory import Inventory
+from ggufpipe_tui.session.pipeline import Pipeline, RunDriver
+from ggufpipe_tui.views.widgets import (
     PHASE_STYLES,
     STAGE_STYLES,
     Exchange,

@@ -3,7 +3,7 @@
 An :class:`AgentLink` is one running agent with a control stream (msgpack
 frames), a way to open its data stream (edge objects) and its stderr. The
 local transport starts the agent as a subprocess (the embedded default, no
-SSH); :mod:`ggufpipe_tui.ssh` starts it over SSH. Nothing above this module
+SSH); :mod:`ggufpipe_tui.transports.ssh` starts it over SSH. Nothing above this module
 knows which one carries a stage.
 """
 
@@ -22,7 +22,7 @@ from ggufpipe_agent import PROTOCOL_VERSION, __version__
 from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.protocol import DataAttach, Hello, Message, Refused, encode_message, read_message
-from ggufpipe_tui.inventory import HostSpec
+from ggufpipe_tui.core.inventory import HostSpec
 
 LogLine = Callable[[str], None]
 STREAM_LIMIT = 1 << 20

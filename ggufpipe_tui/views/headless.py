@@ -16,7 +16,7 @@ import sys
 from typing import IO
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_tui.events import (
+from ggufpipe_tui.core.events import (
     AgentConnected,
     AgentLog,
     Event,
@@ -27,8 +27,8 @@ from ggufpipe_tui.events import (
     StageStateChanged,
     TokenStreamed,
 )
-from ggufpipe_tui.inventory import Inventory
-from ggufpipe_tui.orchestrator import Pipeline
+from ggufpipe_tui.core.inventory import Inventory
+from ggufpipe_tui.session.pipeline import Pipeline
 
 EXIT_OK = 0
 EXIT_FAULTED = 1

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ggufpipe_tui.events import AgentConnected, Event, StageStats, TokenStreamed
+from ggufpipe_tui.core.events import AgentConnected, Event, StageStats, TokenStreamed
 
 
 def default_log_dir() -> Path:

@@ -5,7 +5,7 @@ parallel), reads the model's facts and vocabulary from where the model lives,
 opens a data stream to each agent and relays activation objects between
 stages without decoding them. Each prompt is a run with its own run id and
 plan, driven by a :class:`RunDriver` that performs the effects of the pure
-run FSM (:mod:`ggufpipe_tui.run_fsm`). Agents keep their loaded stage between
+run FSM (:mod:`ggufpipe_tui.core.run_fsm`). Agents keep their loaded stage between
 runs, so a second prompt reloads nothing.
 """
 
@@ -44,8 +44,8 @@ from ggufpipe_agent.protocol import (
     Tokenized,
     encode_message,
 )
-from ggufpipe_tui import run_fsm as fsm
-from ggufpipe_tui.events import (
+from ggufpipe_tui.core import run_fsm as fsm
+from ggufpipe_tui.core.events import (
     AgentConnected,
     AgentLog,
     Emit,
@@ -62,10 +62,17 @@ from ggufpipe_tui.events import (
     Timings,
     TokenStreamed,
 )
-from ggufpipe_tui.inventory import HostSpec, Inventory, assign_layers
-from ggufpipe_tui.plan import PlanError, RunPlan, build_plan, new_run_id, provision_message, validate_plan
-from ggufpipe_tui.runlog import RunLog
-from ggufpipe_tui.transport import AgentLink, LocalAgent, TransportError
+from ggufpipe_tui.core.inventory import HostSpec, Inventory, assign_layers
+from ggufpipe_tui.core.plan import (
+    PlanError,
+    RunPlan,
+    build_plan,
+    new_run_id,
+    provision_message,
+    validate_plan,
+)
+from ggufpipe_tui.session.runlog import RunLog
+from ggufpipe_tui.transports.link import AgentLink, LocalAgent, TransportError
 
 log = logging.getLogger("ggufpipe.orchestrator")
 
@@ -80,7 +87,7 @@ class PipelineError(GgufpipeError):
 def default_link_factory(host: HostSpec, stage: int, on_log: Callable[[str], None]) -> AgentLink:
     if host.local:
         return LocalAgent(host, stage, on_log)
-    from ggufpipe_tui.ssh import SshAgent
+    from ggufpipe_tui.transports.ssh import SshAgent
 
     return SshAgent(host, stage, on_log)
 

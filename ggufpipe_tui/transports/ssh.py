@@ -32,8 +32,8 @@ from typing import Any
 import asyncssh
 
 from ggufpipe_agent.protocol import Hello
-from ggufpipe_tui.inventory import HostSpec
-from ggufpipe_tui.transport import AgentLink, LogLine, TransportError
+from ggufpipe_tui.core.inventory import HostSpec
+from ggufpipe_tui.transports.link import AgentLink, LogLine, TransportError
 
 log = logging.getLogger("ggufpipe.ssh")
 # asyncssh logs every channel open and close at INFO; under -v those lines

@@ -25,7 +25,7 @@ from ggufpipe_agent.protocol import (
     SamplingParams,
     StageModelFacts,
 )
-from ggufpipe_tui.inventory import Inventory
+from ggufpipe_tui.core.inventory import Inventory
 
 ORCHESTRATOR = "orchestrator"
 #: Slots per edge ring. The MVP keeps one object in flight per edge, so two
