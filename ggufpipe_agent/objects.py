@@ -19,7 +19,6 @@ orchestrator reads headers only and forwards payloads untouched.
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from dataclasses import dataclass
 
@@ -161,19 +160,3 @@ def decode_activation(header: ObjectHeader, payload: bytes | bytearray | memoryv
     if array.dtype != np.float32:
         array = array.astype(np.float32)
     return array
-
-
-async def read_record(reader: asyncio.StreamReader, max_payload: int) -> tuple[ObjectHeader, bytes] | None:
-    """The next record from a stream of records, or None on a clean end."""
-    try:
-        head = await reader.readexactly(HEADER_SIZE)
-    except asyncio.IncompleteReadError as error:
-        if error.partial:
-            raise ProtocolError("data stream ended inside an object header") from None
-        return None
-    header = unpack_header(head, max_payload)
-    try:
-        payload = await reader.readexactly(header.nbytes)
-    except asyncio.IncompleteReadError:
-        raise ProtocolError(f"data stream ended inside {header.describe()}") from None
-    return header, payload

@@ -14,7 +14,6 @@ messages (Hello, Inspect, Tokenize, progress and stats) are documented in
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import struct
 import types
@@ -366,13 +365,18 @@ class DataAttach(Message):
 # Encoding
 
 
-def _to_wire(value: Any) -> Any:
+def to_plain(value: Any, text_bytes: bool = False) -> Any:
+    """Dataclasses as maps of their fields and tuples as lists, recursively:
+    what msgpack writes on the wire and what the run log writes as JSON. Bytes
+    stay bytes on the wire; ``text_bytes`` makes them text (for a log)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: to_plain(getattr(value, f.name), text_bytes) for f in dataclasses.fields(value)}
     if isinstance(value, tuple | list):
-        return [_to_wire(v) for v in value]
+        return [to_plain(v, text_bytes) for v in value]
     if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
+        return {k: to_plain(v, text_bytes) for k, v in value.items()}
+    if text_bytes and isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
     return value
 
 
@@ -435,7 +439,7 @@ def _build(cls: Any, value: Any, where: str) -> Any:
 
 def encode_message(message: Message) -> bytes:
     """A whole control frame: prefix and msgpack payload."""
-    payload = msgpack.packb([message.tag, _to_wire(message)], use_bin_type=True)
+    payload = msgpack.packb([message.tag, to_plain(message)], use_bin_type=True)
     return _PREFIX.pack(CONTROL_MAGIC, len(payload)) + payload
 
 
@@ -468,19 +472,3 @@ def decode_message(frame: bytes) -> Message:
     if len(frame) != CONTROL_PREFIX_SIZE + length:
         raise ProtocolError(f"control frame says {length} bytes, has {len(frame) - CONTROL_PREFIX_SIZE}")
     return decode_payload(frame[CONTROL_PREFIX_SIZE:])
-
-
-async def read_message(reader: asyncio.StreamReader) -> Message | None:
-    """The next control message, or None on a clean end of stream."""
-    try:
-        prefix = await reader.readexactly(CONTROL_PREFIX_SIZE)
-    except asyncio.IncompleteReadError as error:
-        if error.partial:
-            raise ProtocolError("control stream ended inside a frame prefix") from None
-        return None
-    length = parse_prefix(prefix)
-    try:
-        payload = await reader.readexactly(length)
-    except asyncio.IncompleteReadError:
-        raise ProtocolError("control stream ended inside a frame") from None
-    return decode_payload(payload)

@@ -33,9 +33,8 @@ from typing import Any
 from ggufpipe_agent import PROTOCOL_VERSION, __version__, objects
 from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
+from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
 from ggufpipe_agent.protocol import (
-    CONTROL_MAGIC,
-    CONTROL_PREFIX_SIZE,
     DataAttach,
     Hello,
     Inspect,
@@ -51,13 +50,11 @@ from ggufpipe_agent.protocol import (
     StopRun,
     Tokenize,
     Tokenized,
-    decode_payload,
     encode_message,
-    parse_prefix,
-    read_message,
 )
 from ggufpipe_agent.stage_fsm import EdgeEstablished, Provision, StageState, StopRunEvent
 from ggufpipe_agent.stage_run import EngineSlot, StageRun
+from ggufpipe_agent.tasks import TaskOwner
 
 log = logging.getLogger("ggufpipe.agent")
 
@@ -133,7 +130,7 @@ class Agent:
     async def _data_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = self.session
         try:
-            first = await asyncio.wait_for(read_message(reader), timeout=10)
+            first = await asyncio.wait_for(FrameReader(reader, "data connection").message(), timeout=10)
             if not isinstance(first, DataAttach) or first.token != self.data_token:
                 log.warning("refused a data connection without the data token")
                 return
@@ -141,7 +138,7 @@ class Agent:
                 log.warning("refused a data connection: no orchestrator session")
                 return
             await session.serve_data(reader, writer)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ProtocolError, ConnectionError) as error:
+        except (asyncio.TimeoutError, ProtocolError, ConnectionError) as error:
             log.warning("data connection closed: %s", error or type(error).__name__)
         finally:
             writer.close()
@@ -157,38 +154,58 @@ class Session:
 
     def __init__(self, agent: Agent, reader: Any, writer: Any) -> None:
         self.agent = agent
-        self.reader = reader
-        self.writer = writer
+        self.reader = FrameReader(reader, "control stream")
+        self.writer = FrameWriter(writer, what="control stream")
         self.run: StageRun | None = None
         self.closing = False
-        self._write_lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.tasks = TaskOwner(self._task_failed, "agent session")
+        # Every message to the orchestrator goes through one outbox, in the
+        # order it was posted: a stage's StageFault is always read before the
+        # refusal of an OpenEdge that arrived after the fault.
+        self._outbox: asyncio.Queue[Message | None] = asyncio.Queue()
 
-    async def send(self, message: Message) -> None:
+    def _task_failed(self, name: str, error: BaseException) -> None:
+        """A session task that fails (answering a request) is a fault of the
+        active run, if any: the orchestrator hears of it, never silence."""
+        if self.run is not None:
+            self.run.internal_fault(f"internal error in the agent ({name}): {type(error).__name__}: {error}")
+
+    def post(self, message: Message) -> None:
+        """Queue a message to the orchestrator (sent in posting order)."""
         if self.closing and not isinstance(message, StageStopped):
             return
-        async with self._write_lock:
-            self.writer.write(encode_message(message))
-            await self.writer.drain()
+        self._outbox.put_nowait(message)
 
-    async def refuse(self, what: str, reason: str) -> None:
+    async def _send_posted(self) -> None:
+        """The control stream's one writer. A stream that breaks ends it: the
+        control reader sees the same loss and ends the session."""
+        while True:
+            message = await self._outbox.get()
+            if message is None:
+                return
+            try:
+                await self.writer.send(message)
+            except (ConnectionError, OSError):
+                return
+
+    def refuse(self, what: str, reason: str) -> None:
         log.warning("refused %s: %s", what, reason)
-        with contextlib.suppress(ConnectionError, OSError):
-            await self.send(Refused(what, reason))
+        self.post(Refused(what, reason))
 
     # ------------------------------------------------------------ control
 
     async def serve(self) -> str:
         """Answer control messages until the stream ends; returns why it ended."""
         self.agent.session = self
+        sender = self.tasks.spawn(self._send_posted(), "control writer")
         try:
-            await self.send(self.agent.hello())
+            self.post(self.agent.hello())
             while True:
                 try:
-                    message = await read_message(self.reader)
+                    message = await self.reader.message()
                 except ProtocolError as error:
                     # A corrupt control stream cannot be resynchronised.
-                    await self.refuse("control frame", str(error))
+                    self.refuse("control frame", str(error))
                     return f"corrupt control stream: {error}"
                 if message is None:
                     return "the orchestrator closed the control stream"
@@ -200,6 +217,10 @@ class Session:
         finally:
             await self.stop_all("orchestrator session ended")
             self.closing = True
+            self._outbox.put_nowait(None)  # what was posted still goes, then the writer ends
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(sender), 5)
+            await self.tasks.close()
             if self.agent.session is self:
                 self.agent.session = None
 
@@ -209,20 +230,15 @@ class Session:
         elif isinstance(message, StopRun):
             await self.stop_run(message)
         elif isinstance(message, Inspect | Tokenize):
-            self._spawn(self.answer(message))
+            self.tasks.spawn(self.answer(message), f"answer to {message.tag}")
         elif isinstance(message, RewireEdge):
-            await self.refuse(
+            self.refuse(
                 "RewireEdge",
                 f"edge {message.edge_id} of run {message.run_id:016x}: peer rewiring is "
                 "refused; only the orchestrator's ProvisionStage wires a stage",
             )
         else:
-            await self.refuse(message.tag, "not a message an orchestrator sends to an agent")
-
-    def _spawn(self, coroutine: Any) -> None:
-        task = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+            self.refuse(message.tag, "not a message an orchestrator sends to an agent")
 
     async def answer(self, request: Inspect | Tokenize) -> None:
         loop = asyncio.get_running_loop()
@@ -233,8 +249,7 @@ class Session:
         except Exception as error:  # noqa: BLE001 - a boundary: report, don't crash
             log.exception("request failed")
             reply = RequestFailed(request.request_id, f"{type(error).__name__}: {error}")
-        with contextlib.suppress(ConnectionError, OSError):
-            await self.send(reply)
+        self.post(reply)
 
     async def provision(self, message: ProvisionStage) -> None:
         run = self.run
@@ -243,13 +258,13 @@ class Session:
                 reason = f"run {message.run_id:016x} is already provisioned (StopRun it first)"
             else:
                 reason = f"stage is busy with run {run.run_id:016x} (one run at a time)"
-            await self.refuse("ProvisionStage", reason)
+            self.refuse("ProvisionStage", reason)
             return
         if message.run_id in self.agent.seen_runs:
-            await self.refuse("ProvisionStage", f"stale run id {message.run_id:016x}")
+            self.refuse("ProvisionStage", f"stale run id {message.run_id:016x}")
             return
         self.agent.seen_runs.add(message.run_id)
-        run = StageRun(message, self.send, self.agent.worker, self.agent.engines, self.agent.cache_dir)
+        run = StageRun(message, self.post, self.agent.worker, self.agent.engines, self.agent.cache_dir)
         self.run = run
         run.apply(Provision(message.run_id, validate_provision(message)))
 
@@ -259,9 +274,9 @@ class Session:
             if message.run_id in self.agent.seen_runs:
                 # An older run than the current one. (A retried StopRun of the
                 # current, stopped run is answered with StageStopped again.)
-                await self.refuse("StopRun", f"stale run id {message.run_id:016x}")
+                self.refuse("StopRun", f"stale run id {message.run_id:016x}")
             else:
-                await self.refuse("StopRun", f"unknown run id {message.run_id:016x}")
+                self.refuse("StopRun", f"unknown run id {message.run_id:016x}")
             return
         run.apply(StopRunEvent(message.reason))
 
@@ -279,45 +294,34 @@ class Session:
         """Edge streams: OpenEdge frames and inbound object records. A frame
         that cannot be parsed loses the stream (it cannot be resynchronised),
         and with it the active run."""
+        frames = FrameReader(reader, "data connection")
+        outbound = FrameWriter(writer, what="outbound edge")
         while True:
+            run = self.run
+            limit = run.provision.inbound.object_spec.max_extent if run else objects.ABSOLUTE_MAX_PAYLOAD
+            payload = b""
             try:
-                frame = await self._read_data_frame(reader)
+                frame = await frames.frame(limit)
+                if isinstance(frame, objects.ObjectHeader):
+                    payload = await frames.payload(frame)
+            except TruncatedFrame:
+                await self._data_fault("truncated frame: the data connection ended inside it")
+                return
             except ProtocolError as error:
                 await self._data_fault(str(error))
-                return
-            except asyncio.IncompleteReadError:
-                await self._data_fault("truncated frame: the data connection ended inside it")
                 return
             if frame is None:
                 return
             if isinstance(frame, OpenEdge):
-                await self.open_edge(frame, writer)
+                await self.open_edge(frame, outbound)
             elif isinstance(frame, Message):
-                await self.refuse(frame.tag, "not a data-connection message")
+                self.refuse(frame.tag, "not a data-connection message")
             else:
-                await self.inbound_object(*frame)
-
-    async def _read_data_frame(
-        self, reader: asyncio.StreamReader
-    ) -> Message | tuple[objects.ObjectHeader, bytes] | None:
-        magic = await _read_or_none(reader, 4)
-        if magic is None:
-            return None
-        if magic == CONTROL_MAGIC:
-            rest = await reader.readexactly(CONTROL_PREFIX_SIZE - 4)
-            length = parse_prefix(magic + rest)
-            return decode_payload(await reader.readexactly(length))
-        if magic != objects.OBJECT_MAGIC:
-            raise ProtocolError(f"bad frame magic {magic!r} on the data connection")
-        run = self.run
-        limit = run.provision.inbound.object_spec.max_extent if run else objects.ABSOLUTE_MAX_PAYLOAD
-        head = magic + await reader.readexactly(objects.HEADER_SIZE - 4)
-        header = objects.unpack_header(head, limit)
-        return header, await reader.readexactly(header.nbytes)
+                await self.inbound_object(frame, payload)
 
     async def _data_fault(self, reason: str) -> None:
         """A frame that cannot be parsed: the stream is lost, and with it the run."""
-        await self.refuse("data frame", reason)
+        self.refuse("data frame", reason)
         run = self.run
         if run is not None and run.fsm.state in (
             StageState.READY,
@@ -332,7 +336,7 @@ class Session:
         run = self.run
         problem = self._run_problem(message.run_id)
         if problem:
-            await self.refuse("OpenEdge", problem)
+            self.refuse("OpenEdge", problem)
             return
         assert run is not None
         expected = {
@@ -340,31 +344,31 @@ class Session:
             "outbound": run.provision.outbound.edge_id,
         }.get(message.role)
         if expected is None or expected != message.edge_id:
-            await self.refuse(
+            self.refuse(
                 "OpenEdge",
                 f"edge {message.edge_id} ({message.role}) is not in the provision message of run "
                 f"{run.run_id:016x}",
             )
             return
         if run.fsm.state is not StageState.PREPARING:
-            await self.refuse("OpenEdge", f"edge {message.edge_id} set up outside Preparing")
+            self.refuse("OpenEdge", f"edge {message.edge_id} set up outside Preparing")
             return
         if message.role == "outbound":
             run.outbound = writer
         try:
             run.apply(EdgeEstablished(message.role))
         except GgufpipeError as error:
-            await self.refuse("OpenEdge", str(error))
+            self.refuse("OpenEdge", str(error))
 
     async def inbound_object(self, header: objects.ObjectHeader, payload: bytes) -> None:
         problem = self._run_problem(header.run_id)
         if problem:
-            await self.refuse("object", f"{header.describe()}: {problem}")
+            self.refuse("object", f"{header.describe()}: {problem}")
             return
         run = self.run
         assert run is not None
         if header.edge_id != run.provision.inbound.edge_id:
-            await self.refuse(
+            self.refuse(
                 "object",
                 f"{header.describe()}: edge {header.edge_id} is not this stage's inbound edge",
             )
@@ -426,15 +430,6 @@ def _answer(request: Inspect | Tokenize) -> Message:
     vocab = vocabulary(facts.path)
     tokens, rendered = vocab.prompt_tokens(facts.chat_template, request.text, request.chat)
     return Tokenized(request.request_id, tuple(tokens), rendered)
-
-
-async def _read_or_none(reader: asyncio.StreamReader, count: int) -> bytes | None:
-    try:
-        return await reader.readexactly(count)
-    except asyncio.IncompleteReadError as error:
-        if error.partial:
-            raise ProtocolError("data connection ended inside a frame") from None
-        return None
 
 
 # ------------------------------------------------------------------ entry

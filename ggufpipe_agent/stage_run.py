@@ -9,10 +9,9 @@ See docs/rings.md for the ring and pump design.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from ggufpipe_agent import objects
 from ggufpipe_agent.arch import check_architecture
 from ggufpipe_agent.engine import StageEngine, StageShape
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
+from ggufpipe_agent.framing import FrameWriter
 from ggufpipe_agent.model import read_model_facts
 from ggufpipe_agent.protocol import (
     Message,
@@ -58,10 +58,12 @@ from ggufpipe_agent.stage_fsm import (
     transition,
 )
 from ggufpipe_agent.stagefile import check_range, ensure_stage_file
+from ggufpipe_agent.tasks import TaskOwner
 
 log = logging.getLogger("ggufpipe.stage")
 
-Send = Callable[[Message], Awaitable[None]]
+#: Queues a message to the orchestrator; messages leave in the order posted.
+Post = Callable[[Message], None]
 #: Step statistics reach the orchestrator at most this often while running.
 STATS_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 0.1
@@ -126,7 +128,7 @@ class StageRun:
     def __init__(
         self,
         provision: ProvisionStage,
-        send: Send,
+        post: Post,
         worker: ThreadPoolExecutor,
         engines: EngineSlot,
         cache_dir: Path | None,
@@ -136,7 +138,7 @@ class StageRun:
         self.index = provision.stage_index
         self.first = provision.stage_index == 0
         self.last = provision.stage_index == provision.stage_count - 1
-        self._send = send
+        self._post = post
         self._worker = worker
         self._engines = engines
         self._cache_dir = cache_dir
@@ -144,12 +146,12 @@ class StageRun:
         self.ring: asyncio.Queue[tuple[objects.ObjectHeader, bytes]] = asyncio.Queue(
             maxsize=max(1, provision.inbound.ring_spec.slots)
         )
-        self.outbound: asyncio.StreamWriter | Any | None = None
+        self.outbound: FrameWriter | None = None
         self.counters = Counters()
         self.engine: StageEngine | None = None
         self._ready = asyncio.Event()
         self._current: tuple[objects.ObjectHeader, bytes] | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.tasks = TaskOwner(self._task_failed, f"stage {self.index} run")
         self._prepare_task: asyncio.Task[None] | None = None
         self._step_task: asyncio.Task[None] | None = None
         self._pump_task: asyncio.Task[None] | None = None
@@ -167,7 +169,7 @@ class StageRun:
         per_step = {before, after} == {StageState.READY, StageState.EXECUTING}
         if after is not before and not per_step:
             log.info("run %016x stage %d: %s -> %s", self.run_id, self.index, before.value, after.value)
-            self._spawn(self._progress(after.value, self.fsm.fault, -1.0))
+            self._progress(after.value, self.fsm.fault, -1.0)
         if self.fsm.state is StageState.READY:
             self._ready.set()
         else:
@@ -183,43 +185,51 @@ class StageRun:
             if self._prepare_task is not None:
                 self._prepare_task.cancel()
         elif isinstance(effect, EmitReady):
-            self._spawn(self._send(StageReady(self.run_id, self.index, p.node_id)))
+            self._post(StageReady(self.run_id, self.index, p.node_id))
             if self._pump_task is None:
                 self._pump_task = self._spawn(self._pump())
         elif isinstance(effect, EmitFault):
             log.error("run %016x stage %d faulted: %s", self.run_id, self.index, effect.reason)
-            self._spawn(self._send(StageFault(self.run_id, self.index, p.node_id, effect.reason)))
+            self._post(StageFault(self.run_id, self.index, p.node_id, effect.reason))
         elif isinstance(effect, ExecuteStep):
             self._step_task = self._spawn(self._execute(effect.sequence))
         elif isinstance(effect, ReleaseInput):
             self._current = None
         elif isinstance(effect, RejectWork):
             log.warning("run %016x stage %d refused work: %s", self.run_id, self.index, effect.reason)
-            self._spawn(self._send(Refused("object", effect.reason)))
+            self._post(Refused("object", effect.reason))
         elif isinstance(effect, StopLocal):
             self._spawn(self._stop_local())
         elif isinstance(effect, EmitStopped):
             self.stopped.set()
-            self._spawn(
-                self._send(StageStopped(self.run_id, self.index, p.node_id, self.counters.snapshot()))
-            )
+            self._post(StageStopped(self.run_id, self.index, p.node_id, self.counters.snapshot()))
 
-    def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._finished)
-        return task
+    def _spawn(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        return self.tasks.spawn(coroutine, getattr(coroutine, "__qualname__", ""))
 
-    def _finished(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("stage task failed", exc_info=task.exception())
+    def _task_failed(self, name: str, error: BaseException) -> None:
+        self.internal_fault(f"internal error in the agent ({name}): {type(error).__name__}: {error}")
+
+    def internal_fault(self, reason: str) -> None:
+        """A task of this run failed of a bug: fault the stage with the event
+        its current state accepts (the orchestrator hears of it)."""
+        event: StageEvent
+        state = self.fsm.state
+        if state is StageState.PREPARING:
+            event = SetupFailed(reason)
+        elif state is StageState.EXECUTING:
+            event = StepFailed(reason)
+        elif state is StageState.READY:
+            event = InboundFault(reason)
+        else:
+            log.error("run %016x stage %d: %s", self.run_id, self.index, reason)
+            return
+        self.apply(event)
 
     # -------------------------------------------------------------- effects
 
-    async def _progress(self, state: str, detail: str, fraction: float) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            await self._send(StageProgress(self.run_id, self.index, state, detail, fraction))
+    def _progress(self, state: str, detail: str, fraction: float) -> None:
+        self._post(StageProgress(self.run_id, self.index, state, detail, fraction))
 
     def _load_progress(self, loop: asyncio.AbstractEventLoop, detail: str) -> Callable[[float], None]:
         def report(fraction: float) -> None:
@@ -227,7 +237,7 @@ class StageRun:
             if fraction < 1.0 and now - self._progress_at < PROGRESS_INTERVAL_S:
                 return
             self._progress_at = now
-            loop.call_soon_threadsafe(lambda: self._spawn(self._progress("Preparing", detail, fraction)))
+            loop.call_soon_threadsafe(self._progress, "Preparing", detail, fraction)
 
         return report
 
@@ -339,17 +349,15 @@ class StageRun:
                 raise ConnectionError("outbound edge is not connected")
             if self.last:
                 record = objects.tokens_record(self.run_id, p.outbound.edge_id, sequence, [int(result)])
-                self.outbound.write(record)
+                await self.outbound.write(record)
                 sent = len(record) - objects.HEADER_SIZE
             else:
                 assert not isinstance(result, int)  # a non-last stage returns activations
                 head, body = objects.activation_record(
                     self.run_id, p.outbound.edge_id, sequence, result, p.outbound.object_spec.dtype
                 )
-                self.outbound.write(head)
-                self.outbound.write(body)
+                await self.outbound.write(head, body)
                 sent = len(body)
-            await self.outbound.drain()
         except (ConnectionError, OSError) as error:
             self._apply_if_alive(OutputFault(f"outbound edge {p.outbound.edge_id}: {error}"))
             return
@@ -359,7 +367,7 @@ class StageRun:
         now = time.monotonic()
         if now - counters.sent_at >= STATS_INTERVAL_S:
             counters.sent_at = now
-            self._spawn(self._send(StepStats(self.run_id, self.index, counters.snapshot())))
+            self._post(StepStats(self.run_id, self.index, counters.snapshot()))
 
     async def _stop_local(self) -> None:
         """Stop local edges, let a running step end, then report stopped."""

@@ -8,6 +8,7 @@ import contextlib
 import sys
 from typing import Any
 
+from ggufpipe_agent.framing import read_message
 from ggufpipe_agent.protocol import (
     DataAttach,
     EngineOptions,
@@ -24,7 +25,6 @@ from ggufpipe_agent.protocol import (
     StageProgress,
     StepStats,
     encode_message,
-    read_message,
 )
 
 HIDDEN = 576

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ggufpipe_agent import objects
+from ggufpipe_agent.framing import FrameReader
 from ggufpipe_agent.protocol import (
     CONTROL_MAGIC,
     OpenEdge,
@@ -103,7 +104,9 @@ async def test_edge_ids_not_in_the_provision_message(agent, model_path):
     assert "edge 555 is not this stage's inbound edge" in (await agent.expect(Refused)).reason
     # The run is unharmed: a real object still runs.
     await agent.send_data(objects.tokens_record(31, message.inbound.edge_id, 0, [1, 2, 3]))
-    header, _ = await objects.read_record(agent.data_reader, 1 << 20)
+    record = await FrameReader(agent.data_reader).record(1 << 20)
+    assert record is not None
+    header, _ = record
     assert header.sequence == 0 and header.edge_id == message.outbound.edge_id
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from ggufpipe_agent import objects, protocol
 from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.framing import read_message
 from ggufpipe_agent.protocol import (
     CONTROL_MAGIC,
     MAX_CONTROL_BYTES,
@@ -34,7 +35,6 @@ from ggufpipe_agent.protocol import (
     StopRun,
     decode_message,
     encode_message,
-    read_message,
 )
 
 SPEC = ObjectSpec("activation", "float32", 8, 16)

@@ -72,7 +72,8 @@ from ggufpipe_tui.core.plan import (
     validate_plan,
 )
 from ggufpipe_tui.session.runlog import RunLog
-from ggufpipe_tui.transports.link import AgentLink, LocalAgent, TransportError
+from ggufpipe_tui.transports.link import AgentLink, TransportError
+from ggufpipe_tui.transports.local import LocalAgent
 
 log = logging.getLogger("ggufpipe.orchestrator")
 

@@ -1,28 +1,31 @@
 """How the orchestrator reaches an agent: one small interface, two transports.
 
 An :class:`AgentLink` is one running agent with a control stream (msgpack
-frames), a way to open its data stream (edge objects) and its stderr. The
-local transport starts the agent as a subprocess (the embedded default, no
-SSH); :mod:`ggufpipe_tui.transports.ssh` starts it over SSH. Nothing above this module
-knows which one carries a stage.
+frames through one :class:`~ggufpipe_agent.framing.FrameWriter` and one
+:class:`~ggufpipe_agent.framing.FrameReader`), a way to open its data stream
+(edge objects) and its stderr. :mod:`ggufpipe_tui.transports.local` starts the
+agent as a subprocess (the embedded default, no SSH);
+:mod:`ggufpipe_tui.transports.ssh` starts it over SSH. Nothing above this
+package knows which one carries a stage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import re
-import shlex
-import sys
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from ggufpipe_agent import PROTOCOL_VERSION, __version__
-from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
-from ggufpipe_agent.protocol import DataAttach, Hello, Message, Refused, encode_message, read_message
+from ggufpipe_agent.framing import FrameReader, FrameWriter
+from ggufpipe_agent.protocol import DataAttach, Hello, Message, Refused
+from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core.inventory import HostSpec
+
+log = logging.getLogger("ggufpipe.transport")
 
 LogLine = Callable[[str], None]
 STREAM_LIMIT = 1 << 20
@@ -43,20 +46,31 @@ class AgentLink:
         self.on_log = on_log
         self.reader: Any = None
         self.writer: Any = None
+        self.control: FrameWriter | None = None
         self.hello: Hello | None = None
         self.stderr_tail: deque[str] = deque(maxlen=20)
-        self._write_lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        # The link's own background work (stderr pumps): a pump that dies of a
+        # bug says so in the stage's log instead of going quiet.
+        self.tasks = TaskOwner(self._task_failed, f"stage {stage} link")
 
     @property
     def label(self) -> str:
         return f"stage {self.stage} on {self.host.name} ({self.host.where})"
 
+    def _task_failed(self, name: str, error: BaseException) -> None:
+        self.on_log(f"internal error in the orchestrator's {name}: {type(error).__name__}: {error}")
+
+    def _streams(self, reader: Any, writer: Any) -> None:
+        """The control stream, once the transport has it."""
+        self.reader, self.writer = reader, writer
+        self._control_reader = FrameReader(reader, "control stream")
+        self.control = FrameWriter(writer, what="control stream")
+
     # -------------------------------------------------------------- control
 
     async def handshake(self, timeout: float) -> Hello:
         try:
-            first = await asyncio.wait_for(read_message(self.reader), timeout)
+            first = await asyncio.wait_for(self._control_reader.message(), timeout)
         except asyncio.TimeoutError:
             raise TransportError(
                 f"{self.label}: the agent sent no Hello within {timeout:g}s{self._tail()}"
@@ -82,12 +96,11 @@ class AgentLink:
         return first
 
     async def send(self, message: Message) -> None:
-        async with self._write_lock:
-            self.writer.write(encode_message(message))
-            await self.writer.drain()
+        assert self.control is not None, "the link has not started"
+        await self.control.send(message)
 
     async def receive(self) -> Message | None:
-        return await read_message(self.reader)
+        return await self._control_reader.message()
 
     def _tail(self) -> str:
         """The agent's last words for a failure reason: its last stderr line
@@ -100,18 +113,17 @@ class AgentLink:
         self.stderr_tail.append(line)
         self.on_log(line)
 
-    def _spawn(self, coroutine: Any) -> None:
-        task = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _pump_stderr(self, stream: Any) -> None:
+    async def pump_stderr(self, stream: Any, prefix: str = "") -> None:
+        """A stderr stream into the stage log, line by line, until it ends."""
         while True:
-            raw = await stream.readline()
+            try:
+                raw = await stream.readline()
+            except (ConnectionError, OSError):
+                return
             if not raw:
                 return
             line = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
-            self.log_line(line.rstrip("\n"))
+            self.log_line(prefix + line.rstrip("\n"))
 
     # ----------------------------------------------------------------- data
 
@@ -119,8 +131,7 @@ class AgentLink:
         """A data stream to the agent, attached with the Hello's token."""
         assert self.hello is not None
         reader, writer = await self._connect_data(self.hello.data_endpoint)
-        writer.write(encode_message(DataAttach(self.hello.data_token)))
-        await writer.drain()
+        await FrameWriter(writer).send(DataAttach(self.hello.data_token))
         return reader, writer
 
     async def start(self, timeout: float) -> Hello:
@@ -143,97 +154,3 @@ class AgentLink:
     def gone_reason(self) -> str:
         """A fault reason's tail once alive() is False."""
         return f"the agent exited{self.exit_detail()}"
-
-
-async def open_endpoint(endpoint: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    where, port = parse_endpoint(endpoint)
-    if port is None:
-        return await asyncio.open_unix_connection(where, limit=STREAM_LIMIT)
-    return await asyncio.open_connection(where, port, limit=STREAM_LIMIT)
-
-
-class LocalAgent(AgentLink):
-    """An agent on this machine: a subprocess on stdio, or a hand-started agent
-    listening on ``host.listen``."""
-
-    def __init__(self, host: HostSpec, stage: int, on_log: LogLine) -> None:
-        super().__init__(host, stage, on_log)
-        self.process: asyncio.subprocess.Process | None = None
-
-    def command(self) -> list[str]:
-        if self.host.agent != "ggufpipe-agent":
-            command = shlex.split(self.host.agent)
-        else:
-            # The same interpreter and package as the orchestrator: no PATH or
-            # version surprises for the embedded transport.
-            command = [sys.executable, "-m", "ggufpipe_agent"]
-        if self.host.cache_dir:
-            command += ["--cache-dir", self.host.cache_dir]
-        return command
-
-    async def start(self, timeout: float) -> Hello:
-        if self.host.listen:
-            try:
-                self.reader, self.writer = await asyncio.wait_for(open_endpoint(self.host.listen), timeout)
-            except (OSError, asyncio.TimeoutError) as error:
-                raise TransportError(
-                    f"{self.label}: no agent listening on {self.host.listen} ({error or 'timeout'}); "
-                    f"start one with: ggufpipe-agent --listen {self.host.listen}"
-                ) from None
-            return await self.handshake(timeout)
-        command = self.command()
-        try:
-            self.process = await asyncio.create_subprocess_exec(
-                *command,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                limit=STREAM_LIMIT,
-            )  # the agent ends itself with its parent (PR_SET_PDEATHSIG, agent cli)
-        except OSError as error:
-            raise TransportError(f"{self.label}: cannot start {command[0]}: {error.strerror}") from None
-        assert self.process.stdout and self.process.stdin and self.process.stderr
-        self.reader, self.writer = self.process.stdout, self.process.stdin
-        self._spawn(self._pump_stderr(self.process.stderr))
-        return await self.handshake(timeout)
-
-    async def _connect_data(self, endpoint: str) -> tuple[Any, Any]:
-        try:
-            return await open_endpoint(endpoint)
-        except OSError as error:
-            raise TransportError(
-                f"{self.label}: cannot reach the agent's data socket {endpoint}: {error}"
-            ) from None
-
-    def alive(self) -> bool:
-        if self.process is not None:
-            return self.process.returncode is None
-        return self.writer is not None and not self.writer.is_closing()
-
-    def exit_detail(self) -> str:
-        code = self.process.returncode if self.process is not None else None
-        status = ""
-        if code is not None:
-            status = f" (exit status {code})" if code >= 0 else f" (killed by signal {-code})"
-        return status + self._tail()
-
-    async def close(self, grace: float) -> None:
-        """End the agent: closing its stdin is the request to exit; then
-        SIGTERM, then SIGKILL. Nothing this started outlives it."""
-        if self.writer is not None:
-            with contextlib.suppress(Exception):
-                self.writer.close()
-        process = self.process
-        if process is None:
-            return
-        for action in (None, process.terminate, process.kill):
-            if process.returncode is not None:
-                break
-            if action is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    action()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(process.wait(), grace)
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(task, 1.0)

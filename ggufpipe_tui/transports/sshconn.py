@@ -1,0 +1,279 @@
+"""SSH connections for the SSH transport: asyncio-shaped streams over
+asyncssh channels, and one shared connection per host (a pool per event loop,
+closed when its last stage releases it).
+
+Host keys are checked against known_hosts unless the inventory says
+``insecure_no_host_key_check: true``; ~/.ssh/config and ssh-agent apply as
+they do for ``ssh``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import asyncssh
+
+from ggufpipe_tui.core.inventory import HostSpec
+from ggufpipe_tui.transports.link import TransportError
+
+log = logging.getLogger("ggufpipe.ssh")
+# asyncssh logs every channel open and close at INFO; under -v those lines
+# would bury the agents' own logs. A level set by the user is kept.
+if logging.getLogger("asyncssh").level == logging.NOTSET:
+    logging.getLogger("asyncssh").setLevel(logging.WARNING)
+
+
+# ------------------------------------------------------------------ streams
+
+
+def _lost(error: asyncssh.Error) -> ConnectionResetError:
+    return ConnectionResetError(f"SSH channel lost: {error.reason or type(error).__name__}")
+
+
+class SshReader:
+    """An SSHReader in binary mode that fails like an asyncio stream: a lost
+    connection is a ConnectionError (asyncssh raises its own errors, which
+    the orchestrator's relays would not recognise)."""
+
+    def __init__(self, inner: asyncssh.SSHReader[bytes]) -> None:
+        self._inner = inner
+        self.received = 0
+
+    async def readexactly(self, count: int) -> bytes:
+        try:
+            data = await self._inner.readexactly(count)
+        except asyncio.IncompleteReadError as error:
+            self.received += len(error.partial)
+            raise
+        except asyncssh.Error as error:
+            raise _lost(error) from error
+        self.received += len(data)
+        return data
+
+    async def read(self, count: int = -1) -> bytes:
+        try:
+            data = await self._inner.read(count)
+        except asyncssh.Error as error:
+            raise _lost(error) from error
+        self.received += len(data)
+        return data
+
+    async def readline(self) -> bytes:
+        try:
+            return await self._inner.readline()
+        except asyncssh.Error as error:
+            raise _lost(error) from error
+
+    def at_eof(self) -> bool:
+        return self._inner.at_eof()
+
+
+class SshWriter:
+    """An SSHWriter in binary mode with asyncio's write/drain contract. drain()
+    waits while the channel's send buffer is above its high-water mark, and
+    asyncssh sends only within the peer's flow-control window: a slow consumer
+    on the host holds back this writer."""
+
+    def __init__(self, inner: asyncssh.SSHWriter[bytes]) -> None:
+        self._inner = inner
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        try:
+            self._inner.write(data if isinstance(data, bytes) else bytes(data))
+        except asyncssh.Error as error:
+            raise _lost(error) from error
+
+    async def drain(self) -> None:
+        try:
+            await self._inner.drain()
+        except asyncssh.Error as error:
+            raise _lost(error) from error
+
+    def write_eof(self) -> None:
+        self._inner.write_eof()
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def is_closing(self) -> bool:
+        return self._inner.is_closing()
+
+    async def wait_closed(self) -> None:
+        await self._inner.wait_closed()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._inner.get_extra_info(name, default)
+
+
+# --------------------------------------------------------------- connecting
+
+
+def connect_options(host: HostSpec, timeout: float) -> dict[str, Any]:
+    """asyncssh.connect arguments. What the inventory leaves out is left to
+    asyncssh, which takes it from ~/.ssh/config and then its defaults (user,
+    port, IdentityFile, ssh-agent, UserKnownHostsFile)."""
+    options: dict[str, Any] = {"connect_timeout": timeout}
+    if host.port != 22:
+        options["port"] = host.port
+    if host.user:
+        options["username"] = host.user
+    if host.identity:
+        options["client_keys"] = list(host.identity)  # ssh-agent keys are still offered
+    if host.insecure_no_host_key_check:
+        options["known_hosts"] = None
+    elif host.known_hosts:
+        options["known_hosts"] = list(host.known_hosts)
+    return options
+
+
+def _check_files(host: HostSpec) -> None:
+    for key, paths in (("identity", host.identity), ("known_hosts", host.known_hosts)):
+        for path in paths:
+            if not os.path.isfile(path):
+                raise TransportError(
+                    f"host {host.name} (inventory line {host.line}): {key} file {path} does not exist"
+                )
+
+
+def _known_hosts_name(host: HostSpec) -> str:
+    return ", ".join(host.known_hosts) if host.known_hosts else "~/.ssh/known_hosts"
+
+
+async def _connect(host: HostSpec, timeout: float, entry: PooledConnection) -> asyncssh.SSHClientConnection:
+    """One SSH connection, with every way it can fail said in a sentence."""
+    _check_files(host)
+    where = f"{host.name} ({host.where})"
+    if host.insecure_no_host_key_check:
+        log.warning(
+            "INSECURE: host key checking is OFF for host %s (insecure_no_host_key_check: true): "
+            "anyone on the network path can impersonate it and see prompts and outputs",
+            where,
+        )
+    try:
+        connecting = asyncssh.connect(
+            host.address, client_factory=lambda: _Client(entry), **connect_options(host, timeout)
+        )
+        return await asyncio.wait_for(connecting, timeout)
+    except asyncssh.HostKeyNotVerifiable as error:
+        raise TransportError(
+            f"{where}: host key verification failed ({error.reason}); its key is missing from or "
+            f"does not match {_known_hosts_name(host)}. Check the host's key fingerprint out of band "
+            "and add it there (or set known_hosts: in the host entry); a changed key can mean "
+            "someone is impersonating the host"
+        ) from None
+    except asyncssh.PermissionDenied as error:
+        tried = f"identity {', '.join(host.identity)} and " if host.identity else ""
+        raise TransportError(
+            f"{where}: SSH authentication failed ({error.reason}); tried {tried}ssh-agent and the "
+            f"default keys{' as user ' + host.user if host.user else ''}"
+        ) from None
+    except (asyncssh.KeyImportError, asyncssh.KeyEncryptionError) as error:
+        raise TransportError(
+            f"{where}: cannot use the identity key ({error}); an encrypted key belongs in ssh-agent "
+            "(ssh-add KEY), not in identity:"
+        ) from None
+    except asyncssh.Error as error:
+        raise TransportError(f"{where}: SSH connection failed: {error.reason}") from None
+    except (asyncio.TimeoutError, TimeoutError):  # before OSError: builtin TimeoutError is one
+        raise TransportError(f"{where}: no SSH answer within {timeout:g}s (timeouts.connect)") from None
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise TransportError(f"{where}: cannot reach the SSH server: {reason}") from None
+
+
+class _Client(asyncssh.SSHClient):
+    def __init__(self, entry: PooledConnection) -> None:
+        self.entry = entry
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.entry.closing:
+            self.entry.lost = str(exc) if exc else "closed by the host"
+
+
+@dataclass(eq=False, slots=True)
+class PooledConnection:
+    """One shared connection: its connect task and how many stages use it."""
+
+    task: asyncio.Task[asyncssh.SSHClientConnection] | None = None
+    users: int = 0
+    lost: str = ""
+    closing: bool = False
+
+
+def _pool_key(host: HostSpec) -> tuple[Any, ...]:
+    return (
+        host.name,
+        host.address,
+        host.port,
+        host.user,
+        host.identity,
+        host.known_hosts,
+        host.insecure_no_host_key_check,
+    )
+
+
+class ConnectionPool:
+    """Connections by host, shared by the stages on it; closed with the last."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[Any, ...], PooledConnection] = {}
+
+    async def acquire(
+        self, host: HostSpec, timeout: float
+    ) -> tuple[PooledConnection, asyncssh.SSHClientConnection]:
+        key = _pool_key(host)
+        entry = self.entries.get(key)
+        if entry is None or entry.lost:
+            entry = PooledConnection()
+            entry.task = asyncio.ensure_future(_connect(host, timeout, entry))
+            self.entries[key] = entry
+        entry.users += 1
+        assert entry.task is not None
+        try:
+            # Shielded: one stage giving up must not cancel the others' connect.
+            connection = await asyncio.shield(entry.task)
+        except BaseException:
+            await self.release(host, entry)
+            raise
+        return entry, connection
+
+    async def release(self, host: HostSpec, entry: PooledConnection) -> None:
+        entry.users -= 1
+        if entry.users > 0:
+            return
+        key = _pool_key(host)
+        if self.entries.get(key) is entry:
+            del self.entries[key]
+        entry.closing = True
+        task = entry.task
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            return
+        if task.cancelled() or task.exception() is not None:
+            return
+        connection = task.result()
+        connection.close()
+        with contextlib.suppress(asyncio.TimeoutError, asyncssh.Error, OSError):
+            await asyncio.wait_for(connection.wait_closed(), 5)
+
+
+_POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ConnectionPool] = weakref.WeakKeyDictionary()
+
+
+def connection_pool() -> ConnectionPool:
+    """The pool of the running event loop (connections cannot cross loops)."""
+    loop = asyncio.get_running_loop()
+    pool = _POOLS.get(loop)
+    if pool is None:
+        pool = _POOLS[loop] = ConnectionPool()
+    return pool
