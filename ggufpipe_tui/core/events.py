@@ -45,6 +45,15 @@ class PlanMade:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptAssigned:
+    """The session gave a submitted prompt (its ``ticket``) to run ``run_id``."""
+
+    run_id: int
+    text: str
+    ticket: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class RunPhaseChanged:
     run_id: int
     phase: str
@@ -122,6 +131,7 @@ Event = (
     | AgentConnected
     | ModelInspected
     | PlanMade
+    | PromptAssigned
     | RunPhaseChanged
     | StageStateChanged
     | StageLoadProgress

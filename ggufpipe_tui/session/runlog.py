@@ -9,13 +9,13 @@ line, so a faulted run's log says exactly what happened. The directory is
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
+from ggufpipe_agent.protocol import to_plain
 from ggufpipe_tui.core.events import AgentConnected, Event, StageStats, TokenStreamed
 
 
@@ -25,16 +25,6 @@ def default_log_dir() -> Path:
         return Path(explicit).expanduser()
     state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(state) / "ggufpipe" / "runs"
-
-
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple | list):
-        return [_plain(item) for item in value]
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    return value
 
 
 class RunLog:
@@ -75,7 +65,8 @@ class RunLog:
             self._file = None
 
     def write(self, event: Event) -> None:
-        record = {"t": round(time.time(), 6), "event": type(event).__name__, **_plain(event)}
+        fields = to_plain(event, text_bytes=True)
+        record = {"t": round(time.time(), 6), "event": type(event).__name__, **fields}
         if isinstance(event, AgentConnected):
             record["hello"].pop("data_token", None)  # a capability, not for logs
         line = json.dumps(record, ensure_ascii=False, default=str) + "\n"

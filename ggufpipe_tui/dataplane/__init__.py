@@ -1,0 +1,51 @@
+"""The data plane: how token and activation objects move between the stages.
+
+A :class:`DataPlane` owns the run's edges. The session opens it once (after
+the agents started), binds each run to it, asks it to set up a stage's edge
+ends when the stage has taken its provision, and writes the token-in edge
+through it. Whatever it consumes of the token-out edge goes to the bound
+run's :class:`TokenSink`; a stream that breaks or carries garbage is reported
+through :class:`DataPlaneEvents`, never raised into the run.
+
+Implementations: :class:`~ggufpipe_tui.dataplane.relay.RelayPlane` (every
+object crosses the orchestrator, which forwards it by header only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ggufpipe_tui.core.plan import RunPlan
+
+#: The bound run's consumer of token-out objects: (sequence, token).
+TokenSink = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class DataPlaneEvents:
+    """What a data plane reports to the session."""
+
+    lost: Callable[[int, str], None]  # stage index, symptom: a stream broke or ended
+    fault: Callable[[str], None]  # a bad object: the run cannot go on
+    log: Callable[[int, str], None]  # stage index, a line for that stage's log
+
+
+class DataPlane(Protocol):
+    async def open(self, timeout: float) -> None:
+        """Open the data streams of every stage and start moving objects."""
+
+    def bind(self, plan: RunPlan | None, sink: TokenSink | None) -> None:
+        """The run whose objects are checked and routed (None between runs:
+        late objects of an old run are dropped)."""
+
+    async def open_edges(self, plan: RunPlan, stage: int) -> None:
+        """Set up stage ``stage``'s edge ends for ``plan`` (it has taken its
+        provision). Raises ConnectionError when its stream is broken."""
+
+    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int]) -> None:
+        """Write a token object on the token-in edge. Raises ConnectionError."""
+
+    def close(self) -> None:
+        """Close every stream (the session then ends the agents)."""

@@ -1,0 +1,169 @@
+"""The relay data plane: every stage's data stream ends in the orchestrator.
+
+Stage i's outbound objects are read here, their header checked against the
+bound run's edge, and forwarded to stage i+1 with the payload untouched and
+streamed in chunks (memory bounded, backpressure kept: nothing more is read
+until the consumer has drained). The last stage's token objects are decoded
+and handed to the bound run. The token-in edge is stage 0's data stream.
+
+Each stream has one writer (:class:`~ggufpipe_agent.framing.FrameWriter`),
+held for a whole object while a relay forwards it, so edge setup for the next
+run never lands inside one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from ggufpipe_agent import objects
+from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.framing import FrameWriter, TruncatedFrame
+from ggufpipe_agent.protocol import OpenEdge, encode_message
+from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_tui.core.plan import EdgePlan, RunPlan
+from ggufpipe_tui.dataplane import DataPlaneEvents, TokenSink
+from ggufpipe_tui.session.stages import DataStream, StageHandle
+
+
+class RelayPlane:
+    def __init__(self, stages: Sequence[StageHandle], tasks: TaskOwner, events: DataPlaneEvents) -> None:
+        self.stages = stages
+        self.tasks = tasks
+        self.events = events
+        self.plan: RunPlan | None = None
+        self.sink: TokenSink | None = None
+
+    def _stream(self, index: int) -> DataStream:
+        data = self.stages[index].data
+        if data is None:
+            raise ConnectionError(f"stage {index} has no data stream")
+        return data
+
+    async def open(self, timeout: float) -> None:
+        await asyncio.gather(*(stage.open_data(timeout) for stage in self.stages))
+        for index in range(len(self.stages) - 1):
+            self.tasks.spawn(self._relay(index), f"relay {index}->{index + 1}")
+        self.tasks.spawn(self._token_out(), "token-out reader")
+
+    def bind(self, plan: RunPlan | None, sink: TokenSink | None) -> None:
+        self.plan, self.sink = plan, sink
+
+    async def open_edges(self, plan: RunPlan, stage: int) -> None:
+        entry = plan.stages[stage]
+        await self._stream(stage).writer.write(
+            encode_message(OpenEdge(plan.run_id, entry.inbound_edge, "inbound")),
+            encode_message(OpenEdge(plan.run_id, entry.outbound_edge, "outbound")),
+        )
+
+    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int]) -> None:
+        record = objects.tokens_record(plan.run_id, plan.stages[0].inbound_edge, sequence, tokens)
+        await self._stream(0).writer.write(record)
+
+    def close(self) -> None:
+        for stage in self.stages:
+            stage.close_data()
+
+    # ------------------------------------------------------------- moving
+
+    def _edge(self, index: int) -> EdgePlan | None:
+        plan = self.plan
+        return None if plan is None else plan.edge(plan.stages[index].outbound_edge)
+
+    def _check(self, index: int, header: objects.ObjectHeader) -> EdgePlan | None:
+        """The edge an object stage ``index`` produced belongs to; None when it
+        belongs to an old run and is to be dropped."""
+        edge = self._edge(index)
+        if edge is None or self.plan is None:
+            return None
+        if header.run_id != self.plan.run_id:
+            self.events.log(index, f"dropped {header.describe()} of an old run")
+            return None
+        if header.edge_id != edge.edge_id:
+            raise ProtocolError(f"{header.describe()}: expected edge {edge.edge_id}")
+        objects.check_spec(header, edge.object_spec)
+        return edge
+
+    def _limit(self, index: int) -> int:
+        edge = self._edge(index)
+        return edge.object_spec.max_extent if edge is not None else objects.ABSOLUTE_MAX_PAYLOAD
+
+    async def _relay(self, index: int) -> None:
+        source = self._stream(index).reader
+        target = self._stream(index + 1).writer
+        while True:
+            try:
+                header = await source.header(self._limit(index))
+                if header is None:
+                    self.events.lost(index, "data stream ended")
+                    return
+                edge = self._check(index, header)
+            except TruncatedFrame:
+                self.events.lost(index, "data stream ended inside a header")
+                return
+            except ProtocolError as error:
+                self.events.fault(f"stage {index} sent a bad object: {error}")
+                return
+            except (ConnectionError, OSError) as error:
+                self.events.lost(index, f"data stream broke ({error})")
+                return
+            async with target.exclusive():
+                if not await self._forward(index, header, edge is not None, target):
+                    return
+
+    async def _forward(
+        self, index: int, header: objects.ObjectHeader, keep: bool, target: FrameWriter
+    ) -> bool:
+        """One object's payload from stage ``index`` to the next (dropped when
+        not ``keep``); False when a stream broke (and was reported)."""
+        chunks = self._stream(index).reader.chunks(header)
+        head: bytes | None = header.pack() if keep else None
+        while True:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return True
+            except TruncatedFrame:
+                self.events.lost(index, "data stream ended inside an object")
+                return False
+            except (ConnectionError, OSError) as error:
+                self.events.lost(index, f"data stream broke ({error})")
+                return False
+            if not keep:
+                continue
+            try:
+                if head is not None:
+                    target.put(head)
+                    head = None
+                target.put(chunk)
+                await target.drain()
+            except (ConnectionError, OSError) as error:
+                self.events.lost(index + 1, f"data stream broke ({error})")
+                return False
+
+    async def _token_out(self) -> None:
+        index = len(self.stages) - 1
+        source = self._stream(index).reader
+        while True:
+            try:
+                header = await source.header(self._limit(index))
+                if header is None:
+                    self.events.lost(index, "data stream ended")
+                    return
+                edge = self._check(index, header)
+                payload = await source.payload(header)
+            except TruncatedFrame:
+                self.events.lost(index, "data stream ended")
+                return
+            except ProtocolError as error:
+                self.events.fault(f"stage {index} sent a bad token object: {error}")
+                return
+            except (ConnectionError, OSError) as error:
+                self.events.lost(index, f"data stream broke ({error})")
+                return
+            sink = self.sink
+            if edge is None or sink is None:
+                continue
+            tokens = objects.decode_tokens(header, payload)
+            sink(header.sequence, tokens[0])
+

@@ -1,0 +1,303 @@
+"""One run: the pure run FSM of spec §5 fed by events, its effects done here.
+
+A :class:`RunDriver` knows only what a run needs: the plan, a
+:class:`~ggufpipe_tui.session.stages.StagePort` per stage (send a control
+message, is it alive, report a broken stream), the run's edges
+(:class:`RunEdges`: set up a stage's edge ends, write the token-in edge), the
+timeouts, a task owner and where its events go. It never sees the pipeline,
+the transports or the views, so tests drive it with fake stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from ggufpipe_agent.errors import TransitionError
+from ggufpipe_agent.protocol import (
+    Message,
+    StageFault,
+    StageProgress,
+    StageReady,
+    StageStopped,
+    StepCounters,
+    StepStats,
+    StopRun,
+)
+from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_tui.core import run_fsm as fsm
+from ggufpipe_tui.core.events import (
+    Emit,
+    Notice,
+    RunFinished,
+    RunPhaseChanged,
+    RunResult,
+    StageLoadProgress,
+    StageStateChanged,
+    StageStats,
+    Timings,
+    TokenStreamed,
+)
+from ggufpipe_tui.core.inventory import Timeouts
+from ggufpipe_tui.core.plan import RunPlan, provision_message
+from ggufpipe_tui.session.stages import StagePort
+
+#: How long a StopRun may take to be written to a stage.
+STOP_SEND_TIMEOUT = 5.0
+
+
+class RunEdges(Protocol):
+    """The part of the data plane a run drives."""
+
+    async def open_edges(self, plan: RunPlan, stage: int) -> None: ...
+
+    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int]) -> None: ...
+
+
+class Detokenizer:
+    """Token ids to text as they stream: piece bytes through an incremental
+    UTF-8 decoder, so a character split over two tokens prints once whole."""
+
+    def __init__(self, pieces: tuple[bytes, ...]) -> None:
+        self.pieces = pieces
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token: int) -> str:
+        piece = self.pieces[token] if 0 <= token < len(self.pieces) else b""
+        return self._decoder.decode(piece)
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+class RunDriver:
+    def __init__(
+        self,
+        plan: RunPlan,
+        stages: Sequence[StagePort],
+        edges: RunEdges,
+        timeouts: Timeouts,
+        tasks: TaskOwner,
+        emit: Emit,
+        pieces: tuple[bytes, ...] = (),
+        log_path: Callable[[], str] = lambda: "",
+    ) -> None:
+        self.plan = plan
+        self.stages = stages
+        self.edges = edges
+        self.timeouts = timeouts
+        self.tasks = tasks
+        self.emit = emit
+        self.log_path = log_path
+        eog = frozenset(plan.model.eog_token_ids)
+        self.run = fsm.Run(max_tokens=plan.max_tokens, eog=eog)
+        self.queue: asyncio.Queue[fsm.RunEvent] = asyncio.Queue()
+        self.done = asyncio.Event()
+        self.result: RunResult | None = None
+        self.prompt: list[int] = []
+        self.tokens: list[int] = []
+        self.text: list[str] = []
+        self.detokenizer = Detokenizer(pieces)
+        self.counters: dict[int, StepCounters] = {}
+        self.stage_states: dict[int, str] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._submitted = 0.0
+        self._injected = 0.0
+        self._first_token = 0.0
+        self._last_token = 0.0
+
+    # --------------------------------------------------------------- input
+
+    def feed(self, event: fsm.RunEvent) -> None:
+        self.queue.put_nowait(event)
+
+    def give_prompt(self, tokens: list[int], submitted: float | None = None) -> None:
+        self.prompt = list(tokens)
+        self._submitted = submitted or time.perf_counter()
+        self.feed(fsm.PromptGiven())
+
+    def stop(self, reason: str = "stopped by the user") -> None:
+        self.feed(fsm.StopRequested(reason))
+
+    def on_token(self, sequence: int, token: int) -> None:
+        """A token object from the token-out edge."""
+        self.feed(fsm.TokenConsumed(sequence, token))
+
+    def on_stage_message(self, stage: int, message: Message) -> None:
+        run_id = self.plan.run_id
+        if isinstance(message, StageProgress):
+            if message.state == "Preparing" and message.fraction < 0:
+                # The agent has taken the provision: set up its edge streams.
+                self.tasks.spawn(self._open_edges(stage), f"edge setup of stage {stage}")
+            if message.fraction < 0:
+                self.stage_states[stage] = message.state
+                self.emit(StageStateChanged(run_id, stage, message.state, message.detail))
+            else:
+                self.emit(StageLoadProgress(run_id, stage, message.detail, message.fraction))
+        elif isinstance(message, StageReady):
+            self.feed(fsm.StageReadyEvent(stage))
+        elif isinstance(message, StageFault):
+            self.feed(fsm.StageFaultEvent(stage, f"{self.stages[stage].label}: {message.reason}"))
+        elif isinstance(message, StageStopped):
+            self.counters[stage] = message.counters
+            self.emit(StageStats(run_id, stage, message.counters))
+            self.feed(fsm.StageStoppedEvent(stage))
+        elif isinstance(message, StepStats):
+            self.counters[stage] = message.counters
+            self.emit(StageStats(run_id, stage, message.counters))
+
+    async def _open_edges(self, stage: int) -> None:
+        try:
+            await self.edges.open_edges(self.plan, stage)
+        except (ConnectionError, OSError) as error:
+            # A broken stream to a stage: report it with its root cause.
+            self.stages[stage].report_lost(f"cannot set up edge streams ({error})")
+
+    # --------------------------------------------------------------- loop
+
+    async def drive(self, problem: str = "") -> None:
+        """Run the FSM to Done. ``problem``: why the plan cannot run (the
+        plan's own check failed, or the pipeline is broken)."""
+        if problem:
+            await self._step(fsm.PlanRejected(problem))
+        else:
+            await self._step(fsm.PlanValidated(len(self.plan.stages)))
+        while not self.done.is_set():
+            await self._step(await self.queue.get())
+
+    async def _step(self, event: fsm.RunEvent) -> None:
+        pending: list[fsm.RunEvent] = [event]
+        while pending:
+            current = pending.pop(0)
+            before = self.run.phase
+            try:
+                self.run, effects = fsm.transition(self.run, current)
+            except TransitionError as error:
+                self.emit(Notice("info", f"run {self.plan.run_id:016x}: ignored: {error}"))
+                continue
+            if self.run.phase is not before:
+                detail = self.run.failure if self.run.phase is fsm.RunPhase.FAULTED else self.run.stop_reason
+                self.emit(RunPhaseChanged(self.plan.run_id, self.run.phase.value, detail))
+            for effect in effects:
+                follow = await self._perform(effect)
+                if follow is not None:
+                    pending.append(follow)
+            if self.run.phase in (fsm.RunPhase.COMPLETED, fsm.RunPhase.FAULTED):
+                pending.insert(0, fsm.Advance())
+
+    async def _perform(self, effect: fsm.RunEffect) -> fsm.RunEvent | None:
+        plan = self.plan
+        if isinstance(effect, fsm.SendProvision):
+            stage = self.stages[effect.stage]
+            try:
+                await stage.send(provision_message(plan, effect.stage))
+            except (ConnectionError, OSError) as error:
+                reason = f"{stage.label}: cannot send ProvisionStage ({error})"
+                return fsm.ProvisionFailed(effect.stage, reason)
+            if effect.stage == len(plan.stages) - 1:
+                return fsm.ProvisionsSent()
+        elif isinstance(effect, fsm.OpenTokenEndpoints | fsm.CloseTokenEndpoints):
+            pass  # the token-in writer and token-out reader belong to the data plane
+        elif isinstance(effect, fsm.StartTimer):
+            self._start_timer(effect.kind)
+        elif isinstance(effect, fsm.CancelTimer):
+            timer = self._timers.pop(effect.kind, None)
+            if timer is not None:
+                timer.cancel()
+        elif isinstance(effect, fsm.InjectPrompt):
+            self._injected = time.perf_counter()
+            await self._write_tokens(0, self.prompt)
+        elif isinstance(effect, fsm.InjectToken):
+            await self._write_tokens(effect.sequence, [effect.token])
+        elif isinstance(effect, fsm.AcceptToken):
+            self._accept(effect.sequence, effect.token)
+        elif isinstance(effect, fsm.FinalizeOutput):
+            tail = self.detokenizer.flush()
+            if tail:
+                self.text.append(tail)
+                self.emit(TokenStreamed(plan.run_id, -1, -1, tail))
+        elif isinstance(effect, fsm.RecordFailure):
+            self.emit(Notice("error", f"run {plan.run_id:016x} faulted: {effect.reason}"))
+        elif isinstance(effect, fsm.SendStopRun):
+            return await self._send_stop(effect.stage)
+        elif isinstance(effect, fsm.Note):
+            self.emit(Notice("info", f"run {plan.run_id:016x}: {effect.text}"))
+        elif isinstance(effect, fsm.Finish):
+            self._finish()
+        return None
+
+    async def _send_stop(self, index: int) -> fsm.RunEvent | None:
+        stage = self.stages[index]
+        try:
+            if not stage.alive():
+                raise ConnectionError("the agent is gone")
+            reason = self.run.stop_reason or self.run.outcome
+            await asyncio.wait_for(stage.send(StopRun(self.plan.run_id, reason)), STOP_SEND_TIMEOUT)
+        except (ConnectionError, OSError, asyncio.TimeoutError) as error:
+            return fsm.StageLost(index, f"{stage.label}: StopRun not delivered ({error})")
+        return None
+
+    def _start_timer(self, kind: str) -> None:
+        timeouts = self.timeouts
+        seconds = {"ready": timeouts.ready, "teardown": timeouts.teardown}.get(kind, timeouts.step)
+        if kind == "step" and self.run.consumed == 0:
+            seconds *= max(1, math.ceil(len(self.prompt) / self.plan.engine.n_ubatch))
+        old = self._timers.pop(kind, None)
+        if old is not None:
+            old.cancel()
+        # A plain loop callback: the step timer is restarted once per token.
+        loop = asyncio.get_running_loop()
+        self._timers[kind] = loop.call_later(seconds, self.feed, fsm.Timeout(kind))
+
+    async def _write_tokens(self, sequence: int, tokens: list[int]) -> None:
+        try:
+            await self.edges.write_tokens(self.plan, sequence, tokens)
+        except (ConnectionError, OSError) as error:
+            self.stages[0].report_lost(f"token-in edge: {error}")
+
+    def _accept(self, sequence: int, token: int) -> None:
+        now = time.perf_counter()
+        if sequence == 0:
+            self._first_token = now
+        self._last_token = now
+        self.tokens.append(token)
+        if token in self.run.eog:
+            return
+        text = self.detokenizer.feed(token)
+        self.text.append(text)
+        self.emit(TokenStreamed(self.plan.run_id, sequence, token, text))
+
+    def _finish(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        decode_ms = (self._last_token - self._first_token) * 1000.0 if self._first_token else 0.0
+        decoded = max(0, len(self.tokens) - 1)
+        n = len(self.plan.stages)
+        timings = Timings(
+            ttft_ms=(self._first_token - self._submitted) * 1000.0 if self._first_token else 0.0,
+            prefill_ms=(self._first_token - self._injected) * 1000.0 if self._first_token else 0.0,
+            decode_ms=decode_ms,
+            decode_tokens_per_s=decoded / (decode_ms / 1000.0) if decode_ms > 0 else 0.0,
+            stage_mean_step_ms=tuple(self.counters.get(i, StepCounters()).mean_ms for i in range(n)),
+        )
+        run = self.run
+        self.result = RunResult(
+            run_id=self.plan.run_id,
+            outcome=run.outcome or "completed",
+            stop_reason=run.stop_reason,
+            failure=run.failure,
+            prompt_tokens=tuple(self.prompt),
+            tokens=tuple(self.tokens),
+            text="".join(self.text),
+            timings=timings,
+            architecture=self.plan.model.architecture,
+            model=self.plan.model.model_id,
+            log_path=self.log_path(),
+            notes=run.notes,
+        )
+        self.emit(RunFinished(self.result))
+        self.done.set()

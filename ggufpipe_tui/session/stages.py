@@ -1,0 +1,176 @@
+"""A handle per stage: everything the orchestrator holds of one stage's agent.
+
+A :class:`StageHandle` owns its :class:`~ggufpipe_tui.transports.link.AgentLink`
+(control stream, process), its control reader, its requests awaiting an
+answer and whether it is lost. The data plane adds the stage's data stream
+(:attr:`StageHandle.data`); the run driver sees a stage only through the
+narrow :class:`StagePort` protocol (send, alive, report a broken stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ggufpipe_agent.errors import GgufpipeError, ProtocolError
+from ggufpipe_agent.framing import FrameReader, FrameWriter
+from ggufpipe_agent.protocol import Hello, Message, ModelInfo, RequestFailed, Tokenized
+from ggufpipe_tui.core.inventory import HostSpec
+from ggufpipe_tui.transports.link import AgentLink, TransportError
+
+#: Replies that answer a request by its request_id.
+REPLIES = (ModelInfo, Tokenized, RequestFailed)
+
+
+class PipelineError(GgufpipeError):
+    """The pipeline could not be set up (agents, model, plan) or run a prompt."""
+
+
+class StagePort(Protocol):
+    """What a run driver needs of one stage."""
+
+    @property
+    def label(self) -> str: ...
+
+    def alive(self) -> bool: ...
+
+    async def send(self, message: Message) -> None: ...
+
+    def report_lost(self, symptom: str) -> None: ...
+
+
+@dataclass(slots=True)
+class DataStream:
+    """A stage's data stream as the orchestrator holds it: one reader, one writer."""
+
+    reader: FrameReader
+    writer: FrameWriter
+
+
+class StageHandle:
+    def __init__(
+        self,
+        index: int,
+        link: AgentLink,
+        on_message: Callable[[StageHandle, Message], None],
+        on_lost: Callable[[StageHandle, str], None],
+    ) -> None:
+        self.index = index
+        self.link = link
+        self.data: DataStream | None = None
+        self.lost = ""  # the reason, once the stage is lost
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._requests: dict[int, asyncio.Future[Message]] = {}
+        self._request_ids = itertools.count(1)
+
+    @property
+    def label(self) -> str:
+        return self.link.label
+
+    @property
+    def host(self) -> HostSpec:
+        return self.link.host
+
+    @property
+    def hello(self) -> Hello | None:
+        return self.link.hello
+
+    def alive(self) -> bool:
+        return self.link.alive()
+
+    # -------------------------------------------------------------- start
+
+    async def start(self, timeout: float) -> Hello:
+        try:
+            return await asyncio.wait_for(self.link.start(timeout), timeout + 5)
+        except asyncio.TimeoutError:
+            raise TransportError(f"{self.label}: no answer within {timeout:g}s") from None
+
+    async def open_data(self, timeout: float) -> DataStream:
+        try:
+            reader, writer = await asyncio.wait_for(self.link.open_data(), timeout)
+        except asyncio.TimeoutError:
+            raise TransportError(f"{self.label}: the data channel did not open within {timeout:g}s") from None
+        self.data = DataStream(
+            FrameReader(reader, f"data stream of stage {self.index}"),
+            FrameWriter(writer, what=f"data stream of stage {self.index}"),
+        )
+        return self.data
+
+    # ------------------------------------------------------------ control
+
+    async def send(self, message: Message) -> None:
+        await self.link.send(message)
+
+    async def request(self, make: Callable[[int], Message], timeout: float) -> Message:
+        """Send ``make(request_id)`` and wait for the reply with that id."""
+        request_id = next(self._request_ids)
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._requests[request_id] = future
+        try:
+            if self.lost:
+                raise PipelineError(self.lost)
+            await self.link.send(make(request_id))
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise PipelineError(f"{self.label}: no answer to a request within {timeout:g}s") from None
+        except (ConnectionError, OSError) as error:
+            raise PipelineError(f"{self.label}: the control stream broke ({error})") from None
+        finally:
+            self._requests.pop(request_id, None)
+
+    async def read_control(self) -> None:
+        """The control reader: replies resolve their requests, everything else
+        goes to the pipeline. Ends when the stream does; then the stage is lost."""
+        reason = ""
+        try:
+            while True:
+                message = await self.link.receive()
+                if message is None:
+                    break
+                if isinstance(message, REPLIES):
+                    future = self._requests.get(message.request_id)
+                    if future is not None and not future.done():
+                        future.set_result(message)
+                    continue
+                self._on_message(self, message)
+        except ProtocolError as error:
+            reason = f"corrupt control stream ({error})"
+        except (ConnectionError, OSError) as error:
+            reason = f"control stream broke ({error})"
+        self.report_lost(reason or "the control stream ended")
+
+    def report_lost(self, symptom: str) -> None:
+        """A stream of this stage broke or ended (the pipeline says it once)."""
+        self._on_lost(self, symptom)
+
+    async def diagnose(self, symptom: str) -> str:
+        """The reason a lost stage is reported with: the agent's exit and its
+        last words when it exited, else the symptom."""
+        link = self.link
+        for _ in range(20):  # the exit status and last stderr lines may lag a moment
+            if not link.alive():
+                break
+            await asyncio.sleep(0.05)
+        if link.alive():
+            return f"{link.label}: {symptom}{link.exit_detail()}"
+        return f"{link.label}: {link.gone_reason()}"
+
+    def fail_requests(self, reason: str) -> None:
+        for future in self._requests.values():
+            if not future.done():
+                future.set_exception(PipelineError(reason))
+
+    # ------------------------------------------------------------ closing
+
+    def close_data(self) -> None:
+        if self.data is not None:
+            self.data.writer.close()
+
+    async def close(self, grace: float) -> None:
+        await self.link.close(grace)
+

@@ -1,0 +1,175 @@
+"""The run driver with fake stage handles: what it sends, writes and reports
+for each turn of the run FSM, in milliseconds and without processes."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ggufpipe_agent.protocol import ProvisionStage, StageFault, StageStopped, StepCounters, StepStats, StopRun
+from ggufpipe_tui.core.events import Notice, RunFinished, RunPhaseChanged, StageStats, TokenStreamed
+from tests.fakes import Rig, settle
+
+
+def phases(rig: Rig) -> list[str]:
+    return [e.phase for e in rig.events if isinstance(e, RunPhaseChanged)]
+
+
+async def finish(rig: Rig) -> None:
+    await settle()
+    rig.answer_stops()
+    await asyncio.wait_for(rig.driver.done.wait(), 2)
+
+
+async def test_a_run_from_provision_to_done():
+    rig = Rig(stages=2, max_tokens=3)
+    rig.start()
+    await settle()
+    assert [rig.provisioned(i).stage_index for i in range(2)] == [0, 1]
+    assert phases(rig) == ["Provisioning", "WaitingReady"]
+    rig.make_ready()
+    await settle()
+    assert rig.edges.opened == [0, 1], "edge ends are set up once a stage has taken its provision"
+    assert rig.edges.written == [], "no prompt, no injection: the run waits for it"
+    rig.driver.give_prompt([5, 6, 7])
+    await settle()
+    assert rig.edges.written == [(0, [5, 6, 7])]
+    for sequence, token in enumerate((9, 10, 11)):
+        rig.driver.on_token(sequence, token)
+        await settle()
+    # Each token is fed back as the next decode input, until max_tokens.
+    assert rig.edges.written == [(0, [5, 6, 7]), (1, [9]), (2, [10])]
+    assert all(isinstance(s.sent[-1], StopRun) for s in rig.stages)
+    await finish(rig)
+    result = rig.driver.result
+    assert result is not None and result.ok and result.stop_reason == "max_tokens"
+    assert result.tokens == (9, 10, 11) and result.text == "<9><10><11>"
+    assert phases(rig) == ["Provisioning", "WaitingReady", "Running", "Completed", "TearingDown", "Done"]
+    streamed = [e.text for e in rig.events if isinstance(e, TokenStreamed)]
+    assert streamed == ["<9>", "<10>", "<11>"]
+    assert isinstance(rig.events[-1], RunFinished) and not rig.failures
+
+
+async def test_end_of_generation_stops_without_feeding_it_back():
+    rig = Rig(max_tokens=10)
+    rig.start()
+    rig.make_ready()
+    rig.driver.give_prompt([5])
+    await settle()
+    rig.driver.on_token(0, 9)
+    await settle()
+    rig.driver.on_token(1, 2)  # the model's EOS
+    await finish(rig)
+    assert rig.edges.written == [(0, [5]), (1, [9])]
+    assert rig.driver.result is not None and rig.driver.result.stop_reason == "eos"
+    assert rig.driver.result.tokens == (9, 2) and rig.driver.result.text == "<9>"
+
+
+async def test_a_stage_fault_faults_the_run_and_every_stage_is_stopped():
+    rig = Rig(stages=3)
+    rig.start()
+    rig.make_ready()
+    rig.driver.give_prompt([5])
+    await settle()
+    rig.driver.on_token(0, 9)
+    await settle()
+    rig.agent_says(1, StageFault(rig.plan.run_id, 1, "a", "step 1: out of memory"))
+    await finish(rig)
+    result = rig.driver.result
+    assert result is not None and result.outcome == "faulted"
+    assert result.failure == "stage 1 on fake (local): step 1: out of memory"
+    assert result.tokens == (9,), "the output so far is kept"
+    assert all(isinstance(s.sent[-1], StopRun) for s in rig.stages)
+    assert any(isinstance(e, Notice) and "faulted" in e.text for e in rig.events)
+
+
+async def test_a_broken_token_in_edge_reports_stage_0_lost():
+    rig = Rig()
+    rig.start()
+    rig.make_ready()
+    rig.edges.fail_writes = True
+    rig.driver.give_prompt([5])
+    await settle()
+    assert rig.stages[0].lost == ["token-in edge: token-in gone"]
+
+
+async def test_a_provision_that_cannot_be_sent_faults_the_run():
+    rig = Rig(stages=2)
+    rig.stages[1].fail_sends = True
+    rig.start()
+    await settle()
+    rig.agent_says(0, StageFault(rig.plan.run_id, 0, "a", "ignored later"))
+    await settle()
+    rig.answer_stops()
+    await asyncio.wait_for(rig.driver.done.wait(), 2)
+    result = rig.driver.result
+    assert result is not None and result.outcome == "faulted"
+    assert result.failure == "stage 1 on fake (local): cannot send ProvisionStage (gone)"
+
+
+async def test_the_step_timeout_names_the_token_it_waited_for():
+    rig = Rig(step=0.05)
+    rig.start()
+    rig.make_ready()
+    rig.driver.give_prompt([5])
+    await settle()
+    rig.driver.on_token(0, 9)
+    await asyncio.sleep(0.2)
+    await finish(rig)
+    result = rig.driver.result
+    assert result is not None and result.failure == "step timeout waiting for token 1"
+
+
+async def test_a_stop_before_the_prompt_tears_the_run_down():
+    rig = Rig()
+    rig.start()
+    rig.make_ready()
+    await settle()
+    rig.driver.stop("no prompt after all")
+    await finish(rig)
+    result = rig.driver.result
+    assert result is not None and result.outcome == "torn down" and result.tokens == ()
+    assert rig.edges.written == []
+
+
+async def test_a_dead_stage_counts_as_stopped_in_teardown():
+    rig = Rig(stages=2)
+    rig.start()
+    rig.make_ready()
+    rig.driver.give_prompt([5])
+    await settle()
+    rig.stages[1].up = False
+    rig.driver.stop()
+    await settle()
+    assert not any(isinstance(m, StopRun) for m in rig.stages[1].sent), "nothing is sent to a dead agent"
+    rig.answer_stops()
+    await asyncio.wait_for(rig.driver.done.wait(), 2)
+    assert rig.driver.result is not None and rig.driver.result.ok
+
+
+async def test_step_statistics_reach_the_views_and_the_result():
+    rig = Rig(max_tokens=2)
+    rig.start()
+    rig.make_ready()
+    rig.driver.give_prompt([5])
+    await settle()
+    counters = StepCounters(steps=4, last_ms=2.0, total_ms=10.0)
+    rig.agent_says(1, StepStats(rig.plan.run_id, 1, counters))
+    rig.driver.on_token(0, 9)
+    rig.driver.on_token(1, 10)
+    await settle()
+    assert any(isinstance(e, StageStats) and e.counters == counters for e in rig.events)
+    final = StepCounters(steps=5, last_ms=2.0, total_ms=15.0)
+    rig.agent_says(0, StageStopped(rig.plan.run_id, 0, "a", StepCounters()))
+    rig.agent_says(1, StageStopped(rig.plan.run_id, 1, "a", final))  # the final counters win
+    await asyncio.wait_for(rig.driver.done.wait(), 2)
+    assert rig.driver.result is not None
+    assert rig.driver.result.timings.stage_mean_step_ms == (0.0, 3.0)
+
+
+async def test_a_rejected_plan_faults_before_anything_is_sent():
+    rig = Rig()
+    rig.start("the pipeline is broken: stage 0 lost")
+    await settle()
+    assert rig.driver.done.is_set()
+    assert not any(isinstance(m, ProvisionStage) for s in rig.stages for m in s.sent)
+    assert rig.driver.result is not None and rig.driver.result.failure == "the pipeline is broken: stage 0 lost"
