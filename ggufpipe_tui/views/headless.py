@@ -29,6 +29,8 @@ from ggufpipe_tui.core.events import (
 )
 from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.session.pipeline import Pipeline
+from ggufpipe_tui.session.runs import Prompt, RunHandle
+from ggufpipe_tui.views import format as fmt
 
 EXIT_OK = 0
 EXIT_FAULTED = 1
@@ -59,7 +61,12 @@ def result_json(result: RunResult) -> dict[str, object]:
 
 
 class Printer:
-    def __init__(self, out: IO[str], err: IO[str], as_json: bool, verbose: bool, quiet: bool) -> None:
+    """The session's events on stdout (text) and stderr (progress)."""
+
+    def __init__(
+        self, inventory: Inventory, out: IO[str], err: IO[str], as_json: bool, verbose: bool, quiet: bool
+    ) -> None:
+        self.inventory = inventory
         self.out, self.err = out, err
         self.as_json, self.verbose, self.quiet = as_json, verbose, quiet
         self.wrote_text = False
@@ -75,28 +82,16 @@ class Printer:
                 self.out.flush()
                 self.wrote_text = True
         elif isinstance(event, AgentConnected):
-            hello = event.hello
-            device = hello.devices[0].description if hello.devices else "CPU"
-            self.progress(
-                f"stage {event.stage}: agent on {event.host} ({event.where}) ready, "
-                f"llama-cpp-python {hello.llama_cpp}, {device}"
-            )
+            self.progress(f"stage {event.stage}: {fmt.agent_line(event)}")
         elif isinstance(event, ModelInspected):
-            f = event.facts
-            self.progress(
-                f"model {f.stem}: {f.architecture}, {f.block_count} blocks, hidden {f.hidden_dim}, "
-                f"{f.file_type}, {f.file_size / 2**20:.0f} MiB"
-            )
+            hosts = len({spec.host for spec in self.inventory.stages})
+            self.progress(f"model {fmt.model_line(event.facts, len(self.inventory.stages), hosts)}")
         elif isinstance(event, PlanMade):
             for stage in event.plan.stages:
-                self.progress(
-                    f"stage {stage.stage_index}: layers [{stage.layer_start}, {stage.layer_end_exclusive}) "
-                    f"on {stage.node_id}, ~{stage.estimated_bytes / 2**20:.0f} MiB"
-                )
+                self.progress(fmt.stage_plan_line(stage))
         elif isinstance(event, StageStateChanged):
             if self.verbose or event.state in ("Ready", "Faulted"):
-                detail = f" ({event.detail})" if event.detail else ""
-                self.progress(f"stage {event.stage}: {event.state}{detail}")
+                self.progress(fmt.stage_state_line(event.stage, event.state, event.detail))
         elif isinstance(event, AgentLog):
             if self.verbose:
                 print(f"[stage {event.stage} {event.host}] {event.line}", file=self.err, flush=True)
@@ -115,16 +110,17 @@ async def run_headless(
     out: IO[str] = sys.stdout,
     err: IO[str] = sys.stderr,
 ) -> int:
-    printer = Printer(out, err, as_json, verbose, quiet)
+    printer = Printer(inventory, out, err, as_json, verbose, quiet)
     pipeline = Pipeline(inventory, printer, log_dir=log_dir)
     loop = asyncio.get_running_loop()
+    handle: RunHandle | None = None
     interrupted = False
 
     def interrupt() -> None:
         nonlocal interrupted
-        if pipeline.driver is not None and not interrupted:
+        if handle is not None and not interrupted:
             interrupted = True
-            pipeline.driver.stop("interrupted (Ctrl-C)")
+            handle.stop("interrupted (Ctrl-C)")
         else:
             raise KeyboardInterrupt
 
@@ -132,7 +128,8 @@ async def run_headless(
         loop.add_signal_handler(signal.SIGINT, interrupt)
     try:
         await pipeline.start()
-        result = await pipeline.generate(prompt, chat=None)
+        handle = pipeline.submit(Prompt(text=prompt))
+        result = await handle.result()
     except GgufpipeError as error:
         print(f"ggufpipe: error: {error}", file=err, flush=True)
         return EXIT_SETUP
@@ -144,12 +141,8 @@ async def run_headless(
         print(json.dumps(result_json(result), ensure_ascii=False), file=out, flush=True)
     elif printer.wrote_text:
         print(file=out, flush=True)
-    t = result.timings
     if result.ok:
-        printer.progress(
-            f"{result.stop_reason}: {len(result.tokens)} tokens, first after {t.ttft_ms:.0f} ms, "
-            f"{t.decode_tokens_per_s:.1f} tokens/s; run log {result.log_path}"
-        )
+        printer.progress(f"{fmt.result_summary(result)}; run log {result.log_path}")
         return EXIT_OK
     print(f"ggufpipe: run log {result.log_path}", file=err, flush=True)
     print(f"ggufpipe: run {result.outcome}: {result.failure}", file=err, flush=True)

@@ -1,17 +1,16 @@
 """The TUI's widgets: the run's status line, the stage table, the transcript
 of prompts and replies, and the log pane.
 
-Each widget renders from plain data the app hands it (attributes down); none
-of them knows the orchestrator. Colours of the FSM states live here so the
-header, the table and the log agree.
+Each widget renders from plain data the app hands it (attributes down: the
+rows and exchanges of :mod:`ggufpipe_tui.views.viewstate`); none of them knows
+the orchestrator.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -21,51 +20,10 @@ from textual.events import Resize
 from textual.widget import Widget
 from textual.widgets import RichLog, Static
 
-from ggufpipe_agent.protocol import StepCounters
+from ggufpipe_tui.views.format import format_bytes, format_seconds
+from ggufpipe_tui.views.viewstate import PHASE_STYLES, STAGE_STYLES, ExchangeView, StageRow
 
-STAGE_STYLES = {
-    "Unprovisioned": "grey58",
-    "Preparing": "bold yellow",
-    "Ready": "bold green",
-    "Executing": "bold cyan",
-    "Faulted": "bold white on red3",
-    "Stopping": "magenta",
-    "Stopped": "grey58",
-    "Lost": "bold white on red3",  # not an FSM state: the agent process is gone
-}
-PHASE_STYLES = {
-    "Connecting": "bold black on yellow",
-    "Planning": "bold black on yellow",
-    "Provisioning": "bold black on yellow",
-    "WaitingReady": "bold black on dodger_blue1",
-    "Running": "bold black on green3",
-    "Completed": "bold black on green3",
-    "Faulted": "bold white on red3",
-    "TearingDown": "bold black on magenta",
-    "Done": "bold black on grey62",
-    "Closing": "bold black on magenta",
-}
 SPINNER = "◐◓◑◒"
-
-
-def format_bytes(count: int, compact: bool = False) -> str:
-    units = ("B", "K", "M", "G", "T") if compact else ("B", "KiB", "MiB", "GiB", "TiB")
-    value = float(count)
-    for unit in units:
-        if value < 1024 or unit == units[-1]:
-            if unit == "B":
-                return f"{int(value)}{'' if compact else ' '}{unit}"
-            digits = 0 if compact and value >= 10 else 1
-            return f"{value:.{digits}f}{'' if compact else ' '}{unit}"
-        value /= 1024
-    return str(count)  # unreachable
-
-
-def format_seconds(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, rest = divmod(int(seconds), 60)
-    return f"{minutes}m{rest:02d}s"
 
 
 def bar(fraction: float, width: int, style: str = "yellow") -> Text:
@@ -82,26 +40,6 @@ def bar(fraction: float, width: int, style: str = "yellow") -> Text:
 
 
 # ----------------------------------------------------------------- stages
-
-
-@dataclass
-class StageRow:
-    """What the table shows of one stage; the app keeps it up to date."""
-
-    index: int
-    host: str
-    where: str = ""
-    layers: tuple[int, int] | None = None
-    estimated_bytes: int = 0
-    device: str = ""
-    state: str = "Unprovisioned"
-    connected: bool = False
-    fault: str = ""
-    load_detail: str = ""
-    load_fraction: float | None = None
-    counters: StepCounters | None = None
-    activity: int = 0  # StageStats received while the run is running
-    history: list[str] = field(default_factory=list)  # every state it passed through
 
 
 class StageTable(Static):
@@ -255,20 +193,19 @@ class StatusBar(Static):
 
 
 class Exchange(Vertical):
-    """One prompt, its streamed reply and how the run ended."""
+    """One prompt, its streamed reply and how the run ended: a view of an
+    :class:`~ggufpipe_tui.views.viewstate.ExchangeView`."""
 
     DEFAULT_CSS = """
     Exchange { height: auto; margin-bottom: 1; }
     Exchange > Static { height: auto; }
     """
 
-    def __init__(self, prompt: str, run_id: int | None = None) -> None:
+    def __init__(self, view: ExchangeView) -> None:
         super().__init__()
-        self.prompt = prompt
-        self.run_id = run_id
-        self.parts: list[str] = []
-        self.appended_at: list[float] = []  # time.monotonic() of each piece, as it streamed in
-        self.finished = False
+        self.view = view
+        self._run_id = view.run_id
+        self._shown_parts = 0
         self._prompt = Static(self._prompt_text(), classes="prompt")
         self._reply = Static(Text("waiting for the first token…", style="grey50 italic"), classes="reply")
         self._summary = Static("", classes="summary")
@@ -278,31 +215,51 @@ class Exchange(Vertical):
         yield self._reply
         yield self._summary
 
-    def _prompt_text(self) -> Text:
-        text = Text("› ", style="bold dodger_blue1")
-        text.append(self.prompt, style="bold")
-        if self.run_id is not None:
-            text.append(f"  run {self.run_id:016x}", style="grey50")
-        return text
+    @property
+    def prompt(self) -> str:
+        return self.view.prompt
+
+    @property
+    def run_id(self) -> int | None:
+        return self.view.run_id
+
+    @property
+    def parts(self) -> list[str]:
+        return self.view.parts
+
+    @property
+    def appended_at(self) -> list[float]:
+        return self.view.appended_at
+
+    @property
+    def finished(self) -> bool:
+        return self.view.finished
 
     @property
     def text(self) -> str:
-        return "".join(self.parts)
+        return self.view.text
 
-    def assign(self, run_id: int) -> None:
-        self.run_id = run_id
-        self._prompt.update(self._prompt_text())
+    def _prompt_text(self) -> Text:
+        text = Text("› ", style="bold dodger_blue1")
+        text.append(self.view.prompt, style="bold")
+        if self.view.run_id is not None:
+            text.append(f"  run {self.view.run_id:016x}", style="grey50")
+        return text
 
-    def append(self, piece: str) -> None:
-        self.parts.append(piece)
-        self.appended_at.append(time.monotonic())
-        self._reply.update(Text(self.text))
-
-    def finish(self, summary: Text) -> None:
-        self.finished = True
-        if not self.parts:
-            self._reply.update(Text("(no output)", style="grey50 italic"))
-        self._summary.update(summary)
+    def sync(self) -> None:
+        """Show what the view gained since the last call (once per frame,
+        however many tokens arrived meanwhile)."""
+        view = self.view
+        if view.run_id != self._run_id:
+            self._run_id = view.run_id
+            self._prompt.update(self._prompt_text())
+        if len(view.parts) != self._shown_parts:
+            self._shown_parts = len(view.parts)
+            self._reply.update(Text(view.text))
+        if view.finished:
+            if not view.parts:
+                self._reply.update(Text("(no output)", style="grey50 italic"))
+            self._summary.update(view.summary or "")
 
 
 class Transcript(VerticalScroll):

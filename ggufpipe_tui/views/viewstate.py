@@ -1,0 +1,368 @@
+"""What the terminal UI shows, as plain state, and the reducer that keeps it.
+
+:meth:`ViewState.apply` takes one session event and updates the state with
+one small function per event type; it never touches a widget. What changed
+for the screen (log lines to append, exchanges to mount or to update, whether
+the stage table or the status line need drawing) is queued in the state and
+drained by the app when it renders, so the app can coalesce many events into
+one frame.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.text import Text
+
+from ggufpipe_agent.protocol import StepCounters
+from ggufpipe_tui.core.events import (
+    AgentConnected,
+    AgentLog,
+    Event,
+    ModelInspected,
+    Notice,
+    PlanMade,
+    PromptAssigned,
+    RunFinished,
+    RunPhaseChanged,
+    RunResult,
+    StageLoadProgress,
+    StageStateChanged,
+    StageStats,
+    TokenStreamed,
+)
+from ggufpipe_tui.core.inventory import Inventory
+from ggufpipe_tui.views import format as fmt
+
+STAGE_STYLES = {
+    "Unprovisioned": "grey58",
+    "Preparing": "bold yellow",
+    "Ready": "bold green",
+    "Executing": "bold cyan",
+    "Faulted": "bold white on red3",
+    "Stopping": "magenta",
+    "Stopped": "grey58",
+    "Lost": "bold white on red3",  # not an FSM state: the agent process is gone
+}
+PHASE_STYLES = {
+    "Connecting": "bold black on yellow",
+    "Planning": "bold black on yellow",
+    "Provisioning": "bold black on yellow",
+    "WaitingReady": "bold black on dodger_blue1",
+    "Running": "bold black on green3",
+    "Completed": "bold black on green3",
+    "Faulted": "bold white on red3",
+    "TearingDown": "bold black on magenta",
+    "Done": "bold black on grey62",
+    "Closing": "bold black on magenta",
+}
+
+
+@dataclass
+class StageRow:
+    """What the table shows of one stage."""
+
+    index: int
+    host: str
+    where: str = ""
+    layers: tuple[int, int] | None = None
+    estimated_bytes: int = 0
+    device: str = ""
+    state: str = "Unprovisioned"
+    connected: bool = False
+    fault: str = ""
+    load_detail: str = ""
+    load_fraction: float | None = None
+    counters: StepCounters | None = None
+    activity: int = 0  # StageStats received while the run is running
+    history: list[str] = field(default_factory=list)  # every state it passed through
+
+
+@dataclass(eq=False)
+class ExchangeView:
+    """One prompt, its reply as it streamed in, and how its run ended."""
+
+    prompt: str
+    run_id: int | None = None
+    parts: list[str] = field(default_factory=list)
+    appended_at: list[float] = field(default_factory=list)  # time.monotonic() of each piece
+    finished: bool = False
+    summary: Text | None = None
+    shown: bool = False  # in the output pane yet
+    submitted: float = field(default_factory=time.perf_counter)  # for the time to first token
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+@dataclass
+class RunStats:
+    """One run as the header shows it: elapsed time and tokens per second."""
+
+    run_id: int
+    started: float
+    first_token: float | None = None
+    last_token: float | None = None
+    tokens: int = 0
+    ended: float | None = None
+    result: RunResult | None = None
+
+    def elapsed(self, now: float) -> float:
+        return (self.ended if self.ended is not None else now) - self.started
+
+    def rate(self) -> float | None:
+        if self.result is not None and self.result.timings.decode_tokens_per_s:
+            return self.result.timings.decode_tokens_per_s
+        first, last = self.first_token, self.last_token
+        if first is not None and last is not None and last > first:
+            return (self.tokens - 1) / (last - first)
+        return None
+
+
+class ViewState:
+    def __init__(self, inventory: Inventory) -> None:
+        hosts = inventory.hosts
+        self.rows = [
+            StageRow(index, stage.host, hosts[stage.host].where, stage.layers)
+            for index, stage in enumerate(inventory.stages)
+        ]
+        self.session = 0
+        self.session_phase: str | None = "Connecting"  # overrides the run phase when set
+        self.session_started = 0.0
+        self.run_id: int | None = None
+        self.run_phase: str | None = None
+        self.model_line = ""
+        self.fault = ""
+        self.prompt_active = False  # a prompt has been given to the current run
+        self.queued = 0  # prompts waiting behind the current one
+        self.exchanges: dict[int, ExchangeView] = {}  # by run id
+        self.tickets: dict[int, ExchangeView] = {}  # submitted, by the session's ticket
+        self.runs: dict[int, RunStats] = {}
+        self.results: list[RunResult] = []
+        self.latest: RunStats | None = None
+        self.agent_pids: dict[int, int] = {}
+        self._load_detail: dict[int, str] = {}
+        # What the screen has to catch up with (drained by the app).
+        self.log: deque[tuple[int | None, Text]] = deque()
+        self.mount: list[ExchangeView] = []
+        self.touched: dict[int, ExchangeView] = {}
+        self.dirty = True  # the stage table and the status line
+        self._handlers: dict[type, Callable[[Any, float], None]] = {
+            AgentLog: self._agent_log,
+            TokenStreamed: self._token,
+            AgentConnected: self._connected,
+            ModelInspected: self._model,
+            PlanMade: self._plan,
+            RunPhaseChanged: self._phase,
+            StageStateChanged: self._stage_state,
+            StageLoadProgress: self._load,
+            StageStats: self._stats,
+            RunFinished: self._finished,
+            Notice: self._notice,
+            PromptAssigned: self._prompt,
+        }
+
+    def apply(self, event: Event, now: float) -> None:
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(event, now)
+
+    def note(self, stage: int | None, line: Text) -> None:
+        prefix = Text(f"[{stage}] " if stage is not None else "[·] ", style="bold dodger_blue1")
+        self.log.append((stage, prefix + line))
+
+    # ---------------------------------------------------- session (the app's)
+
+    def new_session(self, now: float) -> None:
+        self.session += 1
+        self.session_phase = "Connecting"
+        self.session_started = now
+        self.fault = ""
+        self.run_id, self.run_phase = None, None
+        for row in self.rows:
+            row.state, row.connected, row.fault, row.load_fraction = "Unprovisioned", False, "", None
+            row.counters, row.activity = None, 0
+            row.history.clear()
+        self.agent_pids.clear()
+        self.dirty = True
+
+    def end_session(self, reason: str) -> None:
+        self.session_phase = "Faulted"
+        self.fault = reason
+        self.prompt_active = False
+        self.note(None, Text(f"session {self.session} stopped: {reason}", style="bold red"))
+        self.note(None, Text("ctrl+r closes this pipeline and starts a fresh one", style="red"))
+        self.dirty = True
+
+    def mark_lost(self, stage: int, status: str) -> None:
+        """A stage whose agent is gone (it cannot say so itself)."""
+        row = self.rows[stage]
+        if row.connected and row.state != "Lost":
+            row.state, row.fault = "Lost", f"agent gone {status}".strip()
+            row.history.append("Lost")
+            self.dirty = True
+
+    def submitted(self, text: str) -> ExchangeView:
+        """A prompt the user gave; it shows at once when it runs next, else
+        when its turn comes (so each reply streams under its own prompt)."""
+        view = ExchangeView(text)
+        if not self.prompt_active and not self.queued:
+            self.show(view)
+        return view
+
+    def show(self, view: ExchangeView) -> None:
+        if not view.shown:
+            view.shown = True
+            self.mount.append(view)
+
+    # ------------------------------------------------------------- events
+
+    def _agent_log(self, event: AgentLog, now: float) -> None:
+        self.note(event.stage, Text(event.line))
+
+    def _token(self, event: TokenStreamed, now: float) -> None:
+        view = self.exchanges.get(event.run_id)
+        if view is not None and event.text:
+            view.parts.append(event.text)
+            view.appended_at.append(time.monotonic())
+            self.touched[id(view)] = view
+        stats = self.runs.get(event.run_id)
+        if stats is not None and event.sequence >= 0:
+            stats.tokens += 1
+            if stats.first_token is None:
+                stats.first_token = now
+            stats.last_token = now
+
+    def _connected(self, event: AgentConnected, now: float) -> None:
+        row = self.rows[event.stage]
+        row.connected, row.where = True, event.where
+        row.device = fmt.device_name(event.hello)
+        self.agent_pids[event.stage] = event.hello.pid
+        self.note(event.stage, Text(fmt.agent_line(event), style="bold"))
+        self.dirty = True
+
+    def _model(self, event: ModelInspected, now: float) -> None:
+        hosts = len({row.host for row in self.rows})
+        self.model_line = fmt.model_line(event.facts, len(self.rows), hosts)
+        self.note(None, Text(f"model {self.model_line}", style="bold"))
+        self.dirty = True
+
+    def _plan(self, event: PlanMade, now: float) -> None:
+        self.run_id = event.plan.run_id
+        self.session_phase = None
+        self.run_phase = "Planning"
+        self.note(None, Text(f"run {self.run_id:016x}: plan", style="bold"))
+        for stage, row in zip(event.plan.stages, self.rows, strict=False):
+            row.layers = (stage.layer_start, stage.layer_end_exclusive)
+            row.estimated_bytes = stage.estimated_bytes
+            row.state, row.fault, row.load_fraction = "Unprovisioned", "", None
+            self.note(row.index, Text(f"  {fmt.stage_plan_line(stage)}"))
+        self.dirty = True
+
+    def _phase(self, event: RunPhaseChanged, now: float) -> None:
+        self.run_id, self.run_phase = event.run_id, event.phase
+        if event.phase == "Running":
+            stats = RunStats(event.run_id, started=now)
+            self.runs[event.run_id] = self.latest = stats
+            for row in self.rows:
+                row.counters, row.activity = None, 0
+        line = Text(f"run {event.run_id:016x} → ")
+        line.append(f" {event.phase} ", style=PHASE_STYLES.get(event.phase, ""))
+        if event.detail:
+            line.append(f" {event.detail}")
+        self.note(None, line)
+        self.dirty = True
+
+    def _stage_state(self, event: StageStateChanged, now: float) -> None:
+        row = self.rows[event.stage]
+        row.state = event.state
+        row.history.append(event.state)
+        if event.state == "Preparing":
+            row.load_fraction, row.fault = None, ""
+            self._load_detail.pop(event.stage, None)
+        if event.state == "Faulted":
+            row.fault = event.detail
+        line = Text(f"stage {event.stage} → ")
+        line.append(event.state, style=STAGE_STYLES.get(event.state, ""))
+        if event.detail:
+            line.append(f": {event.detail}")
+        self.note(event.stage, line)
+        self.dirty = True
+
+    def _load(self, event: StageLoadProgress, now: float) -> None:
+        row = self.rows[event.stage]
+        row.load_detail, row.load_fraction = event.detail, event.fraction
+        if self._load_detail.get(event.stage) != event.detail:
+            self._load_detail[event.stage] = event.detail
+            self.note(event.stage, Text(f"stage {event.stage}: {event.detail}", style="grey70"))
+        self.dirty = True
+
+    def _stats(self, event: StageStats, now: float) -> None:
+        row = self.rows[event.stage]
+        row.counters = event.counters
+        if self.run_phase == "Running":
+            row.activity += 1
+        self.dirty = True
+
+    def _notice(self, event: Notice, now: float) -> None:
+        style = {"error": "bold red", "warning": "yellow"}.get(event.level, "grey70")
+        self.note(None, Text(f"{event.level}: {event.text}", style=style))
+
+    def _prompt(self, event: PromptAssigned, now: float) -> None:
+        self.prompt_active = True
+        view = self.tickets.pop(event.ticket, None) if event.ticket else None
+        if view is None:  # a scripted prompt, or one submitted elsewhere
+            view = ExchangeView(event.text)
+        view.run_id = event.run_id
+        self.show(view)
+        self.touched[id(view)] = view
+        self.exchanges[event.run_id] = view
+        self.note(None, Text(f"run {event.run_id:016x}: prompt {event.text!r}", style="bold"))
+        self.dirty = True
+
+    def _finished(self, event: RunFinished, now: float) -> None:
+        result = event.result
+        self.results.append(result)
+        self.prompt_active = False
+        stats = self.runs.get(result.run_id)
+        if stats is not None:
+            stats.ended, stats.result = now, result
+        style = "bold red" if result.outcome == "faulted" else "grey58"
+        summary = Text(fmt.result_summary(result), style=style)
+        view = self.exchanges.get(result.run_id)
+        if view is not None:
+            view.finished, view.summary = True, summary
+            self.touched[id(view)] = view
+        line = Text(f"run {result.run_id:016x} {result.outcome}", style=style)
+        self.note(None, line + Text(f": {result.failure}" if result.failure else f": {summary.plain}"))
+        if result.log_path:
+            self.note(None, Text(f"run log {result.log_path}", style="grey58"))
+        if result.outcome == "faulted":  # the session stops here; the session loop agrees
+            self.session_phase = "Faulted"
+            self.fault = result.failure
+        self.dirty = True
+
+    # ----------------------------------------------------------- the header
+
+    def hint(self, now: float) -> str:
+        n = len(self.rows)
+        if self.session_phase == "Connecting":
+            connected = sum(row.connected for row in self.rows)
+            return f"{connected}/{n} agents up · {fmt.format_seconds(now - self.session_started)}"
+        if self.session_phase == "Closing":
+            return "stopping every stage…"
+        if self.session_phase == "Faulted":
+            return "the pipeline stopped"
+        ready = sum(row.state == "Ready" for row in self.rows)
+        if self.run_phase in ("Planning", "Provisioning", "WaitingReady"):
+            if ready < n:
+                return f"loading: {ready}/{n} stages ready"
+            return "starting…" if self.prompt_active else "ready for a prompt"
+        if self.run_phase == "Running":
+            return "generating · esc stops" + (f" · {self.queued} queued" if self.queued else "")
+        return ""

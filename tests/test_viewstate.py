@@ -1,0 +1,96 @@
+"""The TUI's reducer without Textual: events in, view state out."""
+
+from __future__ import annotations
+
+from ggufpipe_tui.core.events import (
+    PlanMade,
+    PromptAssigned,
+    RunFinished,
+    RunPhaseChanged,
+    RunResult,
+    StageStateChanged,
+    Timings,
+    TokenStreamed,
+)
+from ggufpipe_tui.views.viewstate import ViewState
+from tests.fakes import inventory, plan_for
+
+RUN = 0x101
+
+
+def result(outcome: str = "completed", failure: str = "") -> RunResult:
+    return RunResult(
+        run_id=RUN,
+        outcome=outcome,
+        stop_reason="max_tokens" if outcome == "completed" else "",
+        failure=failure,
+        prompt_tokens=(1,),
+        tokens=(9, 10),
+        text="ab",
+        timings=Timings(ttft_ms=12.0, decode_tokens_per_s=50.0),
+    )
+
+
+def planned_state() -> ViewState:
+    state = ViewState(inventory(stages=2))
+    state.apply(PlanMade(plan_for(inventory(stages=2), RUN), ("a", "a")), 0.0)
+    return state
+
+
+def test_a_plan_fills_the_rows_and_leaves_the_session_phase():
+    state = planned_state()
+    assert state.session_phase is None and state.run_phase == "Planning" and state.run_id == RUN
+    assert [row.layers for row in state.rows] == [(0, 2), (2, 4)]
+    assert all(row.estimated_bytes > 0 for row in state.rows)
+    lines = [line.plain for _, line in state.log]
+    assert lines[0] == f"[·] run {RUN:016x}: plan"
+    assert lines[1].startswith("[0]   stage 0: layers [0, 2) on a, ~")
+
+
+def test_a_submitted_prompt_shows_at_once_when_nothing_runs_and_streams_under_itself():
+    state = planned_state()
+    view = state.submitted("hello")
+    assert view.shown and state.mount == [view]
+    state.tickets[7] = view
+    state.apply(PromptAssigned(RUN, "hello", 7), 1.0)
+    assert view.run_id == RUN and state.exchanges[RUN] is view and state.prompt_active
+    state.apply(RunPhaseChanged(RUN, "Running"), 1.0)
+    state.apply(TokenStreamed(RUN, 0, 9, "a"), 1.1)
+    state.apply(TokenStreamed(RUN, 1, 10, "b"), 1.2)
+    assert view.parts == ["a", "b"] and id(view) in state.touched
+    assert state.latest is not None and state.latest.tokens == 2
+    state.apply(RunFinished(result()), 1.3)
+    assert view.finished and view.summary is not None
+    assert view.summary.plain == "max tokens · 2 tokens · first after 12 ms · 50.0 tok/s"
+    assert not state.prompt_active and state.results[-1].ok
+
+
+def test_a_prompt_behind_a_running_one_waits_to_be_shown():
+    state = planned_state()
+    state.prompt_active = True
+    view = state.submitted("later")
+    assert not view.shown and state.mount == []
+
+
+def test_a_faulted_run_faults_the_session_and_a_row_can_be_marked_lost():
+    state = planned_state()
+    for index in range(2):
+        state.rows[index].connected = True
+    state.apply(StageStateChanged(RUN, 1, "Faulted", "out of memory"), 0.5)
+    assert state.rows[1].fault == "out of memory"
+    state.apply(RunFinished(result("faulted", "stage 1 on a (local): out of memory")), 1.0)
+    assert state.session_phase == "Faulted" and state.fault.startswith("stage 1")
+    state.mark_lost(0, "(killed by signal 9)")
+    assert state.rows[0].state == "Lost" and state.rows[0].fault == "agent gone (killed by signal 9)"
+    assert state.hint(2.0) == "the pipeline stopped"
+
+
+def test_a_new_session_resets_the_rows_but_keeps_the_transcript():
+    state = planned_state()
+    state.apply(StageStateChanged(RUN, 0, "Ready"), 0.5)
+    state.results.append(result())
+    state.new_session(3.0)
+    assert state.session == 1 and state.session_phase == "Connecting"
+    assert all(row.state == "Unprovisioned" and not row.history for row in state.rows)
+    assert state.results, "finished runs stay on screen"
+    assert state.hint(4.0) == "0/2 agents up · 1.0 s"
