@@ -8,6 +8,9 @@ for edge streams, and the stage runs they drive.
   orchestrator connects to it (directly, or through ``ggufpipe-agent bridge``
   on an SSH exec channel), presents the Hello's data token, sets up the edge
   streams of a provisioned run (OpenEdge) and then exchanges object records.
+* Direct links (:mod:`ggufpipe_agent.links`): streams to and from the
+  neighbouring stages' agents, set up by the orchestrator over the control
+  stream and served like the data stream.
 
 Everything §10 says a stage rejects is refused here with a ``Refused`` message
 and a log line; nothing a peer sends can crash the agent.
@@ -34,10 +37,14 @@ from ggufpipe_agent import PROTOCOL_VERSION, __version__, objects
 from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
+from ggufpipe_agent.links import Links
 from ggufpipe_agent.protocol import (
     DataAttach,
     Hello,
     Inspect,
+    LinkConnect,
+    LinkEdge,
+    LinkListen,
     Message,
     ModelInfo,
     OpenEdge,
@@ -53,7 +60,7 @@ from ggufpipe_agent.protocol import (
     encode_message,
 )
 from ggufpipe_agent.stage_fsm import EdgeEstablished, Provision, StageState, StopRunEvent
-from ggufpipe_agent.stage_run import EngineSlot, StageRun
+from ggufpipe_agent.stage_run import EngineSlot, LocalFeed, StageRun
 from ggufpipe_agent.tasks import TaskOwner
 
 log = logging.getLogger("ggufpipe.agent")
@@ -163,6 +170,7 @@ class Session:
         # order it was posted: a stage's StageFault is always read before the
         # refusal of an OpenEdge that arrived after the fault.
         self._outbox: asyncio.Queue[Message | None] = asyncio.Queue()
+        self.links = Links(agent.private_dir, self.post, self._serve_link, self.tasks.spawn)
 
     def _task_failed(self, name: str, error: BaseException) -> None:
         """A session task that fails (answering a request) is a fault of the
@@ -217,6 +225,7 @@ class Session:
         finally:
             await self.stop_all("orchestrator session ended")
             self.closing = True
+            self.links.close()
             self._outbox.put_nowait(None)  # what was posted still goes, then the writer ends
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(sender), 5)
@@ -231,6 +240,10 @@ class Session:
             await self.stop_run(message)
         elif isinstance(message, Inspect | Tokenize):
             self.tasks.spawn(self.answer(message), f"answer to {message.tag}")
+        elif isinstance(message, LinkListen | LinkConnect):
+            self.tasks.spawn(self.link_request(message), f"answer to {message.tag}")
+        elif isinstance(message, LinkEdge):
+            await self.link_edge(message)
         elif isinstance(message, RewireEdge):
             self.refuse(
                 "RewireEdge",
@@ -251,6 +264,16 @@ class Session:
             reply = RequestFailed(request.request_id, f"{type(error).__name__}: {error}")
         self.post(reply)
 
+    async def link_request(self, request: LinkListen | LinkConnect) -> None:
+        try:
+            if isinstance(request, LinkListen):
+                reply = await self.links.listen(request)
+            else:
+                reply = await self.links.connect(request)
+        except (OSError, ValueError, GgufpipeError) as error:  # ssl.SSLError is an OSError
+            reply = RequestFailed(request.request_id, f"{type(error).__name__}: {error}")
+        self.post(reply)
+
     async def provision(self, message: ProvisionStage) -> None:
         run = self.run
         if run is not None and run.fsm.state is not StageState.STOPPED:
@@ -266,7 +289,17 @@ class Session:
         self.agent.seen_runs.add(message.run_id)
         run = StageRun(message, self.post, self.agent.worker, self.agent.engines, self.agent.cache_dir)
         self.run = run
-        run.apply(Provision(message.run_id, validate_provision(message)))
+        ring = message.ring
+        run.apply(
+            Provision(
+                message.run_id,
+                validate_provision(message),
+                ring_in=ring is not None and ring.consume,
+                ring_out=ring is not None and ring.produce,
+                eog=frozenset(ring.eog_token_ids) if ring else frozenset(),
+                max_tokens=ring.max_tokens if ring else 0,
+            )
+        )
 
     async def stop_run(self, message: StopRun) -> None:
         run = self.run
@@ -290,11 +323,13 @@ class Session:
 
     # --------------------------------------------------------------- data
 
-    async def serve_data(self, reader: asyncio.StreamReader, writer: Any) -> None:
-        """Edge streams: OpenEdge frames and inbound object records. A frame
-        that cannot be parsed loses the stream (it cannot be resynchronised),
-        and with it the active run."""
-        frames = FrameReader(reader, "data connection")
+    async def serve_data(self, reader: asyncio.StreamReader, writer: Any, peer: int = -1) -> str:
+        """Edge streams: OpenEdge frames and inbound object records, from the
+        orchestrator or (``peer`` >= 0) over the link from stage ``peer``. A
+        frame that cannot be parsed loses the stream (it cannot be
+        resynchronised), and with it the active run. Returns why it ended."""
+        what = "data connection" if peer < 0 else f"link from stage {peer}"
+        frames = FrameReader(reader, what)
         outbound = FrameWriter(writer, what="outbound edge")
         while True:
             run = self.run
@@ -305,21 +340,26 @@ class Session:
                 if isinstance(frame, objects.ObjectHeader):
                     payload = await frames.payload(frame)
             except TruncatedFrame:
-                await self._data_fault("truncated frame: the data connection ended inside it")
-                return
+                await self._data_fault(f"truncated frame: the {what} ended inside it", peer)
+                return "it ended inside a frame"
             except ProtocolError as error:
-                await self._data_fault(str(error))
-                return
+                await self._data_fault(str(error), peer)
+                return f"a malformed frame ({error})"
+            except (ConnectionError, OSError) as error:
+                return f"it broke ({error})"
             if frame is None:
-                return
+                return "it was closed"
             if isinstance(frame, OpenEdge):
-                await self.open_edge(frame, outbound)
+                await self.open_edge(frame, outbound, from_link=peer >= 0)
             elif isinstance(frame, Message):
-                self.refuse(frame.tag, "not a data-connection message")
+                self.refuse(frame.tag, f"not a message for the {what}")
             else:
                 await self.inbound_object(frame, payload)
 
-    async def _data_fault(self, reason: str) -> None:
+    async def _serve_link(self, reader: Any, writer: Any, peer: int) -> str:
+        return await self.serve_data(reader, writer, peer)
+
+    async def _data_fault(self, reason: str, peer: int = -1) -> None:
         """A frame that cannot be parsed: the stream is lost, and with it the run."""
         self.refuse("data frame", reason)
         run = self.run
@@ -330,19 +370,30 @@ class Session:
         ):
             from ggufpipe_agent.stage_fsm import InboundFault
 
+            run.fault_peer = peer
             run.apply(InboundFault(f"malformed frame on the inbound edge: {reason}"))
 
-    async def open_edge(self, message: OpenEdge, writer: Any) -> None:
+    def _edge_ids(self, run: StageRun, from_link: bool) -> dict[str, int]:
+        """The edge id each role may set up; a link sets up only the
+        consumer's ends (a peer never makes a stage write to it)."""
+        ring = run.provision.ring
+        ids = {"inbound": run.provision.inbound.edge_id}
+        if ring is not None and ring.consume:
+            ids["ring-in"] = ring.edge_id
+        if not from_link:
+            ids["outbound"] = run.provision.outbound.edge_id
+            if ring is not None and ring.produce:
+                ids["ring-out"] = ring.edge_id
+        return ids
+
+    async def open_edge(self, message: OpenEdge, writer: Any, from_link: bool = False) -> None:
         run = self.run
         problem = self._run_problem(message.run_id)
         if problem:
             self.refuse("OpenEdge", problem)
             return
         assert run is not None
-        expected = {
-            "inbound": run.provision.inbound.edge_id,
-            "outbound": run.provision.outbound.edge_id,
-        }.get(message.role)
+        expected = self._edge_ids(run, from_link).get(message.role)
         if expected is None or expected != message.edge_id:
             self.refuse(
                 "OpenEdge",
@@ -355,10 +406,52 @@ class Session:
             return
         if message.role == "outbound":
             run.outbound = writer
+        elif message.role == "ring-out":
+            run.ring_out = writer
         try:
             run.apply(EdgeEstablished(message.role))
         except GgufpipeError as error:
             self.refuse("OpenEdge", str(error))
+
+    async def link_edge(self, message: LinkEdge) -> None:
+        """This run's outbound (or ring-out) end on the stage's link: the
+        consumer's end is opened with an OpenEdge on the link itself."""
+        run = self.run
+        problem = self._run_problem(message.run_id)
+        if problem:
+            self.refuse("LinkEdge", problem)
+            return
+        assert run is not None
+        expected = self._edge_ids(run, False).get(message.role)
+        if message.role not in ("outbound", "ring-out") or expected != message.edge_id:
+            self.refuse("LinkEdge", f"edge {message.edge_id} ({message.role}) is not this stage's to link")
+            return
+        if run.fsm.state is not StageState.PREPARING:
+            self.refuse("LinkEdge", f"edge {message.edge_id} set up outside Preparing")
+            return
+        ring = run.provision.ring
+        if message.role == "ring-out" and ring is not None and ring.consume:
+            # A one-stage ring: the stage feeds itself, no link at all.
+            run.ring_out = LocalFeed(self.inbound_object)
+            run.apply(EdgeEstablished("ring-out"))
+            run.apply(EdgeEstablished("ring-in"))
+            return
+        link = self.links.outbound
+        if link is None:
+            self.refuse("LinkEdge", "this stage has no link (LinkConnect first)")
+            return
+        consumer_role = "inbound" if message.role == "outbound" else "ring-in"
+        try:
+            await link.writer.send(OpenEdge(message.run_id, message.edge_id, consumer_role))
+        except (ConnectionError, OSError) as error:
+            self.refuse("LinkEdge", f"the link to stage {link.peer} broke ({error})")
+            return
+        if message.role == "outbound":
+            run.outbound, run.outbound_peer = link.writer, link.peer
+        else:
+            run.ring_out, run.ring_peer = link.writer, link.peer
+        if run.fsm.state is StageState.PREPARING:
+            run.apply(EdgeEstablished(message.role))
 
     async def inbound_object(self, header: objects.ObjectHeader, payload: bytes) -> None:
         problem = self._run_problem(header.run_id)
@@ -367,7 +460,9 @@ class Session:
             return
         run = self.run
         assert run is not None
-        if header.edge_id != run.provision.inbound.edge_id:
+        ring = run.provision.ring
+        ring_edge = ring.edge_id if ring is not None and ring.consume else None
+        if header.edge_id not in (run.provision.inbound.edge_id, ring_edge):
             self.refuse(
                 "object",
                 f"{header.describe()}: edge {header.edge_id} is not this stage's inbound edge",
@@ -391,6 +486,14 @@ def validate_provision(message: ProvisionStage) -> str:
         return f"stage index {p.stage_index} outside a pipeline of {p.stage_count}"
     if p.inbound.edge_id == p.outbound.edge_id:
         return f"inbound and outbound edges share id {p.inbound.edge_id}"
+    ring = p.ring
+    if ring is not None:
+        if ring.edge_id in (p.inbound.edge_id, p.outbound.edge_id):
+            return f"the token ring shares edge id {ring.edge_id} with another edge"
+        if ring.produce != (p.stage_index == p.stage_count - 1) or ring.consume != (p.stage_index == 0):
+            return f"stage {p.stage_index} of {p.stage_count} cannot be that end of the token ring"
+        if (ring.object_spec.kind, ring.object_spec.dtype, ring.object_spec.width) != ("tokens", "int32", 1):
+            return "the token ring carries int32 tokens of width 1"
     want_in = "TokenIn" if p.stage_index == 0 else "Activation"
     want_out = "TokenOut" if p.stage_index == p.stage_count - 1 else "Activation"
     if p.inbound.kind != want_in:

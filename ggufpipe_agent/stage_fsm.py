@@ -10,6 +10,14 @@ StopRun is authoritative for the active run in every non-terminal state (§10:
 "stages must treat StopRun for their active run_id as authoritative"), so it
 also cancels a stage that is still Preparing and ends one that is Executing
 (the runtime lets the running step finish or aborts a long prefill).
+
+The token ring (the spec's deferred "direct stage-to-stage token feedback",
+docs/rings.md): in a ring run, stage 0 has a third edge end (``ring-in``: its
+inputs after the prompt come from the last stage) and the last stage has one
+(``ring-out``); neither is Ready before it. The last stage decides, from its
+provision, whether a sampled token goes round again (``FeedToken``) or ends
+the generation (``EndGeneration`` at EOS/EOG or ``max_tokens``), so no step
+runs past the stop, and it takes no object after that end.
 """
 
 from __future__ import annotations
@@ -39,6 +47,10 @@ class Provision:
 
     run_id: int
     problem: str = ""
+    ring_in: bool = False  # stage 0 of a token ring
+    ring_out: bool = False  # the last stage of a token ring
+    eog: frozenset[int] = frozenset()  # ring_out: tokens that end the generation
+    max_tokens: int = 0  # ring_out: tokens to generate at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +60,7 @@ class WorkerBound:
 
 @dataclass(frozen=True, slots=True)
 class EdgeEstablished:
-    role: str  # "inbound" or "outbound"
+    role: str  # "inbound", "outbound", "ring-in" or "ring-out"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +76,15 @@ class ObjectLoaded:
 @dataclass(frozen=True, slots=True)
 class StepCompleted:
     sequence: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSampled:
+    """The last stage of a token ring sampled ``token`` for ``sequence``
+    (before its outputs are written)."""
+
+    sequence: int
+    token: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +121,7 @@ StageEvent = (
     | SetupFailed
     | ObjectLoaded
     | StepCompleted
+    | TokenSampled
     | StepFailed
     | OutputFault
     | InboundFault
@@ -136,6 +158,21 @@ class ExecuteStep:
 
 
 @dataclass(frozen=True, slots=True)
+class FeedToken:
+    """Write ``token`` on the ring as stage 0's object ``sequence``."""
+
+    sequence: int
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class EndGeneration:
+    """The ring stops here: ``reason`` is "eos" or "max_tokens"."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class ReleaseInput:
     sequence: int
 
@@ -161,6 +198,8 @@ StageEffect = (
     | EmitReady
     | EmitFault
     | ExecuteStep
+    | FeedToken
+    | EndGeneration
     | ReleaseInput
     | RejectWork
     | StopLocal
@@ -177,10 +216,18 @@ class Stage:
     outbound_ready: bool = False
     next_sequence: int = 0
     fault: str = ""
+    ring_in: bool = False  # a ring run's stage 0: needs its ring-in end
+    ring_out: bool = False  # a ring run's last stage: needs its ring-out end, decides the stop
+    ring_in_ready: bool = False
+    ring_out_ready: bool = False
+    eog: frozenset[int] = frozenset()
+    max_tokens: int = 0
+    ended: str = ""  # the ring's end ("eos", "max_tokens") once the last stage decided it
 
     @property
     def setup_complete(self) -> bool:
-        return self.worker_bound and self.inbound_ready and self.outbound_ready
+        ring = (self.ring_in_ready or not self.ring_in) and (self.ring_out_ready or not self.ring_out)
+        return self.worker_bound and self.inbound_ready and self.outbound_ready and ring
 
 
 def _reject(stage: Stage, event: object) -> TransitionError:
@@ -201,7 +248,14 @@ def transition(stage: Stage, event: StageEvent) -> tuple[Stage, list[StageEffect
 
     if state is S.UNPROVISIONED:
         if isinstance(event, Provision):
-            provisioned = replace(stage, run_id=event.run_id)
+            provisioned = replace(
+                stage,
+                run_id=event.run_id,
+                ring_in=event.ring_in,
+                ring_out=event.ring_out,
+                eog=event.eog,
+                max_tokens=event.max_tokens,
+            )
             if event.problem:
                 return _faulted(provisioned, event.problem)
             return replace(provisioned, state=S.PREPARING), [StartPrepare()]
@@ -217,6 +271,10 @@ def transition(stage: Stage, event: StageEvent) -> tuple[Stage, list[StageEffect
                 stage = replace(stage, inbound_ready=True)
             elif event.role == "outbound" and not stage.outbound_ready:
                 stage = replace(stage, outbound_ready=True)
+            elif event.role == "ring-in" and stage.ring_in and not stage.ring_in_ready:
+                stage = replace(stage, ring_in_ready=True)
+            elif event.role == "ring-out" and stage.ring_out and not stage.ring_out_ready:
+                stage = replace(stage, ring_out_ready=True)
             else:
                 raise _reject(stage, event)
             if stage.setup_complete:
@@ -230,6 +288,10 @@ def transition(stage: Stage, event: StageEvent) -> tuple[Stage, list[StageEffect
 
     if state is S.READY:
         if isinstance(event, ObjectLoaded):
+            if stage.ended:
+                return _faulted(
+                    stage, f"object {event.sequence} after the end of the generation ({stage.ended})"
+                )
             if event.sequence != stage.next_sequence:
                 return _faulted(
                     stage,
@@ -250,6 +312,15 @@ def transition(stage: Stage, event: StageEvent) -> tuple[Stage, list[StageEffect
                 replace(stage, state=S.READY, next_sequence=event.sequence + 1),
                 [ReleaseInput(event.sequence)],
             )
+        if isinstance(event, TokenSampled):
+            if not stage.ring_out or stage.ended or event.sequence != stage.next_sequence:
+                raise _reject(stage, event)
+            generated = event.sequence + 1
+            if event.token in stage.eog:
+                return replace(stage, ended="eos"), [EndGeneration("eos")]
+            if generated >= stage.max_tokens:
+                return replace(stage, ended="max_tokens"), [EndGeneration("max_tokens")]
+            return stage, [FeedToken(generated, event.token)]
         if isinstance(event, StepFailed | OutputFault | InboundFault):
             return _faulted(stage, event.reason)
         if isinstance(event, StopRunEvent):
@@ -270,7 +341,7 @@ def transition(stage: Stage, event: StageEvent) -> tuple[Stage, list[StageEffect
             return stage, [RejectWork("stage is stopping")]
         if isinstance(event, StopRunEvent | WorkerBound | EdgeEstablished | SetupFailed):
             return stage, []  # a late setup result or a repeated StopRun changes nothing
-        if isinstance(event, StepCompleted | StepFailed | OutputFault):
+        if isinstance(event, StepCompleted | TokenSampled | StepFailed | OutputFault):
             return stage, []  # the step that was running when StopRun came
         raise _reject(stage, event)
 

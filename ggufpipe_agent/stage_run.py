@@ -11,17 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ggufpipe_agent import objects
 from ggufpipe_agent.arch import check_architecture
 from ggufpipe_agent.engine import StageEngine, StageShape
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
-from ggufpipe_agent.framing import FrameWriter
 from ggufpipe_agent.model import read_model_facts
 from ggufpipe_agent.protocol import (
     Message,
@@ -39,7 +38,9 @@ from ggufpipe_agent.stage_fsm import (
     EmitFault,
     EmitReady,
     EmitStopped,
+    EndGeneration,
     ExecuteStep,
+    FeedToken,
     InboundFault,
     ObjectLoaded,
     OutputFault,
@@ -54,6 +55,7 @@ from ggufpipe_agent.stage_fsm import (
     StepFailed,
     StopComplete,
     StopLocal,
+    TokenSampled,
     WorkerBound,
     transition,
 )
@@ -67,6 +69,26 @@ Post = Callable[[Message], None]
 #: Step statistics reach the orchestrator at most this often while running.
 STATS_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 0.1
+
+
+class RecordWriter(Protocol):
+    """Where a stage writes an outbound record: a stream's FrameWriter, or
+    the stage's own inbound side (:class:`LocalFeed`)."""
+
+    async def write(self, *parts: bytes | bytearray | memoryview) -> None: ...
+
+
+class LocalFeed:
+    """The token ring of a one-stage pipeline: the stage feeds itself, its
+    record delivered as if it had arrived on a stream (same checks)."""
+
+    def __init__(self, deliver: Callable[[objects.ObjectHeader, bytes], Awaitable[None]]) -> None:
+        self.deliver = deliver
+
+    async def write(self, *parts: bytes | bytearray | memoryview) -> None:
+        record = b"".join(bytes(part) for part in parts)
+        header = objects.unpack_header(record[: objects.HEADER_SIZE], len(record))
+        await self.deliver(header, record[objects.HEADER_SIZE :])
 
 
 class EngineSlot:
@@ -146,7 +168,14 @@ class StageRun:
         self.ring: asyncio.Queue[tuple[objects.ObjectHeader, bytes]] = asyncio.Queue(
             maxsize=max(1, provision.inbound.ring_spec.slots)
         )
-        self.outbound: FrameWriter | None = None
+        self.outbound: RecordWriter | None = None
+        self.ring_out: RecordWriter | None = None  # the token ring's writer (the last stage of a ring run)
+        # The stage of a direct link each writer goes to (-1: the orchestrator's
+        # stream): a fault on it names the peer, which may be the one that died.
+        self.outbound_peer = -1
+        self.ring_peer = -1
+        self.fault_peer = -1
+        self._feed: FeedToken | None = None
         self.counters = Counters()
         self.engine: StageEngine | None = None
         self._ready = asyncio.Event()
@@ -190,7 +219,11 @@ class StageRun:
                 self._pump_task = self._spawn(self._pump())
         elif isinstance(effect, EmitFault):
             log.error("run %016x stage %d faulted: %s", self.run_id, self.index, effect.reason)
-            self._post(StageFault(self.run_id, self.index, p.node_id, effect.reason))
+            self._post(StageFault(self.run_id, self.index, p.node_id, effect.reason, self.fault_peer))
+        elif isinstance(effect, FeedToken):
+            self._feed = effect  # written by the step that sampled it, before its token-out
+        elif isinstance(effect, EndGeneration):
+            log.info("run %016x stage %d: the ring ends here (%s)", self.run_id, self.index, effect.reason)
         elif isinstance(effect, ExecuteStep):
             self._step_task = self._spawn(self._execute(effect.sequence))
         elif isinstance(effect, ReleaseInput):
@@ -305,9 +338,13 @@ class StageRun:
     async def deliver(self, header: objects.ObjectHeader, payload: bytes) -> None:
         """An inbound object from the data connection (the inbound pump)."""
         state = self.fsm.state
+        ring = self.provision.ring
+        spec = self.provision.inbound.object_spec
+        if ring is not None and header.edge_id == ring.edge_id:
+            spec = ring.object_spec
         if state in (StageState.READY, StageState.EXECUTING):
             try:
-                objects.check_spec(header, self.provision.inbound.object_spec)
+                objects.check_spec(header, spec)
             except ProtocolError as error:
                 self.apply(InboundFault(str(error)))
                 return
@@ -344,21 +381,40 @@ class StageRun:
         if self.fsm.state is not StageState.EXECUTING:
             return  # StopRun came while the step ran
         p = self.provision
+        sent = 0
+        if self.last and p.ring is not None and p.ring.produce:
+            # The token ring: the next input goes to stage 0 first (it is the
+            # critical path), then the token to the orchestrator.
+            self._feed = None
+            self.apply(TokenSampled(sequence, int(result)))
+            feed = self._feed
+            if feed is not None:
+                record = objects.tokens_record(self.run_id, p.ring.edge_id, feed.sequence, [feed.token])
+                try:
+                    if self.ring_out is None:
+                        raise ConnectionError("the token ring is not connected")
+                    await self.ring_out.write(record)
+                except (ConnectionError, OSError) as error:
+                    self.fault_peer = self.ring_peer
+                    self._apply_if_alive(OutputFault(f"token ring edge {p.ring.edge_id}: {error}"))
+                    return
+                sent += len(record) - objects.HEADER_SIZE
         try:
             if self.outbound is None:
                 raise ConnectionError("outbound edge is not connected")
             if self.last:
                 record = objects.tokens_record(self.run_id, p.outbound.edge_id, sequence, [int(result)])
                 await self.outbound.write(record)
-                sent = len(record) - objects.HEADER_SIZE
+                sent += len(record) - objects.HEADER_SIZE
             else:
                 assert not isinstance(result, int)  # a non-last stage returns activations
                 head, body = objects.activation_record(
                     self.run_id, p.outbound.edge_id, sequence, result, p.outbound.object_spec.dtype
                 )
                 await self.outbound.write(head, body)
-                sent = len(body)
+                sent += len(body)
         except (ConnectionError, OSError) as error:
+            self.fault_peer = self.outbound_peer
             self._apply_if_alive(OutputFault(f"outbound edge {p.outbound.edge_id}: {error}"))
             return
         counters = self.counters
@@ -379,6 +435,6 @@ class StageRun:
             self._pump_task.cancel()
         while not self.ring.empty():
             self.ring.get_nowait()
-        self.outbound = None
+        self.outbound = self.ring_out = None
         self._current = None
         self.apply(StopComplete())

@@ -57,6 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--raw", action="store_true", help="send the prompt as is, not through the model's chat template"
     )
+    group.add_argument(
+        "--feedback",
+        choices=("ring", "orchestrator"),
+        help="who feeds each token back to stage 0: the last stage directly (ring, the default) "
+        "or the orchestrator",
+    )
+    group.add_argument(
+        "--data",
+        choices=("auto", "direct", "relay"),
+        help="how activations move between stages on every host: direct links where they can be "
+        "set up (auto, the default), direct links or fail (direct), or through the orchestrator (relay)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument(
         "--json", action="store_true", help="print one JSON object with tokens, text and timings at the end"
@@ -73,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, stream=sys.stderr)
-    from ggufpipe_tui.core.inventory import load_inventory, with_run_options
+    from ggufpipe_tui.core.inventory import load_inventory, with_data_mode, with_run_options
 
     try:
         inventory = load_inventory(args.inventory)
@@ -88,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             activation_dtype=args.activation_dtype,
             ignore_eos=args.ignore_eos,
             chat=False if args.raw else None,
+            feedback=args.feedback,
         )
+        inventory = with_data_mode(inventory, args.data)
     except GgufpipeError as error:
         print(f"ggufpipe: error: {error}", file=sys.stderr)
         return 2

@@ -50,11 +50,13 @@ FACTS = ModelFacts(
 PIECES = tuple(f"<{i}>".encode() for i in range(16))
 
 
-def inventory(stages: int = 2, max_tokens: int = 4, step: float = 30.0) -> Inventory:
+def inventory(
+    stages: int = 2, max_tokens: int = 4, step: float = 30.0, feedback: str = "orchestrator"
+) -> Inventory:
     text = (
         "model: {path: /models/m.gguf}\nhosts: {a: {local: true}}\nstages:\n"
         + "".join("  - {host: a}\n" for _ in range(stages))
-        + f"run: {{max_tokens: {max_tokens}, context: 32}}\n"
+        + f"run: {{max_tokens: {max_tokens}, context: 32, feedback: {feedback}}}\n"
         + f"timeouts: {{step: {step}, ready: 30, teardown: 5}}\n"
     )
     return parse_inventory(text, Path("inventory.yaml"))
@@ -120,8 +122,9 @@ class Rig:
         step: float = 30.0,
         run_id: int = 0x101,
         emit: Callable[[Event], None] | None = None,
+        feedback: str = "orchestrator",
     ) -> None:
-        self.inventory = inventory(stages, max_tokens, step)
+        self.inventory = inventory(stages, max_tokens, step, feedback)
         self.plan = plan_for(self.inventory, run_id)
         self.stages = [FakeStage(i) for i in range(stages)]
         self.edges = FakeEdges()

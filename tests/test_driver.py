@@ -173,3 +173,60 @@ async def test_a_rejected_plan_faults_before_anything_is_sent():
     assert rig.driver.done.is_set()
     assert not any(isinstance(m, ProvisionStage) for s in rig.stages for m in s.sent)
     assert rig.driver.result is not None and rig.driver.result.failure == "the pipeline is broken: stage 0 lost"
+
+
+async def test_in_a_token_ring_the_orchestrator_reads_and_never_injects():
+    rig = Rig(stages=3, max_tokens=3, feedback="ring")
+    rig.start()
+    rig.make_ready()
+    rig.driver.give_prompt([5])
+    await settle()
+    first, middle, last = (rig.provisioned(i).ring for i in range(3))
+    assert first is not None and first.consume and not first.produce
+    assert middle is None, "only the ends of the chain are on the ring"
+    assert last is not None and last.produce and last.max_tokens == 3 and last.eog_token_ids == (2,)
+    for sequence, token in enumerate((9, 10, 11)):
+        rig.driver.on_token(sequence, token)
+        await settle()
+    assert rig.edges.written == [(0, [5])], "the prompt only: the last stage feeds stage 0 itself"
+    await finish(rig)
+    result = rig.driver.result
+    assert result is not None and result.ok and result.stop_reason == "max_tokens"
+    assert result.tokens == (9, 10, 11)
+
+
+async def test_a_broken_link_to_a_dead_peer_is_reported_as_the_peer_lost(monkeypatch):
+    from ggufpipe_tui.core import run_fsm as fsm
+    from ggufpipe_tui.session import driver as driver_module
+
+    monkeypatch.setattr(driver_module, "LINK_GRACE_SECONDS", 0.2)
+    monkeypatch.setattr(driver_module, "LOSS_REPORT_SECONDS", 0.2)
+    rig = Rig(stages=3, feedback="ring")
+    rig.start()
+    rig.make_ready()
+    rig.driver.give_prompt([5])
+    await settle()
+    rig.stages[0].up = False  # its agent was SIGKILLed: the ring write of stage 2 broke
+    rig.agent_says(2, StageFault(rig.plan.run_id, 2, "a", "token ring edge 9: broken pipe", link_peer=0))
+    await asyncio.sleep(0.1)
+    lost = "stage 0 on fake (local): the agent exited (killed by signal 9)"
+    rig.driver.feed(fsm.StageLost(0, lost))  # what the pipeline reports of the dead stage
+    await asyncio.sleep(0.5)
+    await finish(rig)
+    assert rig.driver.result is not None and rig.driver.result.failure == lost
+
+
+async def test_a_broken_link_between_live_stages_is_the_reason(monkeypatch):
+    from ggufpipe_tui.session import driver as driver_module
+
+    monkeypatch.setattr(driver_module, "LINK_GRACE_SECONDS", 0.1)
+    rig = Rig(stages=2, feedback="ring")
+    rig.start()
+    rig.make_ready()
+    rig.driver.give_prompt([5])
+    await settle()
+    rig.agent_says(0, StageFault(rig.plan.run_id, 0, "a", "outbound edge 5: link reset", link_peer=1))
+    await asyncio.sleep(0.3)
+    await finish(rig)
+    result = rig.driver.result
+    assert result is not None and result.failure == "stage 0 on fake (local): outbound edge 5: link reset"

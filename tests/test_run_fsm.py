@@ -93,11 +93,21 @@ TABLE = {
     (P.TEARING_DOWN, "stop"): NOTE,
 }
 
+# The token ring: the last stage feeds tokens back itself; the orchestrator
+# accepts each one (and applies the same stop) but never injects.
+RUNS["Running-ring"] = Run(4, frozenset({2}), P.RUNNING, 3, ALL, ALL, prompt_given=True, consumed=1, ring=True)
+TABLE.update({("Running-ring", event): v for (phase, event), v in list(TABLE.items()) if phase is P.RUNNING})
+TABLE[("Running-ring", "token-next")] = (P.RUNNING, [f.CancelTimer, f.AcceptToken, f.StartTimer])
+
+
+def label(phase: P | str) -> str:
+    return phase.value if isinstance(phase, P) else phase
+
 
 @pytest.mark.parametrize(
     ("phase", "event_name"),
     list(itertools.product(RUNS, EVENTS)),
-    ids=[f"{p.value}-{e}" for p, e in itertools.product(RUNS, EVENTS)],
+    ids=[f"{label(p)}-{e}" for p, e in itertools.product(RUNS, EVENTS)],
 )
 def test_every_pair(phase, event_name):
     run, event = RUNS[phase], EVENTS[event_name]
@@ -172,3 +182,12 @@ def test_one_terminal_outcome_each():
     assert faulted.outcome == "faulted" and faulted.phase is P.DONE
     torn, _ = drive(Run(max_tokens=2), f.PlanValidated(1), f.StopRequested())
     assert torn.outcome == "torn down"
+
+
+def test_a_ring_run_completes_at_max_tokens_without_injecting():
+    run, _ = drive(Run(max_tokens=2, ring=True), f.PlanValidated(2), f.ProvisionsSent(), f.PromptGiven())
+    run, effects = drive(run, f.StageReadyEvent(0), f.StageReadyEvent(1))
+    assert f.InjectPrompt() in effects, "the prompt still comes from the orchestrator"
+    run, effects = drive(run, f.TokenConsumed(0, 5), f.TokenConsumed(1, 6))
+    assert not any(isinstance(e, f.InjectToken) for e in effects)
+    assert run.outcome == "completed" and run.stop_reason == "max_tokens" and run.phase is P.TEARING_DOWN

@@ -15,7 +15,9 @@ from ggufpipe_agent.stage_fsm import (
     EmitFault,
     EmitReady,
     EmitStopped,
+    EndGeneration,
     ExecuteStep,
+    FeedToken,
     InboundFault,
     ObjectLoaded,
     OutputFault,
@@ -31,6 +33,7 @@ from ggufpipe_agent.stage_fsm import (
     StopComplete,
     StopLocal,
     StopRunEvent,
+    TokenSampled,
     WorkerBound,
     transition,
 )
@@ -63,6 +66,12 @@ EVENTS = {
     "inbound-fault": InboundFault("bad shape"),
     "stop-run": StopRunEvent("done"),
     "stop-complete": StopComplete(),
+    "provision-ring": Provision(9, ring_out=True, eog=frozenset({2}), max_tokens=9),
+    "ring-in-edge": EdgeEstablished("ring-in"),
+    "ring-out-edge": EdgeEstablished("ring-out"),
+    "sampled": TokenSampled(3, 7),
+    "sampled-eos": TokenSampled(3, 2),
+    "sampled-wrong": TokenSampled(5, 7),
 }
 
 # (state, event) -> (next state, effect types). Missing pairs must be rejected.
@@ -101,13 +110,58 @@ TABLE = {
     (S.STOPPING, "step-failed"): (S.STOPPING, []),
     (S.STOPPING, "output-fault"): (S.STOPPING, []),
     (S.STOPPED, "stop-run"): (S.STOPPED, [EmitStopped]),
+    (S.UNPROVISIONED, "provision-ring"): (S.PREPARING, [StartPrepare]),
+    (S.STOPPING, "ring-in-edge"): (S.STOPPING, []),
+    (S.STOPPING, "ring-out-edge"): (S.STOPPING, []),
+    (S.STOPPING, "sampled"): (S.STOPPING, []),
+    (S.STOPPING, "sampled-eos"): (S.STOPPING, []),
+    (S.STOPPING, "sampled-wrong"): (S.STOPPING, []),
 }
+
+# The token ring: stage 0 and the last stage of a ring run (docs/rings.md).
+RING = {"ring_out": True, "ring_out_ready": True, "eog": frozenset({2})}
+STAGES.update(
+    {
+        "Preparing-ring-first": Stage(S.PREPARING, run_id=9, ring_in=True),
+        "Preparing-ring-last": Stage(S.PREPARING, run_id=9, ring_out=True),
+        "Executing-ring-last": Stage(S.EXECUTING, 9, True, True, True, 3, max_tokens=9, **RING),
+        "Executing-ring-full": Stage(S.EXECUTING, 9, True, True, True, 3, max_tokens=4, **RING),
+        "Ready-ring-ended": Stage(S.READY, 9, True, True, True, 4, max_tokens=4, ended="max_tokens", **RING),
+    }
+)
+
+
+def like(state: S, *names: str) -> None:
+    """These representatives take every event ``state`` takes, the same way."""
+    for name in names:
+        TABLE.update({(name, event): v for (s, event), v in list(TABLE.items()) if s is state})
+
+
+like(S.PREPARING, "Preparing-ring-first", "Preparing-ring-last")
+like(S.EXECUTING, "Executing-ring-last", "Executing-ring-full")
+like(S.READY, "Ready-ring-ended")
+TABLE.update(
+    {
+        ("Preparing-ring-first", "ring-in-edge"): (S.PREPARING, []),
+        ("Preparing-ring-last", "ring-out-edge"): (S.PREPARING, []),
+        ("Executing-ring-last", "sampled"): (S.EXECUTING, [FeedToken]),
+        ("Executing-ring-last", "sampled-eos"): (S.EXECUTING, [EndGeneration]),
+        ("Executing-ring-full", "sampled"): (S.EXECUTING, [EndGeneration]),
+        ("Executing-ring-full", "sampled-eos"): (S.EXECUTING, [EndGeneration]),
+        # Nothing comes after the end of the generation: a stray object is a fault.
+        ("Ready-ring-ended", "object-next"): (S.FAULTED, [EmitFault]),
+    }
+)
+
+
+def label(state: S | str) -> str:
+    return state.value if isinstance(state, S) else state
 
 
 @pytest.mark.parametrize(
     ("state", "event_name"),
     list(itertools.product(STAGES, EVENTS)),
-    ids=[f"{s.value}-{e}" for s, e in itertools.product(STAGES, EVENTS)],
+    ids=[f"{label(s)}-{e}" for s, e in itertools.product(STAGES, EVENTS)],
 )
 def test_every_pair(state, event_name):
     stage, event = STAGES[state], EVENTS[event_name]
@@ -119,6 +173,34 @@ def test_every_pair(state, event_name):
     after, effects = transition(stage, event)
     assert after.state is expected[0]
     assert [type(effect) for effect in effects] == expected[1]
+
+
+def test_a_ring_stage_is_ready_only_with_its_ring_end():
+    stage, _ = transition(Stage(), Provision(1, ring_in=True))
+    for event in (WorkerBound(), EdgeEstablished("inbound"), EdgeEstablished("outbound")):
+        stage, effects = transition(stage, event)
+    assert stage.state is S.PREPARING and effects == [], "the ring-in end is missing"
+    stage, effects = transition(stage, EdgeEstablished("ring-in"))
+    assert stage.state is S.READY and effects == [EmitReady()]
+
+
+def test_the_last_stage_feeds_the_ring_until_eos_or_max_tokens():
+    stage, _ = transition(Stage(), Provision(1, ring_out=True, eog=frozenset({2}), max_tokens=3))
+    for event in (WorkerBound(), EdgeEstablished("inbound"), EdgeEstablished("outbound")):
+        stage, _ = transition(stage, event)
+    stage, _ = transition(stage, EdgeEstablished("ring-out"))
+    fed = []
+    for sequence in range(3):
+        stage, _ = transition(stage, ObjectLoaded(sequence))
+        stage, effects = transition(stage, TokenSampled(sequence, 10 + sequence))
+        fed += effects
+        stage, _ = transition(stage, StepCompleted(sequence))
+    assert fed == [FeedToken(1, 10), FeedToken(2, 11), EndGeneration("max_tokens")]
+    assert stage.ended == "max_tokens", "token 3 of 3: no step runs past the stop"
+    eos, _ = transition(Stage(), Provision(1, ring_out=True, eog=frozenset({2}), max_tokens=9))
+    eos = replace(eos, state=S.EXECUTING, worker_bound=True, inbound_ready=True, outbound_ready=True)
+    eos, effects = transition(eos, TokenSampled(0, 2))
+    assert effects == [EndGeneration("eos")] and eos.ended == "eos"
 
 
 def test_ready_only_when_worker_and_both_edges_are_ready():

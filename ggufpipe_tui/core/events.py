@@ -39,6 +39,25 @@ class ModelInspected:
 
 
 @dataclass(frozen=True, slots=True)
+class DataPath:
+    """How objects from stage ``producer`` reach stage ``consumer`` in this
+    session: activations of edge producer -> producer + 1, or the token ring
+    (the last stage -> stage 0). Decided once, when the data plane opens."""
+
+    producer: int
+    consumer: int
+    data: str  # "direct" or "relay"
+    transport: str  # "unix", "tls", "self" (a one-stage ring), "relay"
+    endpoint: str = ""
+    round_trip_ms: float = 0.0  # the probe's attach round trip
+    reason: str = ""  # why it is relayed
+
+    @property
+    def ring(self) -> bool:
+        return self.consumer <= self.producer
+
+
+@dataclass(frozen=True, slots=True)
 class PlanMade:
     plan: Any  # RunPlan (kept Any to avoid an import cycle with plan.py)
     hosts: tuple[str, ...]
@@ -130,6 +149,7 @@ Event = (
     | Notice
     | AgentConnected
     | ModelInspected
+    | DataPath
     | PlanMade
     | PromptAssigned
     | RunPhaseChanged

@@ -19,6 +19,13 @@ from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.errors import GgufpipeError
 
 ACTIVATION_DTYPES = ("float32", "float16")
+#: How activations move between stages (``data:``, globally or per host):
+#: "auto" tries a direct link and falls back to the relay where the probe
+#: fails; "direct" insists (a link that cannot be set up fails the start);
+#: "relay" sends every object through the orchestrator.
+DATA_MODES = ("auto", "direct", "relay")
+#: Who feeds each sampled token back to stage 0 (``run.feedback``).
+FEEDBACK_MODES = ("ring", "orchestrator")
 
 
 class InventoryError(GgufpipeError):
@@ -42,6 +49,8 @@ class HostSpec:
     threads: int = 0
     gpu_layers: int = -1
     cache_dir: str = ""
+    data: str = ""  # DATA_MODES; "" takes the inventory's top-level data: (default "auto")
+    link_address: str = ""  # where other hosts reach this one's links (default: its address)
 
     @property
     def where(self) -> str:
@@ -71,6 +80,7 @@ class RunOptions:
     activation_dtype: str = "float32"
     chat: bool = True
     ignore_eos: bool = False
+    feedback: str = "ring"  # FEEDBACK_MODES
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +218,8 @@ def _host(reader: _Reader, name: str, node: yaml.Node) -> HostSpec:
             raise reader.fail(node, f"{key}.listen", str(error)) from None
     if host.insecure_no_host_key_check and host.known_hosts:
         raise reader.fail(node, key, "known_hosts and insecure_no_host_key_check exclude each other")
+    if host.data and host.data not in DATA_MODES:
+        raise reader.fail(node, f"{key}.data", f"must be one of {', '.join(DATA_MODES)}")
     return host
 
 
@@ -245,7 +257,7 @@ def parse_inventory(text: str, path: Path) -> Inventory:
         raise InventoryError(f"{path}:{line}: not valid YAML: {problem}") from None
     if root is None:
         raise InventoryError(f"{path}:1: the inventory is empty")
-    top = reader.mapping(root, "inventory", ("model", "hosts", "stages", "run", "timeouts"))
+    top = reader.mapping(root, "inventory", ("model", "hosts", "stages", "run", "timeouts", "data"))
     for required in ("model", "hosts", "stages"):
         if required not in top:
             raise reader.fail(root, required, "missing")
@@ -259,6 +271,10 @@ def parse_inventory(text: str, path: Path) -> Inventory:
     if not host_nodes:
         raise reader.fail(top["hosts"], "hosts", "define at least one host")
     hosts = {name: _host(reader, name, node) for name, node in host_nodes.items()}
+    data = reader.scalar(top["data"], "data", str) if "data" in top else "auto"
+    if data not in DATA_MODES:
+        raise reader.fail(top["data"], "data", f"must be one of {', '.join(DATA_MODES)}")
+    hosts = {name: replace(host, data=host.data or data) for name, host in hosts.items()}
 
     stage_root = top["stages"]
     if not isinstance(stage_root, yaml.SequenceNode) or not stage_root.value:
@@ -317,6 +333,8 @@ def check_run_options(run: RunOptions, fail: Callable[[str, str], Exception]) ->
         raise fail("ubatch", "must be at least 1")
     if run.activation_dtype not in ACTIVATION_DTYPES:
         raise fail("activation_dtype", f"must be one of {', '.join(ACTIVATION_DTYPES)}")
+    if run.feedback not in FEEDBACK_MODES:
+        raise fail("feedback", f"must be one of {', '.join(FEEDBACK_MODES)}")
 
 
 def load_inventory(path: str | os.PathLike[str]) -> Inventory:
@@ -342,6 +360,16 @@ def with_run_options(inventory: Inventory, **overrides: Any) -> Inventory:
 
     check_run_options(run, fail)
     return replace(inventory, run=run)
+
+
+def with_data_mode(inventory: Inventory, mode: str | None) -> Inventory:
+    """``--data``: every host's data mode (``None`` means not given)."""
+    if mode is None:
+        return inventory
+    if mode not in DATA_MODES:
+        raise InventoryError(f"--data: must be one of {', '.join(DATA_MODES)}")
+    hosts = {name: replace(host, data=mode) for name, host in inventory.hosts.items()}
+    return replace(inventory, hosts=hosts)
 
 
 # ------------------------------------------------------------------ layers

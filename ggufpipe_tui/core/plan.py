@@ -3,7 +3,9 @@
 The orchestrator owns run ids and edge ids; stage code never derives them.
 Edge ``i`` of a run of N stages: edge 0 is TokenIn (orchestrator -> stage 0),
 edges 1..N-1 are Activation (stage i-1 -> stage i), edge N is TokenOut
-(stage N-1 -> orchestrator).
+(stage N-1 -> orchestrator). A token-ring run (``run.feedback: ring``) has
+one more, edge N+1, TokenRing (stage N-1 -> stage 0): each sampled token as
+stage 0's next input (docs/rings.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ggufpipe_agent.protocol import (
     RingSpec,
     SamplingParams,
     StageModelFacts,
+    TokenRingProvision,
 )
 from ggufpipe_tui.core.inventory import Inventory
 
@@ -97,9 +100,10 @@ class RunPlan:
     max_tokens: int
     engine: EngineOptions
     sampling: SamplingParams
+    ring: EdgePlan | None = None  # the token ring; None: the orchestrator feeds tokens back
 
     def edge(self, edge_id: int) -> EdgePlan:
-        for edge in self.edges:
+        for edge in (*self.edges, *((self.ring,) if self.ring else ())):
             if edge.edge_id == edge_id:
                 return edge
         raise KeyError(edge_id)
@@ -203,7 +207,14 @@ def build_plan(
         for i in range(n)
     )
     sampling = SamplingParams(options.temperature, options.top_k, options.top_p, options.seed)
-    return RunPlan(run_id, model, stages, tuple(edges), options.max_tokens, engine, sampling)
+    token_ring = None
+    if options.feedback == "ring":
+        one_token = ObjectSpec("tokens", "int32", 1, 1)
+        producer, consumer = EdgeEndpoint(node[n - 1], n - 1), EdgeEndpoint(node[0], 0)
+        token_ring = EdgePlan(
+            run_id, base + n + 1, "TokenRing", producer, consumer, one_token, ring(one_token)
+        )
+    return RunPlan(run_id, model, stages, tuple(edges), options.max_tokens, engine, sampling, token_ring)
 
 
 def validate_plan(plan: RunPlan) -> None:
@@ -277,6 +288,14 @@ def validate_plan(plan: RunPlan) -> None:
             or spec.itemsize != plan.model.dtype_width_bytes
         ):
             raise PlanError(f"edge {edge.edge_id} object spec disagrees with the model facts")
+    ring = plan.ring
+    if ring is not None:
+        if ring.edge_id in by_id or ring.kind != "TokenRing" or ring.run_id != plan.run_id:
+            raise PlanError(f"token ring edge {ring.edge_id} is not an edge of its own in this run")
+        if ring.producer != EdgeEndpoint(stages[-1].node_id, n - 1):
+            raise PlanError("the token ring must be produced by the last stage")
+        if ring.consumer != EdgeEndpoint(stages[0].node_id, 0):
+            raise PlanError("the token ring must be consumed by stage 0")
 
 
 def provision_message(plan: RunPlan, index: int) -> ProvisionStage:
@@ -312,4 +331,13 @@ def provision_message(plan: RunPlan, index: int) -> ProvisionStage:
         ),
         engine=stage.engine,
         sampling=plan.sampling,
+        ring=_ring_provision(plan, index),
     )
+
+
+def _ring_provision(plan: RunPlan, index: int) -> TokenRingProvision | None:
+    ring, last = plan.ring, len(plan.stages) - 1
+    if ring is None or index not in (0, last):
+        return None
+    eog = plan.model.eog_token_ids
+    return TokenRingProvision(ring.edge_id, index == last, index == 0, ring.object_spec, eog, plan.max_tokens)

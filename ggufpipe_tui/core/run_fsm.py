@@ -13,6 +13,11 @@ Additions to the spec's table, each in its spirit:
 * A user's stop while Running completes the run with what it has; before
   Running it tears the run down ("torn down" is the third outcome of §11).
 * A stage whose connection is lost counts as stopped during teardown.
+* The token ring (``Run.ring``, the spec's deferred direct token feedback):
+  the last stage feeds each token to stage 0 itself and stops at EOS/EOG or
+  ``max_tokens`` from its provision, so in Running a consumed token is
+  accepted (and may complete the run) but never injected. The orchestrator
+  still checks the sequence, applies the same stop and can stop the run.
 """
 
 from __future__ import annotations
@@ -234,6 +239,7 @@ class Run:
     stop_reason: str = ""  # "eos", "max_tokens", "stopped" (completed runs)
     failure: str = ""
     notes: tuple[str, ...] = field(default=())
+    ring: bool = False  # the last stage feeds tokens back itself (the token ring)
 
     @property
     def all_ready(self) -> bool:
@@ -345,6 +351,8 @@ def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
                     *accepted,
                     FinalizeOutput(),
                 ]
+            if run.ring:  # the last stage has fed it to stage 0 already
+                return run, [*accepted, StartTimer("step")]
             return run, [*accepted, InjectToken(run.consumed, event.token), StartTimer("step")]
         if isinstance(event, StopRequested):
             return replace(run, phase=P.COMPLETED, outcome="completed", stop_reason="stopped"), [

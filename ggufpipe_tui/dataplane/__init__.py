@@ -8,7 +8,9 @@ run's :class:`TokenSink`; a stream that breaks or carries garbage is reported
 through :class:`DataPlaneEvents`, never raised into the run.
 
 Implementations: :class:`~ggufpipe_tui.dataplane.relay.RelayPlane` (every
-object crosses the orchestrator, which forwards it by header only).
+object crosses the orchestrator, which forwards it by header only) and
+:class:`~ggufpipe_tui.dataplane.direct.DirectPlane` (stages write to each
+other over direct links, the relay where a link cannot be set up).
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ggufpipe_agent.protocol import Message
+from ggufpipe_tui.core.events import DataPath
 from ggufpipe_tui.core.plan import RunPlan
 
 #: The bound run's consumer of token-out objects: (sequence, token).
 TokenSink = Callable[[int, int], None]
+
+
+def _ignore(path: DataPath) -> None:
+    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +38,7 @@ class DataPlaneEvents:
     lost: Callable[[int, str], None]  # stage index, symptom: a stream broke or ended
     fault: Callable[[str], None]  # a bad object: the run cannot go on
     log: Callable[[int, str], None]  # stage index, a line for that stage's log
+    routed: Callable[[DataPath], None] = _ignore  # how one link's objects travel (once per session)
 
 
 class DataPlane(Protocol):
@@ -46,6 +55,10 @@ class DataPlane(Protocol):
 
     async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int]) -> None:
         """Write a token object on the token-in edge. Raises ConnectionError."""
+
+    def on_message(self, stage: int, message: Message) -> bool:
+        """A control message from stage ``stage`` that may be the data plane's
+        (a direct link went down); True when it was."""
 
     def close(self) -> None:
         """Close every stream (the session then ends the agents)."""

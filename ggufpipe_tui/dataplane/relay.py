@@ -4,7 +4,9 @@ Stage i's outbound objects are read here, their header checked against the
 bound run's edge, and forwarded to stage i+1 with the payload untouched and
 streamed in chunks (memory bounded, backpressure kept: nothing more is read
 until the consumer has drained). The last stage's token objects are decoded
-and handed to the bound run. The token-in edge is stage 0's data stream.
+and handed to the bound run; in a token-ring run its ring objects (the next
+input of stage 0) are forwarded to stage 0. The token-in edge is stage 0's
+data stream.
 
 Each stream has one writer (:class:`~ggufpipe_agent.framing.FrameWriter`),
 held for a whole object while a relay forwards it, so edge setup for the next
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 from ggufpipe_agent import objects
 from ggufpipe_agent.errors import ProtocolError
 from ggufpipe_agent.framing import FrameWriter, TruncatedFrame
-from ggufpipe_agent.protocol import OpenEdge, encode_message
+from ggufpipe_agent.protocol import Message, OpenEdge, encode_message
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core.plan import EdgePlan, RunPlan
 from ggufpipe_tui.dataplane import DataPlaneEvents, TokenSink
@@ -50,15 +52,30 @@ class RelayPlane:
         self.plan, self.sink = plan, sink
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None:
-        entry = plan.stages[stage]
-        await self._stream(stage).writer.write(
-            encode_message(OpenEdge(plan.run_id, entry.inbound_edge, "inbound")),
-            encode_message(OpenEdge(plan.run_id, entry.outbound_edge, "outbound")),
-        )
+        ends = self.edge_ends(plan, stage)
+        await self._stream(stage).writer.write(*(encode_message(end) for end in ends))
+
+    @staticmethod
+    def edge_ends(plan: RunPlan, stage: int) -> list[OpenEdge]:
+        """Every edge end of ``stage`` in ``plan``, as the relay sets them up
+        on the stage's data stream."""
+        entry, last = plan.stages[stage], len(plan.stages) - 1
+        ends = [
+            OpenEdge(plan.run_id, entry.inbound_edge, "inbound"),
+            OpenEdge(plan.run_id, entry.outbound_edge, "outbound"),
+        ]
+        if plan.ring is not None and stage == 0:
+            ends.append(OpenEdge(plan.run_id, plan.ring.edge_id, "ring-in"))
+        if plan.ring is not None and stage == last:
+            ends.append(OpenEdge(plan.run_id, plan.ring.edge_id, "ring-out"))
+        return ends
 
     async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int]) -> None:
         record = objects.tokens_record(plan.run_id, plan.stages[0].inbound_edge, sequence, tokens)
         await self._stream(0).writer.write(record)
+
+    def on_message(self, stage: int, message: Message) -> bool:
+        return False  # the relay has no links of its own
 
     def close(self) -> None:
         for stage in self.stages:
@@ -74,12 +91,16 @@ class RelayPlane:
         """The edge an object stage ``index`` produced belongs to; None when it
         belongs to an old run and is to be dropped."""
         edge = self._edge(index)
-        if edge is None or self.plan is None:
+        plan = self.plan
+        if edge is None or plan is None:
             return None
-        if header.run_id != self.plan.run_id:
+        if header.run_id != plan.run_id:
             self.events.log(index, f"dropped {header.describe()} of an old run")
             return None
-        if header.edge_id != edge.edge_id:
+        ring = plan.ring
+        if ring is not None and index == len(plan.stages) - 1 and header.edge_id == ring.edge_id:
+            edge = ring
+        elif header.edge_id != edge.edge_id:
             raise ProtocolError(f"{header.describe()}: expected edge {edge.edge_id}")
         objects.check_spec(header, edge.object_spec)
         return edge
@@ -163,6 +184,13 @@ class RelayPlane:
                 return
             sink = self.sink
             if edge is None or sink is None:
+                continue
+            if edge.kind == "TokenRing":  # the ring, relayed: stage 0's next input
+                try:
+                    await self._stream(0).writer.write(header.pack(), payload)
+                except (ConnectionError, OSError) as error:
+                    self.events.lost(0, f"data stream broke ({error})")
+                    return
                 continue
             tokens = objects.decode_tokens(header, payload)
             sink(header.sequence, tokens[0])

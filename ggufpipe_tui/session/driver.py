@@ -48,6 +48,10 @@ from ggufpipe_tui.session.stages import StagePort
 
 #: How long a StopRun may take to be written to a stage.
 STOP_SEND_TIMEOUT = 5.0
+#: A stage that reports a broken link to a peer: how long to watch the peer
+#: (a dead peer's loss report, with its exit status, is the root cause).
+LINK_GRACE_SECONDS = 1.5
+LOSS_REPORT_SECONDS = 3.0
 
 
 class RunEdges(Protocol):
@@ -94,7 +98,7 @@ class RunDriver:
         self.emit = emit
         self.log_path = log_path
         eog = frozenset(plan.model.eog_token_ids)
-        self.run = fsm.Run(max_tokens=plan.max_tokens, eog=eog)
+        self.run = fsm.Run(max_tokens=plan.max_tokens, eog=eog, ring=plan.ring is not None)
         self.queue: asyncio.Queue[fsm.RunEvent] = asyncio.Queue()
         self.done = asyncio.Event()
         self.result: RunResult | None = None
@@ -141,7 +145,10 @@ class RunDriver:
         elif isinstance(message, StageReady):
             self.feed(fsm.StageReadyEvent(stage))
         elif isinstance(message, StageFault):
-            self.feed(fsm.StageFaultEvent(stage, f"{self.stages[stage].label}: {message.reason}"))
+            if 0 <= message.link_peer < len(self.stages):
+                self.tasks.spawn(self._link_fault(stage, message), f"link fault of stage {stage}")
+            else:
+                self.feed(fsm.StageFaultEvent(stage, f"{self.stages[stage].label}: {message.reason}"))
         elif isinstance(message, StageStopped):
             self.counters[stage] = message.counters
             self.emit(StageStats(run_id, stage, message.counters))
@@ -149,6 +156,17 @@ class RunDriver:
         elif isinstance(message, StepStats):
             self.counters[stage] = message.counters
             self.emit(StageStats(run_id, stage, message.counters))
+
+    async def _link_fault(self, stage: int, message: StageFault) -> None:
+        """A stage whose direct link to a peer broke: when the peer died, its
+        loss report comes first and is the run's one reason."""
+        peer = self.stages[message.link_peer]
+        for _ in range(int(LINK_GRACE_SECONDS / 0.05)):
+            if not peer.alive():
+                await asyncio.sleep(LOSS_REPORT_SECONDS)
+                break
+            await asyncio.sleep(0.05)
+        self.feed(fsm.StageFaultEvent(stage, f"{self.stages[stage].label}: {message.reason}"))
 
     async def _open_edges(self, stage: int) -> None:
         try:

@@ -52,7 +52,7 @@ from ggufpipe_tui.core.events import (
 from ggufpipe_tui.core.inventory import HostSpec, Inventory, assign_layers
 from ggufpipe_tui.core.plan import PlanError, RunPlan, build_plan, new_run_id, validate_plan
 from ggufpipe_tui.dataplane import DataPlane, DataPlaneEvents
-from ggufpipe_tui.dataplane.relay import RelayPlane
+from ggufpipe_tui.dataplane.direct import DirectPlane
 from ggufpipe_tui.session.driver import RunDriver
 from ggufpipe_tui.session.runlog import RunLog
 from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
@@ -85,7 +85,7 @@ class Pipeline:
         log_dir: Any = None,
         *,
         prepare_ahead: bool = False,
-        data_plane: DataPlaneFactory = RelayPlane,
+        data_plane: DataPlaneFactory = DirectPlane,
     ) -> None:
         self.inventory = inventory
         self.link_factory = link_factory
@@ -168,7 +168,9 @@ class Pipeline:
             self.tasks.spawn(stage.read_control(), f"control reader of stage {stage.index}")
         try:
             await self._inspect()
-            events = DataPlaneEvents(lost=self._lost_at, fault=self._edge_fault, log=self._log_at)
+            events = DataPlaneEvents(
+                lost=self._lost_at, fault=self._edge_fault, log=self._log_at, routed=self.emit
+            )
             self.data = self.data_plane_factory(self.stages, self.tasks, events)
             await self.data.open(timeout)
         except BaseException:
@@ -291,13 +293,15 @@ class Pipeline:
 
     def _on_message(self, stage: StageHandle, message: Message) -> None:
         driver = self.driver
+        if self.data is not None and self.data.on_message(stage.index, message):
+            return
         if isinstance(message, Refused):
             self.emit(AgentLog(stage.index, stage.host.name, f"refused {message.what}: {message.reason}"))
             setting_up = (fsm.RunPhase.PROVISIONING, fsm.RunPhase.WAITING_READY)
             if (
                 driver is not None
                 and driver.run.phase in setting_up
-                and message.what in ("ProvisionStage", "OpenEdge")
+                and message.what in ("ProvisionStage", "OpenEdge", "LinkEdge")
             ):
                 # The stage will never become ready: say why now, not at the readiness timeout.
                 reason = f"{stage.label} refused {message.what}: {message.reason}"

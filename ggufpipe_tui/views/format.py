@@ -7,7 +7,7 @@ these strings, headless mode prints them.
 from __future__ import annotations
 
 from ggufpipe_agent.protocol import Hello, ModelFacts
-from ggufpipe_tui.core.events import AgentConnected, RunResult
+from ggufpipe_tui.core.events import AgentConnected, DataPath, RunResult
 from ggufpipe_tui.core.plan import StagePlan
 
 STOP_WORDS = {"eos": "end of text", "max_tokens": "max tokens", "stopped": "stopped"}
@@ -57,6 +57,24 @@ def stage_plan_line(stage: StagePlan) -> str:
         f"stage {stage.stage_index}: layers [{stage.layer_start}, {stage.layer_end_exclusive}) on "
         f"{stage.node_id}, ~{format_bytes(stage.estimated_bytes)}"
     )
+
+
+TRANSPORT_WORDS = {
+    "unix": "direct, Unix socket",
+    "tls": "direct, mutual TLS",
+    "self": "direct, within the stage",
+}
+
+
+def data_path_line(path: DataPath) -> str:
+    """How one link of the session carries its objects."""
+    what = "token ring" if path.ring else "activations"
+    head = f"{what} stage {path.producer} → stage {path.consumer}: "
+    if path.data == "relay":
+        return head + f"relay through the orchestrator ({path.reason})"
+    where = f" at {path.endpoint}" if path.endpoint and path.transport == "tls" else ""
+    probe = f", probe {path.round_trip_ms:.1f} ms" if path.transport != "self" else ""
+    return head + TRANSPORT_WORDS.get(path.transport, path.transport) + where + probe
 
 
 def stage_state_line(stage: int, state: str, detail: str) -> str:

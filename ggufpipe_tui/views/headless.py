@@ -19,6 +19,7 @@ from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_tui.core.events import (
     AgentConnected,
     AgentLog,
+    DataPath,
     Event,
     ModelInspected,
     Notice,
@@ -37,7 +38,27 @@ EXIT_FAULTED = 1
 EXIT_SETUP = 2
 
 
-def result_json(result: RunResult) -> dict[str, object]:
+def path_json(path: DataPath) -> dict[str, object]:
+    """One link of the session: how stage ``producer``'s objects reach ``consumer``."""
+    entry: dict[str, object] = {
+        "producer": path.producer,
+        "consumer": path.consumer,
+        "carries": "tokens" if path.ring else "activations",
+        "data": path.data,
+        "transport": path.transport,
+    }
+    if path.data == "direct" and path.transport != "self":
+        entry["round_trip_ms"] = round(path.round_trip_ms, 3)
+    if path.reason:
+        entry["reason"] = path.reason
+    return entry
+
+
+def result_json(
+    result: RunResult, paths: tuple[DataPath, ...] = (), feedback: str = ""
+) -> dict[str, object]:
+    """The --json object; ``paths``: the session's links (one "data" entry per
+    edge), ``feedback``: who fed tokens back ("ring" or "orchestrator")."""
     t = result.timings
     return {
         "run_id": f"{result.run_id:016x}",
@@ -57,6 +78,8 @@ def result_json(result: RunResult) -> dict[str, object]:
             "stage_mean_step_ms": [round(ms, 3) for ms in t.stage_mean_step_ms],
         },
         "log": result.log_path,
+        "feedback": feedback,
+        "edges": [path_json(path) for path in paths],
     }
 
 
@@ -70,6 +93,7 @@ class Printer:
         self.out, self.err = out, err
         self.as_json, self.verbose, self.quiet = as_json, verbose, quiet
         self.wrote_text = False
+        self.paths: list[DataPath] = []
 
     def progress(self, text: str) -> None:
         if not self.quiet:
@@ -89,6 +113,9 @@ class Printer:
         elif isinstance(event, PlanMade):
             for stage in event.plan.stages:
                 self.progress(fmt.stage_plan_line(stage))
+        elif isinstance(event, DataPath):
+            self.paths.append(event)
+            self.progress(fmt.data_path_line(event))
         elif isinstance(event, StageStateChanged):
             if self.verbose or event.state in ("Ready", "Faulted"):
                 self.progress(fmt.stage_state_line(event.stage, event.state, event.detail))
@@ -138,7 +165,8 @@ async def run_headless(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.remove_signal_handler(signal.SIGINT)
     if as_json:
-        print(json.dumps(result_json(result), ensure_ascii=False), file=out, flush=True)
+        document = result_json(result, tuple(printer.paths), inventory.run.feedback)
+        print(json.dumps(document, ensure_ascii=False), file=out, flush=True)
     elif printer.wrote_text:
         print(file=out, flush=True)
     if result.ok:

@@ -22,6 +22,7 @@ from ggufpipe_agent.protocol import StepCounters
 from ggufpipe_tui.core.events import (
     AgentConnected,
     AgentLog,
+    DataPath,
     Event,
     ModelInspected,
     Notice,
@@ -165,6 +166,7 @@ class ViewState:
             RunFinished: self._finished,
             Notice: self._notice,
             PromptAssigned: self._prompt,
+            DataPath: self._data_path,
         }
 
     def apply(self, event: Event, now: float) -> None:
@@ -237,6 +239,10 @@ class ViewState:
             if stats.first_token is None:
                 stats.first_token = now
             stats.last_token = now
+
+    def _data_path(self, event: DataPath, now: float) -> None:
+        style = "yellow" if event.data == "relay" else "grey70"
+        self.note(event.producer, Text(fmt.data_path_line(event), style=style))
 
     def _connected(self, event: AgentConnected, now: float) -> None:
         row = self.rows[event.stage]

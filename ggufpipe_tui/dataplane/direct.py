@@ -1,0 +1,216 @@
+"""The direct data plane: stage i writes its activations straight to stage i+1,
+and the last stage its tokens straight to stage 0 (the token ring).
+
+When the plane opens, the orchestrator sets up one link per pair of
+neighbours (``LinkListen`` to the consumer, ``LinkConnect`` to the producer,
+over their control channels; ``ggufpipe_agent.links``): a Unix socket when
+both stages run on one inventory host, mutual TLS over TCP between hosts,
+with certificates of a per-session authority made here
+(:mod:`~ggufpipe_tui.dataplane.credentials`). The producer's connect and
+attach is the probe: where it fails, that pair falls back to the relay
+(unless the inventory says ``data: direct``), and a :class:`DataPath` event
+says which way each pair goes.
+
+Every stage keeps its data stream to the orchestrator (the relay's): stage 0
+takes the prompt on it, the last stage writes token-out on it, and relayed
+pairs use it as before. Each run, a stage's edge ends go up as soon as it has
+taken its provision, like the relay's; the ends on a link are set up with
+``LinkEdge`` once both stages of the pair have taken theirs (the producer
+then opens the consumer's end on the link itself, so nothing can overtake
+the consumer's provision).
+
+A link that goes down (``LinkDown`` from either end) breaks the session, but
+first its peers are given a moment: when a stage died, its loss (the root
+cause, with the exit status) is the reason, not the link it took with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Sequence
+
+from ggufpipe_agent.protocol import (
+    LinkConnect,
+    LinkConnected,
+    LinkCredentials,
+    LinkDown,
+    LinkEdge,
+    LinkListen,
+    LinkListening,
+    Message,
+    OpenEdge,
+    RequestFailed,
+    encode_message,
+)
+from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_tui.core.events import DataPath
+from ggufpipe_tui.core.plan import RunPlan
+from ggufpipe_tui.dataplane import DataPlaneEvents
+from ggufpipe_tui.dataplane.relay import RelayPlane
+from ggufpipe_tui.session.stages import PipelineError, StageHandle
+
+#: How long a producer may take to reach one endpoint of its consumer and
+#: attach: a firewalled host costs this much before its relay fallback.
+PROBE_SECONDS = 5.0
+#: How long a broken link waits for a dead peer's loss report (the root cause).
+LINK_GRACE_SECONDS = 1.5
+
+
+def _edge_mode(producer: StageHandle, consumer: StageHandle) -> str:
+    """The inventory's word for a pair: relay wins, then direct, else auto."""
+    modes = {producer.host.data or "auto", consumer.host.data or "auto"}
+    if "relay" in modes:
+        return "relay"
+    return "direct" if "direct" in modes else "auto"
+
+
+def _same_host(producer: StageHandle, consumer: StageHandle) -> bool:
+    """One machine: every local host is this one; an SSH host is itself.
+    (Two inventory hosts that are one machine get TLS: nobody can tell.)"""
+    a, b = producer.host, consumer.host
+    return (a.local and b.local) or a.name == b.name
+
+
+def _tcp(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+class DirectPlane(RelayPlane):
+    def __init__(self, stages: Sequence[StageHandle], tasks: TaskOwner, events: DataPlaneEvents) -> None:
+        super().__init__(stages, tasks, events)
+        self.paths: dict[int, DataPath] = {}  # by producer: its link to (producer + 1) % n
+        self._authority: object | None = None
+        self._acked_run = 0
+        self._acked: set[int] = set()
+        self._down: set[int] = set()
+
+    # ---------------------------------------------------------- the links
+
+    async def open(self, timeout: float) -> None:
+        await super().open(timeout)
+        n = len(self.stages)
+        paths = await asyncio.gather(*(self._link(p, (p + 1) % n, timeout) for p in range(n)))
+        for path in paths:
+            self.paths[path.producer] = path
+            self.events.routed(path)
+
+    def _credentials(self, stage: int) -> LinkCredentials:
+        from ggufpipe_tui.dataplane.credentials import SessionAuthority
+
+        if self._authority is None:
+            self._authority = SessionAuthority()
+        assert isinstance(self._authority, SessionAuthority)
+        issued = self._authority.issue(stage)
+        return LinkCredentials(issued.certificate, issued.key, self._authority.certificate_pem)
+
+    def _endpoints(self, consumer: StageHandle, listening: LinkListening) -> tuple[str, ...]:
+        if listening.endpoint.startswith("unix:"):
+            return (listening.endpoint,)
+        port = int(listening.endpoint.removeprefix("tcp:"))
+        host = consumer.host
+        # Its link address as the inventory gives it, then where its SSH
+        # connection arrived (an address, where host.address may be an alias
+        # of ~/.ssh/config), then the address the orchestrator dialled.
+        candidates = [host.link_address, *listening.addresses, "127.0.0.1" if host.local else host.address]
+        seen: list[str] = []
+        for address in candidates:
+            if address and address not in seen:
+                seen.append(address)
+        return tuple(_tcp(address, port) for address in seen)
+
+    async def _link(self, producer: int, consumer: int, timeout: float) -> DataPath:
+        if producer == consumer:  # a one-stage ring: the stage feeds itself
+            return DataPath(producer, consumer, "direct", "self")
+        p, c = self.stages[producer], self.stages[consumer]
+        mode = _edge_mode(p, c)
+        if mode == "relay":
+            return DataPath(producer, consumer, "relay", "relay", reason="data: relay in the inventory")
+        transport = "unix" if _same_host(p, c) else "tls"
+        token = secrets.token_hex(16)
+        blank = LinkCredentials()
+        theirs = blank if transport == "unix" else self._credentials(consumer)
+        ours = blank if transport == "unix" else self._credentials(producer)
+        probe = min(timeout, PROBE_SECONDS)
+        failure = ""
+        try:
+            listening = await c.request(
+                lambda rid: LinkListen(rid, transport, producer, token, theirs, 4 * probe + timeout), timeout
+            )
+            if isinstance(listening, LinkListening):
+                endpoints = self._endpoints(c, listening)
+                connected = await p.request(
+                    lambda rid: LinkConnect(rid, transport, consumer, endpoints, token, ours, probe),
+                    probe * len(endpoints) + timeout,
+                )
+                if isinstance(connected, LinkConnected):
+                    return DataPath(
+                        producer, consumer, "direct", transport, connected.endpoint, connected.round_trip_ms
+                    )
+                failure = connected.reason if isinstance(connected, RequestFailed) else repr(connected)
+            else:
+                failure = listening.reason if isinstance(listening, RequestFailed) else repr(listening)
+        except PipelineError as error:
+            failure = str(error)
+        if mode == "direct":
+            raise PipelineError(
+                f"the direct link from stage {producer} to stage {consumer} cannot be set up: {failure} "
+                "(the inventory says data: direct, so there is no relay fallback)"
+            )
+        return DataPath(producer, consumer, "relay", "relay", reason=failure)
+
+    def direct(self, producer: int) -> bool:
+        path = self.paths.get(producer)
+        return path is not None and path.data == "direct"
+
+    # ---------------------------------------------------------- each run
+
+    def _linked_end(self, plan: RunPlan, stage: int, end: OpenEdge) -> bool:
+        """Whether ``end`` of ``stage`` is set up on a link instead of the data stream."""
+        n = len(plan.stages)
+        if end.role == "inbound":
+            return stage > 0 and self.direct(stage - 1)
+        if end.role == "outbound":
+            return stage < n - 1 and self.direct(stage)
+        return self.direct(n - 1)  # ring-in, ring-out: the last stage's link to stage 0
+
+    async def open_edges(self, plan: RunPlan, stage: int) -> None:
+        if plan.run_id != self._acked_run:
+            self._acked_run, self._acked = plan.run_id, set()
+        ends = [end for end in self.edge_ends(plan, stage) if not self._linked_end(plan, stage, end)]
+        if ends:
+            await self._stream(stage).writer.write(*(encode_message(end) for end in ends))
+        self._acked.add(stage)
+        n = len(plan.stages)
+        # Each link whose two stages have now both taken their provision.
+        for producer in {stage, (stage - 1) % n}:
+            consumer = (producer + 1) % n
+            if not self.direct(producer) or not {producer, consumer} <= self._acked:
+                continue
+            if producer < n - 1:
+                message = LinkEdge(plan.run_id, plan.stages[producer].outbound_edge, "outbound")
+            elif plan.ring is not None:
+                message = LinkEdge(plan.run_id, plan.ring.edge_id, "ring-out")
+            else:
+                continue  # the orchestrator feeds tokens back: the ring's link idles
+            await self.stages[producer].send(message)
+
+    # ------------------------------------------------------- a link down
+
+    def on_message(self, stage: int, message: Message) -> bool:
+        if not isinstance(message, LinkDown):
+            return False
+        n = len(self.stages)
+        producer = stage if (stage + 1) % n == message.peer else message.peer
+        if producer not in self._down:
+            self._down.add(producer)
+            self.tasks.spawn(self._link_down(producer, stage, message), f"link {producer} down")
+        return True
+
+    async def _link_down(self, producer: int, reporter: int, message: LinkDown) -> None:
+        ends = (self.stages[producer], self.stages[(producer + 1) % len(self.stages)])
+        for _ in range(int(LINK_GRACE_SECONDS / 0.05)):
+            if not all(end.alive() for end in ends):
+                return  # the stage that died is reported lost, with its exit status
+            await asyncio.sleep(0.05)
+        self.events.fault(f"stage {reporter}: {message.reason}")
