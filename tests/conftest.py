@@ -119,6 +119,25 @@ def whole_model_greedy(
     return out
 
 
+#: How objects move, for the tests that must hold in every mode: the data
+#: plane (direct links, insisted on, or the relay) and who feeds each token
+#: back to stage 0 (the last stage on the token ring, or the orchestrator).
+DATA_MODES = {
+    "direct": {"data": "direct", "feedback": "ring"},
+    "relay": {"data": "relay", "feedback": "ring"},
+    "orchestrator": {"data": "direct", "feedback": "orchestrator"},
+    "spec": {"data": "relay", "feedback": "orchestrator"},  # the MVP spec's own loop
+}
+#: The three every split-exactness and decode fault test runs in.
+MODES = ("direct", "relay", "orchestrator")
+
+
+def mode_yaml(mode: str) -> tuple[str, str]:
+    """(a top-level inventory line, a run: entry) for ``mode``."""
+    chosen = DATA_MODES[mode]
+    return f"data: {chosen['data']}\n", f"feedback: {chosen['feedback']}"
+
+
 LONG_PROMPT = (
     "The history of the Roman empire is long and complicated. Tell me about the emperors, "
     "one by one, starting with Augustus and continuing through the whole of the first "

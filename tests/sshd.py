@@ -3,7 +3,9 @@
 Temporary host and user keys, an authorized_keys for the current user, a
 known_hosts file that trusts the host key, and forwarding switched OFF
 (``DisableForwarding yes``): the orchestrator must work on a locked-down host,
-so every channel it opens has to be an exec session.
+so every channel it opens has to be an exec session. A second server
+(``sshd_forwarding``) allows local forwarding (no remote), where the
+orchestrator reaches the agents' data sockets without a bridge process.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def sshd_missing() -> str:
 class Sshd:
     """One sshd process; ``start()`` returns once it answers with its banner."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, forwarding: bool = False) -> None:
         self.base = base
+        self.forwarding = forwarding  # stream-local (Unix socket) forwarding allowed
         self.port = free_port()
         self.user = getpass.getuser()
         self.host_key = base / "ssh_host_ed25519_key"
@@ -91,12 +94,14 @@ class Sshd:
                     "PrintMotd no",
                     "LogLevel VERBOSE",
                     # Locked down: no port, socket, X11 or agent forwarding, no tunnels.
-                    "AllowTcpForwarding no",
-                    "AllowStreamLocalForwarding no",
+                    # The forwarding server allows local forwarding: OpenSSH checks
+                    # AllowTcpForwarding for sockets too (the "local" permission set).
+                    f"AllowTcpForwarding {'local' if self.forwarding else 'no'}",
+                    f"AllowStreamLocalForwarding {'local' if self.forwarding else 'no'}",
                     "AllowAgentForwarding no",
                     "X11Forwarding no",
                     "PermitTunnel no",
-                    "DisableForwarding yes",
+                    f"DisableForwarding {'no' if self.forwarding else 'yes'}",
                     "",
                 ]
             )
@@ -179,6 +184,17 @@ def sshd(tmp_path_factory: pytest.TempPathFactory):
     if missing:
         raise RuntimeError(f"the SSH tests need OpenSSH: {missing}")
     server = Sshd(tmp_path_factory.mktemp("sshd")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def sshd_forwarding(tmp_path_factory: pytest.TempPathFactory):
+    """A real sshd that allows local (TCP and stream-local) forwarding."""
+    missing = sshd_missing()
+    if missing:
+        raise RuntimeError(f"the SSH tests need OpenSSH: {missing}")
+    server = Sshd(tmp_path_factory.mktemp("sshd-forwarding"), forwarding=True).start()
     yield server
     server.stop()
 

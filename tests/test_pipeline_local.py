@@ -11,22 +11,28 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_tui.core.events import AgentLog, RunPhaseChanged, StageStateChanged, TokenStreamed
+from ggufpipe_tui.core.events import (
+    AgentLog,
+    DataPath,
+    RunPhaseChanged,
+    StageStateChanged,
+    TokenStreamed,
+)
 from ggufpipe_tui.core.inventory import load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
-from tests.conftest import LONG_PROMPT, REPO, whole_model_greedy
+from tests.conftest import DATA_MODES, LONG_PROMPT, REPO, mode_yaml, whole_model_greedy
 
 pytestmark = pytest.mark.model
 
 
-def write_inventory(tmp_path: Path, model_path: Path, stages: str, run: str = "") -> Path:
+def write_inventory(tmp_path: Path, model_path: Path, stages: str, run: str = "", data: str = "") -> Path:
     path = tmp_path / "inventory.yaml"
     path.write_text(
         f"model: {{path: {model_path}}}\n"
         "hosts:\n  here: {local: true}\n"
         f"stages:\n{textwrap.indent(stages, '  ')}"
         f"run: {{context: 512, ubatch: 32, {run}}}\n"
-        "timeouts: {connect: 30, ready: 120, step: 30, teardown: 10}\n"
+        "timeouts: {connect: 30, ready: 120, step: 30, teardown: 10}\n" + data
     )
     return path
 
@@ -34,10 +40,11 @@ def write_inventory(tmp_path: Path, model_path: Path, stages: str, run: str = ""
 UNEVEN = "- {host: here, layers: [0, 7]}\n- {host: here, layers: [7, 23]}\n- {host: here, layers: [23, 30]}\n"
 
 
-async def test_three_local_stages_match_the_whole_model(tmp_path, model_path, no_agent_left):
-    inventory = load_inventory(
-        write_inventory(tmp_path, model_path, UNEVEN, "max_tokens: 72, ignore_eos: true, chat: false")
-    )
+@pytest.mark.parametrize("mode", list(DATA_MODES))
+async def test_three_local_stages_match_the_whole_model(tmp_path, model_path, no_agent_left, mode):
+    data, feedback = mode_yaml(mode)
+    run = f"max_tokens: 72, ignore_eos: true, chat: false, {feedback}"
+    inventory = load_inventory(write_inventory(tmp_path, model_path, UNEVEN, run, data))
     events: list[object] = []
     pipeline = Pipeline(inventory, events.append)
     try:
@@ -59,6 +66,9 @@ async def test_three_local_stages_match_the_whole_model(tmp_path, model_path, no
     assert any(isinstance(e, AgentLog) for e in events), "agent stderr reaches the orchestrator"
     assert all(ms > 0 for ms in result.timings.stage_mean_step_ms)
     assert Path(result.log_path).exists()
+    paths = {(e.producer, e.consumer): (e.data, e.transport) for e in events if isinstance(e, DataPath)}
+    way = ("direct", "unix") if DATA_MODES[mode]["data"] == "direct" else ("relay", "relay")
+    assert paths == {(0, 1): way, (1, 2): way, (2, 0): way}, "every link of one host: a Unix socket"
 
 
 async def test_second_run_reuses_the_loaded_stages(tmp_path, model_path, no_agent_left):
@@ -104,6 +114,12 @@ def test_headless_json(tmp_path, model_path, no_agent_left):
         "stage_mean_step_ms",
     }
     assert len(result["timings"]["stage_mean_step_ms"]) == 3
+    assert result["feedback"] == "ring"
+    assert [(e["producer"], e["consumer"], e["data"]) for e in result["edges"]] == [
+        (0, 1, "direct"),
+        (1, 2, "direct"),
+        (2, 0, "direct"),
+    ]
 
 
 def test_headless_streams_text_and_exits_non_zero_on_a_fault(tmp_path, model_path, no_agent_left):
@@ -150,3 +166,20 @@ def test_the_agent_package_is_a_leaf():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+async def test_one_stage_feeds_itself(tmp_path, model_path, no_agent_left):
+    """A one-stage token ring: the stage is its own consumer, no link at all."""
+    inventory = load_inventory(
+        write_inventory(tmp_path, model_path, "- {host: here}\n", "max_tokens: 24, ignore_eos: true, chat: false")
+    )
+    events: list[object] = []
+    pipeline = Pipeline(inventory, events.append)
+    try:
+        await pipeline.start()
+        result = await pipeline.generate("The capital of France is")
+    finally:
+        await pipeline.close()
+    assert result.outcome == "completed", result.failure
+    assert list(result.tokens) == whole_model_greedy(model_path, list(result.prompt_tokens), 24, 512, 32)
+    assert [(e.data, e.transport) for e in events if isinstance(e, DataPath)] == [("direct", "self")]

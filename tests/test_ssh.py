@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 import yaml
 
-from ggufpipe_tui.core.events import AgentLog, TokenStreamed
+from ggufpipe_tui.core.events import AgentLog, DataPath, TokenStreamed
 from ggufpipe_tui.core.inventory import HostSpec, load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.transports.link import TransportError
 from ggufpipe_tui.transports.ssh import SshAgent
-from tests.conftest import LONG_PROMPT, REPO, whole_model_greedy
+from tests.conftest import DATA_MODES, LONG_PROMPT, MODES, REPO, whole_model_greedy
 from tests.sshd import Sshd, free_port, keygen
 
 pytestmark = [pytest.mark.ssh, pytest.mark.model]
@@ -60,15 +60,20 @@ def write_inventory(
     hosts: dict[str, dict[str, Any]],
     stages: list[tuple[str, list[int]]],
     connect: float = 20,
+    mode: str = "",
     **run: Any,
 ) -> Path:
-    document = {
+    """``mode``: one of tests.conftest.DATA_MODES ("" leaves both to the defaults)."""
+    document: dict[str, Any] = {
         "model": {"path": str(model_path)},
         "hosts": hosts,
         "stages": [{"host": host, "layers": layers} for host, layers in stages],
         "run": {"context": 512, "ubatch": 32, "chat": False, **run},
         "timeouts": {"connect": connect, "ready": 120, "step": 30, "teardown": 10},
     }
+    if mode:
+        document["data"] = DATA_MODES[mode]["data"]
+        document["run"]["feedback"] = DATA_MODES[mode]["feedback"]
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
 
@@ -117,13 +122,19 @@ async def start_failure(inventory_path: Path) -> tuple[str, float]:
 # ------------------------------------------------------------ the pipeline
 
 
-async def test_three_stages_over_ssh_match_the_whole_model(tmp_path, sshd, cache_dir, model_path, none_left):
+@pytest.mark.parametrize("mode", MODES)
+async def test_three_stages_over_ssh_match_the_whole_model(
+    tmp_path, sshd, cache_dir, model_path, none_left, mode
+):
     """Two hosts (one sshd), stages 0 and 1 on the first: one connection per
-    host, two exec sessions per stage (control + data bridge), no forwarding."""
+    host, two exec sessions per stage (control + data bridge: sshd refuses
+    forwarding). Direct links: a Unix socket from stage 0 to 1 (one host),
+    mutual TLS from 1 to 2 and on the ring from 2 to 0 (two hosts)."""
     hosts = {"gpu-a": host_entry(sshd, cache_dir), "gpu-b": host_entry(sshd, cache_dir)}
     stages = [("gpu-a", UNEVEN[0]), ("gpu-a", UNEVEN[1]), ("gpu-b", UNEVEN[2])]
+    path = tmp_path / "inv.yaml"
     inventory = load_inventory(
-        write_inventory(tmp_path / "inv.yaml", model_path, hosts, stages, max_tokens=64, ignore_eos=True)
+        write_inventory(path, model_path, hosts, stages, mode=mode, max_tokens=64, ignore_eos=True)
     )
     logins, sessions = sshd.accepted_logins(), sshd.log_text().count("Starting session: command")
     events: list[Any] = []
@@ -142,7 +153,37 @@ async def test_three_stages_over_ssh_match_the_whole_model(tmp_path, sshd, cache
     assert logged == {0, 1, 2}, "the stderr of every stage reaches the log"
     assert sshd.accepted_logins() - logins == 2, "stages on one host share its connection"
     assert sshd.log_text().count("Starting session: command") - sessions == 6
-    assert "forward" not in sshd.log_text().lower(), "no forwarding was asked for"
+    assert {link.data_route for link in pipeline.links} == {"exec bridge"}, "forwarding is refused here"
+    paths = {(e.producer, e.consumer): (e.data, e.transport) for e in events if isinstance(e, DataPath)}
+    if DATA_MODES[mode]["data"] == "direct":
+        assert paths == {(0, 1): ("direct", "unix"), (1, 2): ("direct", "tls"), (2, 0): ("direct", "tls")}
+    else:
+        assert set(paths.values()) == {("relay", "relay")}
+
+
+async def test_data_channels_use_stream_local_forwarding_where_sshd_allows_it(
+    tmp_path, sshd_forwarding, cache_dir, model_path
+):
+    """Where sshd allows stream-local forwarding, the relay reaches each
+    agent's data socket through sshd itself: no bridge process."""
+    sshd = sshd_forwarding
+    hosts = {"gpu-a": host_entry(sshd, cache_dir)}
+    stages = [("gpu-a", layers) for layers in UNEVEN]
+    path = write_inventory(
+        tmp_path / "inv.yaml", model_path, hosts, stages, mode="spec", max_tokens=24, ignore_eos=True
+    )
+    pipeline = Pipeline(load_inventory(path), lambda event: None)
+    try:
+        await pipeline.start()
+        assert wait_session_agents(sshd, 3, 0) == (3, 0), "3 agents and no data bridge"
+        result = await pipeline.generate(LONG_PROMPT)
+        assert {link.data_route for link in pipeline.links} == {"stream-local forwarding"}
+    finally:
+        await pipeline.close()
+    assert result.outcome == "completed", result.failure
+    reference = whole_model_greedy(model_path, list(result.prompt_tokens), 24, n_ctx=512, n_ubatch=32)
+    assert list(result.tokens) == reference
+    assert wait_no_session_agents(sshd, 10) == {}
 
 
 async def test_hand_started_agent_is_attached_through_ssh(tmp_path, sshd, cache_dir, model_path, none_left):

@@ -5,8 +5,10 @@ stream-local forwarding still works:
 
 * control: ``<agent> [--cache-dir DIR]`` on the stdio of one exec session (or,
   for an agent started by hand with ``--listen``, ``<agent> bridge ADDR``);
-* data: a second exec session on the same connection running
-  ``<agent> bridge unix:PATH`` to the agent's data socket (PATH from its Hello).
+* data: a direct-streamlocal channel to the agent's data socket (PATH from
+  its Hello) where sshd allows stream-local forwarding (one hop fewer: sshd
+  connects to the socket itself); elsewhere a second exec session on the
+  same connection running ``<agent> bridge unix:PATH``.
 
 Stages on one host share one SSH connection (a pool per event loop, closed
 when its last stage closes). The agent ends when its stdin reaches EOF, which
@@ -27,6 +29,7 @@ from typing import Any
 
 import asyncssh
 
+from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.protocol import Hello
 from ggufpipe_tui.core.inventory import HostSpec
 from ggufpipe_tui.transports.link import AgentLink, LogLine, TransportError
@@ -65,6 +68,8 @@ class SshAgent(AgentLink):
         super().__init__(host, stage, on_log)
         self.process: asyncssh.SSHClientProcess[bytes] | None = None
         self.bridges: list[asyncssh.SSHClientProcess[bytes]] = []
+        self.forwarded: list[SshWriter] = []  # data channels sshd connected for us
+        self.data_route = ""  # "stream-local forwarding" or "exec bridge", once open
         self.pool: ConnectionPool | None = None
         self.connection: asyncssh.SSHClientConnection | None = None
         self._entry: PooledConnection | None = None
@@ -163,6 +168,17 @@ class SshAgent(AgentLink):
         return ""
 
     async def _connect_data(self, endpoint: str) -> tuple[Any, Any]:
+        path, port = parse_endpoint(endpoint)
+        if port is None and self.connection is not None:
+            try:
+                reader, writer = await asyncio.wait_for(self.connection.open_unix_connection(path), 60.0)
+            except (asyncssh.ChannelOpenError, asyncio.TimeoutError):
+                pass  # sshd forbids stream-local forwarding (or never answered): the bridge works anyway
+            else:
+                self.data_route = "stream-local forwarding"
+                self.forwarded.append(SshWriter(writer))
+                return SshReader(reader), self.forwarded[-1]
+        self.data_route = "exec bridge"
         return await self.open_bridge(endpoint, 60.0)
 
     async def open_bridge(self, endpoint: str, timeout: float) -> tuple[SshReader, SshWriter]:
@@ -230,6 +246,8 @@ class SshAgent(AgentLink):
         so a SIGSTOPped agent would outlive the run with its data bridge."""
         for bridge in self.bridges:
             bridge.close()
+        for channel in self.forwarded:
+            channel.close()
         process = self.process
         if process is not None:
             with contextlib.suppress(asyncssh.Error, OSError):
