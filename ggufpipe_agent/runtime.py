@@ -59,7 +59,7 @@ from ggufpipe_agent.protocol import (
     Tokenized,
     encode_message,
 )
-from ggufpipe_agent.stage_fsm import EdgeEstablished, Provision, StageState, StopRunEvent
+from ggufpipe_agent.stage_fsm import EdgeEstablished, Provision, SetupFailed, StageState, StopRunEvent
 from ggufpipe_agent.stage_run import EngineSlot, LocalFeed, StageRun
 from ggufpipe_agent.tasks import TaskOwner
 
@@ -444,7 +444,9 @@ class Session:
         try:
             await link.writer.send(OpenEdge(message.run_id, message.edge_id, consumer_role))
         except (ConnectionError, OSError) as error:
-            self.refuse("LinkEdge", f"the link to stage {link.peer} broke ({error})")
+            if run.fsm.state is StageState.PREPARING:
+                run.fault_peer = link.peer  # the peer may have died: the orchestrator checks
+                run.apply(SetupFailed(f"the link to stage {link.peer} broke ({error})"))
             return
         if message.role == "outbound":
             run.outbound, run.outbound_peer = link.writer, link.peer

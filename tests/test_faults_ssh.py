@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_tui.core.events import RunPhaseChanged, TokenStreamed
+from ggufpipe_tui.core.events import DataPath, RunPhaseChanged, TokenStreamed
 from ggufpipe_tui.core.inventory import HostSpec
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.transports.ssh import SshAgent
-from tests.conftest import LONG_PROMPT, REPO
+from tests.conftest import LONG_PROMPT, MODES, REPO
 from tests.sabotage import Saboteur, on_state, on_token, run_with, signal_agent
 from tests.sshd import Sshd
 from tests.test_ssh import AGENT, host_entry, wait_no_session_agents, write_inventory
@@ -44,7 +44,13 @@ def none_left(sshd: Sshd):
 
 
 def inventory_file(
-    tmp_path: Path, sshd: Sshd, cache: Path, model_path: Path, b_model: Path | None = None, **timeouts: float
+    tmp_path: Path,
+    sshd: Sshd,
+    cache: Path,
+    model_path: Path,
+    b_model: Path | None = None,
+    mode: str = "direct",
+    **timeouts: float,
 ) -> Path:
     hosts = {
         "gpu-a": host_entry(sshd, cache),
@@ -55,6 +61,7 @@ def inventory_file(
         model_path,
         hosts,
         list(zip(HOSTS, RANGES, strict=True)),
+        mode=mode,
         max_tokens=40,
         ignore_eos=True,
     )
@@ -91,20 +98,24 @@ async def test_agent_killed_while_loading(tmp_path, sshd, cache_dir, model_path,
     assert saboteur.stopped() == {0, 2}, "the other host's stages stopped"
 
 
-async def test_agent_killed_during_prefill(tmp_path, sshd, cache_dir, model_path, none_left):
+@pytest.mark.parametrize("mode", MODES)
+async def test_agent_killed_during_prefill(tmp_path, sshd, cache_dir, model_path, none_left, mode):
     saboteur = Saboteur(
         lambda e: isinstance(e, RunPhaseChanged) and e.phase == "Running", signal_agent(2, signal.SIGKILL)
     )
-    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path))
+    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path, mode=mode))
     assert result.outcome == "faulted" and result.tokens == ()
     assert result.failure == f"stage 2 on gpu-a ({where(sshd)}): the agent exited (killed by signal KILL)"
     assert saboteur.phases()[-3:] == ["Faulted", "TearingDown", "Done"]
     assert saboteur.stopped() == {0, 1}
 
 
-async def test_agent_killed_during_decode_keeps_the_output(tmp_path, sshd, cache_dir, model_path, none_left):
+@pytest.mark.parametrize("mode", MODES)
+async def test_agent_killed_during_decode_keeps_the_output(
+    tmp_path, sshd, cache_dir, model_path, none_left, mode
+):
     saboteur = Saboteur(on_token(5), signal_agent(0, signal.SIGKILL))
-    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path))
+    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path, mode=mode))
     assert result.outcome == "faulted", result.failure
     assert result.failure == f"stage 0 on gpu-a ({where(sshd)}): the agent exited (killed by signal KILL)"
     assert 6 <= len(result.tokens) < 40 and result.text.strip()
@@ -113,7 +124,8 @@ async def test_agent_killed_during_decode_keeps_the_output(tmp_path, sshd, cache
     assert saboteur.stopped() == {1, 2}
 
 
-async def test_ssh_connection_dropped_mid_run(tmp_path, sshd, cache_dir, model_path, none_left):
+@pytest.mark.parametrize("mode", MODES)
+async def test_ssh_connection_dropped_mid_run(tmp_path, sshd, cache_dir, model_path, none_left, mode):
     """The sshd process serving gpu-b's connection dies mid-decode: the run
     faults naming gpu-b and the lost connection; gpu-a's stages stop."""
     dropped: list[int] = []
@@ -125,7 +137,7 @@ async def test_ssh_connection_dropped_mid_run(tmp_path, sshd, cache_dir, model_p
         os.kill(dropped[0], signal.SIGKILL)
 
     saboteur = Saboteur(on_token(5), drop)
-    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path))
+    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path, mode=mode))
     assert result.outcome == "faulted", result.failure
     # Not "the agent exited": sshd reported no exit, only the connection went.
     assert result.failure.startswith(f"stage 1 on gpu-b ({where(sshd)}): the SSH connection was lost ("), (
@@ -133,6 +145,32 @@ async def test_ssh_connection_dropped_mid_run(tmp_path, sshd, cache_dir, model_p
     )
     assert 6 <= len(result.tokens) < 40 and result.text.strip()
     assert saboteur.stopped() == {0, 2}, "gpu-a's stages were torn down"
+
+
+def kill_tcp(port: int) -> None:
+    """Abort both ends of the TCP connections to ``port`` (the kernel's
+    SOCK_DESTROY, as a dropped network path or a stateful firewall would)."""
+    for selector in (["dst", "127.0.0.1", "dport", "=", str(port)], ["src", "127.0.0.1", "sport", "=", str(port)]):
+        subprocess.run(["ss", "-K", *selector], capture_output=True, check=False)
+
+
+async def test_a_direct_link_dropped_mid_run(tmp_path, sshd, cache_dir, model_path, none_left):
+    """The TLS link from stage 1 (gpu-b) to stage 2 (gpu-a) is cut mid-decode,
+    both agents alive: the run faults naming the link, the output so far is
+    kept, every stage takes its StopRun."""
+
+    def cut(pipeline: Pipeline) -> None:
+        (path,) = [e for e in saboteur.events if isinstance(e, DataPath) and e.producer == 1]
+        assert path.transport == "tls", path
+        kill_tcp(int(path.endpoint.rsplit(":", 1)[1]))
+
+    saboteur = Saboteur(on_token(5), cut)
+    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path, mode="direct"))
+    assert saboteur.fired and result.outcome == "faulted", result.failure
+    assert result.failure.startswith(("stage 1 on gpu-b", "stage 2 on gpu-a")), result.failure
+    assert "link" in result.failure or "outbound edge" in result.failure, result.failure
+    assert 6 <= len(result.tokens) < 40 and result.text.strip(), "the output so far is kept"
+    assert saboteur.stopped() == {0, 1, 2}, "every agent is alive and stops"
 
 
 def ended_by_teardown(saboteur: Saboteur, stage: int) -> None:
@@ -146,12 +184,15 @@ def ended_by_teardown(saboteur: Saboteur, stage: int) -> None:
     assert saboteur.close_seconds < 8, f"closing took {saboteur.close_seconds:.1f}s"
 
 
-async def test_a_hanging_stage_hits_the_step_timeout(tmp_path, sshd, cache_dir, model_path, none_left):
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_hanging_stage_hits_the_step_timeout(tmp_path, sshd, cache_dir, model_path, none_left, mode):
     saboteur = Saboteur(on_token(3), signal_agent(1, signal.SIGSTOP))
-    inventory = inventory_file(tmp_path, sshd, cache_dir, model_path, step=2, teardown=2)
+    inventory = inventory_file(tmp_path, sshd, cache_dir, model_path, mode=mode, step=2, teardown=2)
     result = await run_with(saboteur, inventory)
-    assert result.outcome == "faulted" and result.failure == "step timeout waiting for token 4"
-    assert len(result.tokens) == 4 and result.text.strip(), "the output so far is kept"
+    # On the token ring the stages may be a token or two ahead of the orchestrator.
+    assert result.outcome == "faulted"
+    assert result.failure == f"step timeout waiting for token {len(result.tokens)}"
+    assert 4 <= len(result.tokens) < 40 and result.text.strip(), "the output so far is kept"
     assert result.notes == ("teardown timeout: no StageStopped from stage(s) 1",)
     assert saboteur.stopped() == {0, 2}
     ended_by_teardown(saboteur, 1)
@@ -162,7 +203,9 @@ async def test_a_stage_that_never_becomes_ready(tmp_path, sshd, cache_dir, model
     inventory = inventory_file(tmp_path, sshd, cache_dir, model_path, ready=3, teardown=2)
     result = await run_with(saboteur, inventory)
     assert result.outcome == "faulted" and result.tokens == ()
-    assert result.failure == "readiness timeout: stage(s) 1 never became ready"
+    # Direct links: stage 2's inbound end is opened by the stopped stage 1,
+    # so stage 2 waits for it too (and says so).
+    assert result.failure == "readiness timeout: stage(s) 1, 2 never became ready"
     assert saboteur.stopped() == {0, 2}
     ended_by_teardown(saboteur, 1)
 

@@ -213,4 +213,4 @@ class DirectPlane(RelayPlane):
             if not all(end.alive() for end in ends):
                 return  # the stage that died is reported lost, with its exit status
             await asyncio.sleep(0.05)
-        self.events.fault(f"stage {reporter}: {message.reason}")
+        self.events.fault(f"{self.stages[reporter].label}: {message.reason}")

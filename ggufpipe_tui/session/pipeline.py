@@ -302,6 +302,9 @@ class Pipeline:
                 driver is not None
                 and driver.run.phase in setting_up
                 and message.what in ("ProvisionStage", "OpenEdge", "LinkEdge")
+                # A stage that faulted refuses its later edge ends; its own
+                # fault (which may wait for a peer's loss report) is the reason.
+                and driver.stage_states.get(stage.index) != "Faulted"
             ):
                 # The stage will never become ready: say why now, not at the readiness timeout.
                 reason = f"{stage.label} refused {message.what}: {message.reason}"
