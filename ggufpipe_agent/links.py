@@ -44,17 +44,22 @@ from typing import Any
 from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.errors import ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter
+from ggufpipe_agent.objects import ObjectHeader
 from ggufpipe_agent.protocol import (
     LinkAttach,
     LinkConnect,
     LinkConnected,
     LinkCredentials,
     LinkDown,
+    LinkEdge,
     LinkListen,
     LinkListening,
     Message,
+    OpenEdge,
     RequestFailed,
 )
+from ggufpipe_agent.stage_fsm import EdgeEstablished, SetupFailed, StageState
+from ggufpipe_agent.stage_run import LocalFeed, StageRun
 
 log = logging.getLogger("ggufpipe.links")
 
@@ -287,6 +292,51 @@ class Links:
             pass
         if not self.closing:
             self.post(LinkDown(link.peer, f"the link to stage {link.peer} ended"))
+
+    # ------------------------------------------------------------ each run
+
+    async def edge(
+        self,
+        run: StageRun,
+        message: LinkEdge,
+        refuse: Callable[[str, str], None],
+        deliver: Callable[[ObjectHeader, bytes], Awaitable[None]],
+    ) -> None:
+        """``run``'s outbound (or ring-out) end on the outbound link: the
+        consumer's end is opened with an OpenEdge on the link itself, so it
+        cannot overtake anything the consumer was sent before."""
+        expected = run.edge_ids(False).get(message.role)
+        if message.role not in ("outbound", "ring-out") or expected != message.edge_id:
+            refuse("LinkEdge", f"edge {message.edge_id} ({message.role}) is not this stage's to link")
+            return
+        if run.fsm.state is not StageState.PREPARING:
+            refuse("LinkEdge", f"edge {message.edge_id} set up outside Preparing")
+            return
+        ring = run.provision.ring
+        if message.role == "ring-out" and ring is not None and ring.consume:
+            # A one-stage ring: the stage feeds itself, no link at all.
+            run.ring_out = LocalFeed(deliver)
+            run.apply(EdgeEstablished("ring-out"))
+            run.apply(EdgeEstablished("ring-in"))
+            return
+        link = self.outbound
+        if link is None:
+            refuse("LinkEdge", "this stage has no link (LinkConnect first)")
+            return
+        consumer_role = "inbound" if message.role == "outbound" else "ring-in"
+        try:
+            await link.writer.send(OpenEdge(message.run_id, message.edge_id, consumer_role))
+        except (ConnectionError, OSError) as error:
+            if run.fsm.state is StageState.PREPARING:
+                run.fault_peer = link.peer  # the peer may have died: the orchestrator checks
+                run.apply(SetupFailed(f"the link to stage {link.peer} broke ({error})"))
+            return
+        if message.role == "outbound":
+            run.outbound, run.outbound_peer = link.writer, link.peer
+        else:
+            run.ring_out, run.ring_peer = link.writer, link.peer
+        if run.fsm.state is StageState.PREPARING:
+            run.apply(EdgeEstablished(message.role))
 
     # ------------------------------------------------------------- closing
 

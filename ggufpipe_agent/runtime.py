@@ -59,8 +59,8 @@ from ggufpipe_agent.protocol import (
     Tokenized,
     encode_message,
 )
-from ggufpipe_agent.stage_fsm import EdgeEstablished, Provision, SetupFailed, StageState, StopRunEvent
-from ggufpipe_agent.stage_run import EngineSlot, LocalFeed, StageRun
+from ggufpipe_agent.stage_fsm import EdgeEstablished, Provision, StageState, StopRunEvent
+from ggufpipe_agent.stage_run import EngineSlot, StageRun
 from ggufpipe_agent.tasks import TaskOwner
 
 log = logging.getLogger("ggufpipe.agent")
@@ -373,19 +373,6 @@ class Session:
             run.fault_peer = peer
             run.apply(InboundFault(f"malformed frame on the inbound edge: {reason}"))
 
-    def _edge_ids(self, run: StageRun, from_link: bool) -> dict[str, int]:
-        """The edge id each role may set up; a link sets up only the
-        consumer's ends (a peer never makes a stage write to it)."""
-        ring = run.provision.ring
-        ids = {"inbound": run.provision.inbound.edge_id}
-        if ring is not None and ring.consume:
-            ids["ring-in"] = ring.edge_id
-        if not from_link:
-            ids["outbound"] = run.provision.outbound.edge_id
-            if ring is not None and ring.produce:
-                ids["ring-out"] = ring.edge_id
-        return ids
-
     async def open_edge(self, message: OpenEdge, writer: Any, from_link: bool = False) -> None:
         run = self.run
         problem = self._run_problem(message.run_id)
@@ -393,7 +380,7 @@ class Session:
             self.refuse("OpenEdge", problem)
             return
         assert run is not None
-        expected = self._edge_ids(run, from_link).get(message.role)
+        expected = run.edge_ids(from_link).get(message.role)
         if expected is None or expected != message.edge_id:
             self.refuse(
                 "OpenEdge",
@@ -414,46 +401,14 @@ class Session:
             self.refuse("OpenEdge", str(error))
 
     async def link_edge(self, message: LinkEdge) -> None:
-        """This run's outbound (or ring-out) end on the stage's link: the
-        consumer's end is opened with an OpenEdge on the link itself."""
+        """This run's outbound (or ring-out) end on the stage's link."""
         run = self.run
         problem = self._run_problem(message.run_id)
         if problem:
             self.refuse("LinkEdge", problem)
             return
         assert run is not None
-        expected = self._edge_ids(run, False).get(message.role)
-        if message.role not in ("outbound", "ring-out") or expected != message.edge_id:
-            self.refuse("LinkEdge", f"edge {message.edge_id} ({message.role}) is not this stage's to link")
-            return
-        if run.fsm.state is not StageState.PREPARING:
-            self.refuse("LinkEdge", f"edge {message.edge_id} set up outside Preparing")
-            return
-        ring = run.provision.ring
-        if message.role == "ring-out" and ring is not None and ring.consume:
-            # A one-stage ring: the stage feeds itself, no link at all.
-            run.ring_out = LocalFeed(self.inbound_object)
-            run.apply(EdgeEstablished("ring-out"))
-            run.apply(EdgeEstablished("ring-in"))
-            return
-        link = self.links.outbound
-        if link is None:
-            self.refuse("LinkEdge", "this stage has no link (LinkConnect first)")
-            return
-        consumer_role = "inbound" if message.role == "outbound" else "ring-in"
-        try:
-            await link.writer.send(OpenEdge(message.run_id, message.edge_id, consumer_role))
-        except (ConnectionError, OSError) as error:
-            if run.fsm.state is StageState.PREPARING:
-                run.fault_peer = link.peer  # the peer may have died: the orchestrator checks
-                run.apply(SetupFailed(f"the link to stage {link.peer} broke ({error})"))
-            return
-        if message.role == "outbound":
-            run.outbound, run.outbound_peer = link.writer, link.peer
-        else:
-            run.ring_out, run.ring_peer = link.writer, link.peer
-        if run.fsm.state is StageState.PREPARING:
-            run.apply(EdgeEstablished(message.role))
+        await self.links.edge(run, message, self.refuse, self.inbound_object)
 
     async def inbound_object(self, header: objects.ObjectHeader, payload: bytes) -> None:
         problem = self._run_problem(header.run_id)

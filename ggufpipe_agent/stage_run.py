@@ -187,6 +187,19 @@ class StageRun:
         self.stopped = asyncio.Event()
         self._progress_at = 0.0
 
+    def edge_ids(self, from_link: bool) -> dict[str, int]:
+        """The edge id each role may set up; a link sets up only the
+        consumer's ends (a peer never makes a stage write to it)."""
+        ring = self.provision.ring
+        ids = {"inbound": self.provision.inbound.edge_id}
+        if ring is not None and ring.consume:
+            ids["ring-in"] = ring.edge_id
+        if not from_link:
+            ids["outbound"] = self.provision.outbound.edge_id
+            if ring is not None and ring.produce:
+                ids["ring-out"] = ring.edge_id
+        return ids
+
     # ------------------------------------------------------------ FSM core
 
     def apply(self, event: StageEvent) -> None:
