@@ -1,18 +1,31 @@
-"""Pipeline benchmark: ggufpipe against one llama.cpp process, in one run.
+"""Pipeline benchmark: ggufpipe against its two ceilings, in one run.
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--repeats 5] [--quick]
+    .venv/bin/python benchmarks/bench_pipeline.py [--repeats 5] [--no-ssh] [--no-tui]
 
-Measures, on this machine:
-  * the whole model in one llama.cpp context in this process (the baseline);
-  * ggufpipe with 1, 2 and 3 stages over the local transport and over SSH (a
-    real OpenSSH server on loopback, started here), with float32 and float16
-    activations;
-and for each: prefill time of a 128- and a 512-token prompt, decode tokens/s
-over 128 generated tokens (EOS ignored), time to first token (a warm pipeline:
-provisioning of the run included, loading not) and the per-token overhead in ms
-(pipeline minus baseline). Medians of --repeats runs; ratios against the
-baseline. Where the time goes: the stages' mean step time beside the
-per-token time (the rest is transport, relay and orchestrator).
+References, measured in every round beside the pipelines:
+  * llama.cpp itself: the whole model in one context in this process, every
+    core (threads = cores);
+  * the raw ring (benchmarks/raw_ring.py): the same three stage engines in
+    three processes joined in a ring by raw Unix sockets, no protocol and no
+    orchestrator: the ceiling of three processes on this machine.
+
+Configurations, 3 stages of SmolLM2-135M with float32 activations: direct
+links with the token ring (the default), the relay with the ring, direct links
+with the orchestrator feeding tokens back, and the spec's relay and
+orchestrator loop; locally, over SSH on loopback (one host: Unix links; three
+hosts: mutual TLS links; the relay's data channels through exec bridges or,
+on a second sshd that allows it, stream-local forwarding); and the terminal
+UI (Textual's run_test, a real reply rendered at 30 frames a second) beside
+headless on the same inventory.
+
+For each: prefill of a 512-token prompt, time to first token (a warm
+pipeline), decode tokens/s over 128 tokens (EOS ignored), the ratio to one
+process and to the raw ring, the per-token overhead against the raw ring and
+per link (three links per token: 0->1, 1->2 and the token back to stage 0),
+and the stages' own mean step times. Rounds interleave every configuration
+(each started afresh, loading not measured), so the machine's noise hits
+them alike; medians of --repeats rounds, and the spread (slowest to fastest
+decode of a configuration) says how noisy the run was.
 
 Writes docs/bench-pipeline.md and docs/bench-pipeline.png.
 """
@@ -28,32 +41,65 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import llama_cpp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import llama_cpp  # noqa: E402
+
+from benchmarks.raw_ring import RawRing  # noqa: E402
+from ggufpipe_agent import aio  # noqa: E402
 from ggufpipe_agent.engine import StageEngine, StageShape  # noqa: E402
-from ggufpipe_agent.protocol import EngineOptions  # noqa: E402
-from ggufpipe_tui.core.inventory import parse_inventory, with_run_options  # noqa: E402
+from ggufpipe_agent.protocol import EngineOptions, SamplingParams  # noqa: E402
+from ggufpipe_tui.core.inventory import Inventory, parse_inventory, with_run_options  # noqa: E402
 from ggufpipe_tui.session.pipeline import Pipeline  # noqa: E402
+from tests.chain import even_splits  # noqa: E402
 from tests.conftest import LONG_PROMPT, smollm_path  # noqa: E402
 
 CONTEXT = 1024
 UBATCH = 512
 DECODE = 128
 PROMPTS = (128, 512)
+STAGES = 3
+LINKS = 3  # per token: 0 -> 1, 1 -> 2, and the token back to stage 0
+TUI_PROMPT = "Count slowly from one to one thousand, one number per line."
 
 
 @dataclasses.dataclass
 class Sample:
-    prefill_ms: dict[int, float]
+    prefill_ms: float  # the 512-token prompt
     decode_tps: float
     ttft_ms: float
     step_ms: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    transport: str  # "local", "ssh" (one host), "ssh-hosts" (three), "ssh-forwarding"
+    data: str
+    feedback: str
+    view: str = "headless"  # or "tui"
+
+
+CONFIGS = [
+    Config("local, direct, ring", "local", "direct", "ring"),
+    Config("local, relay, ring", "local", "relay", "ring"),
+    Config("local, direct, orchestrator-fed", "local", "direct", "orchestrator"),
+    Config("local, relay, orchestrator-fed (spec loop)", "local", "relay", "orchestrator"),
+    Config("ssh 1 host, direct (unix), ring", "ssh", "direct", "ring"),
+    Config("ssh 3 hosts, direct (TLS), ring", "ssh-hosts", "direct", "ring"),
+    Config("ssh, relay via exec bridges, ring", "ssh", "relay", "ring"),
+    Config("ssh, relay via exec bridges, orchestrator-fed", "ssh", "relay", "orchestrator"),
+    Config("ssh, relay via stream-local, orchestrator-fed", "ssh-forwarding", "relay", "orchestrator"),
+    Config("TUI, local, direct, ring", "local", "direct", "ring", "tui"),
+    Config("headless (same prompt), local, direct, ring", "local", "direct", "ring", "text"),
+    Config("TUI, local, relay, orchestrator-fed", "local", "relay", "orchestrator", "tui"),
+    Config("headless (same prompt), local, relay, orchestrator-fed", "local", "relay", "orchestrator", "text"),
+]
 
 
 def prompt_tokens(path: Path, length: int) -> list[int]:
@@ -63,152 +109,238 @@ def prompt_tokens(path: Path, length: int) -> list[int]:
     return (tokens * (length // len(tokens) + 1))[:length]
 
 
-# ------------------------------------------------------------------ baseline
+# --------------------------------------------------------------- references
 
 
-def baseline(path: Path, prompts: dict[int, list[int]], repeats: int) -> list[Sample]:
-    engine = StageEngine(
-        str(path),
-        StageShape(True, True, 30, 576),
-        EngineOptions(n_ctx=CONTEXT, n_batch=CONTEXT, n_ubatch=UBATCH),
-    )
-    samples = []
-    try:
-        for _ in range(repeats):
-            prefill = {}
-            for length, tokens in prompts.items():
-                engine.reset(engine_sampling())
-                started = time.perf_counter()
-                token = engine.step(tokens)
-                prefill[length] = (time.perf_counter() - started) * 1000
-            engine.reset(engine_sampling())
-            started = time.perf_counter()
-            token = engine.step(prompts[128])
-            ttft = (time.perf_counter() - started) * 1000
-            started = time.perf_counter()
-            for _ in range(DECODE):
-                token = engine.step([token])
-            samples.append(Sample(prefill, DECODE / (time.perf_counter() - started), ttft))
-    finally:
-        engine.close()
-    return samples
+class Single:
+    """The whole model in one llama.cpp context, every core."""
+
+    def __init__(self, path: Path) -> None:
+        options = EngineOptions(n_ctx=CONTEXT, n_batch=CONTEXT, n_ubatch=UBATCH)
+        self.engine = StageEngine(str(path), StageShape(True, True, 30, 576), options)
+
+    def sample(self, prompts: dict[int, list[int]]) -> Sample:
+        engine = self.engine
+        engine.reset(SamplingParams())
+        started = time.perf_counter()
+        engine.step(prompts[512])
+        prefill = (time.perf_counter() - started) * 1000
+        engine.reset(SamplingParams())
+        started = time.perf_counter()
+        token = engine.step(prompts[128])
+        ttft = (time.perf_counter() - started) * 1000
+        started = time.perf_counter()
+        for _ in range(DECODE):
+            token = engine.step([token])  # type: ignore[list-item]
+        return Sample(prefill, DECODE / (time.perf_counter() - started), ttft)
+
+    def close(self) -> None:
+        self.engine.close()
 
 
-def engine_sampling() -> Any:
-    from ggufpipe_agent.protocol import SamplingParams
-
-    return SamplingParams()
-
-
-# ------------------------------------------------------------------ pipeline
-
-
-def inventory_text(model: Path, hosts: str, stage_host: str, stages: int, dtype: str) -> str:
-    return (
-        f"model: {{path: {model}}}\n"
-        f"hosts:\n{hosts}"
-        "stages:\n" + "".join(f"  - {{host: {stage_host}}}\n" for _ in range(stages)) + "run: {"
-        f"context: {CONTEXT}, ubatch: {UBATCH}, activation_dtype: {dtype}, chat: false, ignore_eos: true"
-        "}\n"
-        "timeouts: {connect: 30, ready: 300, step: 120, teardown: 15}\n"
-    )
+def ring_sample(ring: RawRing, prompts: dict[int, list[int]]) -> Sample:
+    started = time.perf_counter()
+    ring.generate(prompts[512], 0)
+    prefill = (time.perf_counter() - started) * 1000
+    started = time.perf_counter()
+    _, rate = ring.generate(prompts[128], DECODE)
+    return Sample(prefill, rate, 0.0)
 
 
-async def pipeline_samples(
-    text: str, prompts: dict[int, list[int]], repeats: int, log_dir: str
-) -> list[Sample]:
-    inventory = parse_inventory(text, REPO / "benchmarks" / "bench.yaml")
+# ---------------------------------------------------------------- pipelines
+
+
+class Hosts:
+    """Inventory host entries for each transport (the sshd servers started here)."""
+
+    def __init__(self, ssh: bool) -> None:
+        self.servers: list[Any] = []
+        self.entries: dict[str, str] = {"local": "  here: {local: true}\n"}
+        self.stage_hosts: dict[str, list[str]] = {"local": ["here"] * STAGES}
+        if not ssh:
+            return
+        from tests.sshd import Sshd, sshd_missing
+
+        missing = sshd_missing()
+        if missing:
+            print(f"SSH rows skipped: {missing}")
+            return
+        agent = f"{sys.executable} -m ggufpipe_agent"
+        cache = os.environ["GGUFPIPE_CACHE_DIR"]
+
+        def entry(name: str, server: Any) -> str:
+            return (
+                f"  {name}: {{address: 127.0.0.1, port: {server.port}, user: {server.user}, "
+                f"identity: {server.client_key}, known_hosts: {server.known_hosts}, agent: '{agent}', "
+                f"cache_dir: {cache}}}\n"
+            )
+
+        plain = Sshd(Path(tempfile.mkdtemp(prefix="ggufpipe-bench-sshd-"))).start()
+        forwarding = Sshd(Path(tempfile.mkdtemp(prefix="ggufpipe-bench-sshd-")), forwarding=True).start()
+        self.servers = [plain, forwarding]
+        self.entries["ssh"] = entry("gpu", plain)
+        self.stage_hosts["ssh"] = ["gpu"] * STAGES
+        self.entries["ssh-hosts"] = "".join(entry(f"gpu-{c}", plain) for c in "abc")
+        self.stage_hosts["ssh-hosts"] = [f"gpu-{c}" for c in "abc"]
+        self.entries["ssh-forwarding"] = entry("gpu", forwarding)
+        self.stage_hosts["ssh-forwarding"] = ["gpu"] * STAGES
+
+    def inventory(self, config: Config) -> Inventory:
+        text = (
+            f"model: {{path: {smollm_path()}}}\n"
+            f"hosts:\n{self.entries[config.transport]}"
+            "stages:\n" + "".join(f"  - {{host: {h}}}\n" for h in self.stage_hosts[config.transport]) + "run: {"
+            f"context: {CONTEXT}, ubatch: {UBATCH}, chat: false, ignore_eos: true, feedback: {config.feedback}"
+            "}\n"
+            f"data: {config.data}\n"
+            "timeouts: {connect: 30, ready: 300, step: 120, teardown: 15}\n"
+        )
+        return parse_inventory(text, REPO / "benchmarks" / "bench.yaml")
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+async def pipeline_sample(inventory: Inventory, prompts: dict[int, list[int]], log_dir: str) -> Sample:
     pipeline = Pipeline(inventory, lambda event: None, log_dir=log_dir)
-    samples = []
     try:
         await pipeline.start()
         pipeline.inventory = with_run_options(inventory, max_tokens=4)
         await pipeline.generate_tokens(prompts[128][:32])  # warm-up: loads every stage
-        for _ in range(repeats):
-            prefill = {}
-            for length, tokens in prompts.items():
-                pipeline.inventory = with_run_options(inventory, max_tokens=1)
-                result = await pipeline.generate_tokens(tokens)
-                assert result.ok, result.failure
-                prefill[length] = result.timings.prefill_ms
-            pipeline.inventory = with_run_options(inventory, max_tokens=DECODE + 1)
-            result = await pipeline.generate_tokens(prompts[128])
-            assert result.ok and len(result.tokens) == DECODE + 1, result.failure
-            timings = result.timings
-            samples.append(
-                Sample(prefill, timings.decode_tokens_per_s, timings.ttft_ms, timings.stage_mean_step_ms)
-            )
+        pipeline.inventory = with_run_options(inventory, max_tokens=1)
+        result = await pipeline.generate_tokens(prompts[512])
+        assert result.ok, result.failure
+        prefill = result.timings.prefill_ms
+        pipeline.inventory = with_run_options(inventory, max_tokens=DECODE + 1)
+        result = await pipeline.generate_tokens(prompts[128])
+        assert result.ok and len(result.tokens) == DECODE + 1, result.failure
+        t = result.timings
+        return Sample(prefill, t.decode_tokens_per_s, t.ttft_ms, t.stage_mean_step_ms)
     finally:
         await pipeline.close()
-    return samples
 
 
-def median(samples: list[Sample], field: str, key: int | None = None) -> float:
-    values = [getattr(s, field)[key] if key is not None else getattr(s, field) for s in samples]
-    return statistics.median(values)
+async def text_sample(inventory: Inventory, log_dir: str) -> Sample:
+    """Headless with the TUI's prompt (through the chat template), for the TUI's comparison."""
+    pipeline = Pipeline(inventory, lambda event: None, log_dir=log_dir)
+    try:
+        await pipeline.start()
+        pipeline.inventory = with_run_options(inventory, max_tokens=4)
+        await pipeline.generate(TUI_PROMPT, chat=True)
+        pipeline.inventory = with_run_options(inventory, max_tokens=DECODE + 1)
+        result = await pipeline.generate(TUI_PROMPT, chat=True)
+        assert result.ok, result.failure
+        t = result.timings
+        return Sample(0.0, t.decode_tokens_per_s, t.ttft_ms, t.stage_mean_step_ms)
+    finally:
+        await pipeline.close()
+
+
+async def tui_sample(inventory: Inventory, log_dir: str) -> Sample:
+    """The terminal UI in Textual's run_test (a real screen of 120x40 cells,
+    composed and rendered, not written to a terminal), typing the prompt."""
+    from ggufpipe_tui.views.app import GgufpipeApp
+
+    inventory = with_run_options(inventory, max_tokens=DECODE + 1, chat=True)
+    app = GgufpipeApp(inventory, log_dir=log_dir)
+
+    async def until(condition: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the TUI did not get there (fault: {app.fault})")
+            await asyncio.sleep(0.05)
+
+    def ready() -> bool:
+        return app.run_phase == "WaitingReady" and all(row.state == "Ready" for row in app.rows)
+
+    async with app.run_test(size=(120, 40)) as pilot:
+        for runs in (1, 2):  # a warm-up run, then the measured one
+            await until(ready, 300)
+            await pilot.press(*TUI_PROMPT, "enter")
+            await until(lambda runs=runs: len(app.results) == runs, 300)
+        result = app.results[1]
+        await pilot.press("ctrl+q")
+        await until(lambda: app.return_code is not None, 60)
+    assert result.ok, result.failure
+    t = result.timings
+    return Sample(0.0, t.decode_tokens_per_s, t.ttft_ms, t.stage_mean_step_ms)
 
 
 # ------------------------------------------------------------------- output
 
 
-def table(results: dict[str, list[Sample]], base: list[Sample], repeats: int, threads: str) -> str:
-    base_prefill = {n: median(base, "prefill_ms", n) for n in PROMPTS}
-    base_tps = median(base, "decode_tps")
+def med(samples: list[Sample], field: str) -> float:
+    return statistics.median(getattr(s, field) for s in samples)
+
+
+def spread(samples: list[Sample]) -> str:
+    rates = [s.decode_tps for s in samples]
+    return f"{min(rates):.1f}-{max(rates):.1f}"
+
+
+def table(results: dict[str, list[Sample]], single: list[Sample], ring: list[Sample], repeats: int) -> str:
+    base_tps, ring_tps = med(single, "decode_tps"), med(ring, "decode_tps")
+    base_prefill = med(single, "prefill_ms")
     lines = [
-        "| configuration | prefill 128 ms | ratio | prefill 512 ms | ratio | TTFT ms | decode tok/s | ratio "
-        "| overhead ms/token | stage step ms (mean) |",
+        "| configuration | prefill 512 ms | ratio | TTFT ms | decode tok/s (spread) | vs 1 process | vs raw ring "
+        "| overhead vs ring ms/token | per link µs | stage steps ms (mean, per token) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-        f"| single llama.cpp process | {base_prefill[128]:.1f} | 1.000 | {base_prefill[512]:.1f} | 1.000 "
-        f"| {median(base, 'ttft_ms'):.1f} | {base_tps:.1f} | 1.000 | 0.00 | {1000 / base_tps:.2f} (whole model) |",
+        f"| llama.cpp, one process, {os.cpu_count()} threads | {base_prefill:.1f} | 1.000 "
+        f"| {med(single, 'ttft_ms'):.1f} | {base_tps:.1f} ({spread(single)}) | 1.000 "
+        f"| {base_tps / ring_tps:.3f} | | | {1000 / base_tps:.2f} (whole model) |",
+        f"| raw ring: 3 processes, Unix sockets, no protocol | {med(ring, 'prefill_ms'):.1f} "
+        f"| {med(ring, 'prefill_ms') / base_prefill:.3f} | | {ring_tps:.1f} ({spread(ring)}) "
+        f"| {ring_tps / base_tps:.3f} | 1.000 | 0.00 | 0 | {1000 / ring_tps:.2f} per token |",
     ]
     for name, samples in results.items():
-        prefill = {n: median(samples, "prefill_ms", n) for n in PROMPTS}
-        tps = median(samples, "decode_tps")
+        tps = med(samples, "decode_tps")
+        prefill = med(samples, "prefill_ms")
         steps = [statistics.median(s.step_ms[i] for s in samples) for i in range(len(samples[0].step_ms))]
+        overhead = 1000 / tps - 1000 / ring_tps
+        prefill_cells = f"{prefill:.1f} | {prefill / base_prefill:.3f}" if prefill else " | "
         lines.append(
-            f"| {name} | {prefill[128]:.1f} | {prefill[128] / base_prefill[128]:.3f} | {prefill[512]:.1f} "
-            f"| {prefill[512] / base_prefill[512]:.3f} | {median(samples, 'ttft_ms'):.1f} | {tps:.1f} "
-            f"| {tps / base_tps:.3f} | {1000 / tps - 1000 / base_tps:.2f} "
+            f"| {name} | {prefill_cells} | {med(samples, 'ttft_ms'):.1f} | {tps:.1f} ({spread(samples)}) "
+            f"| {tps / base_tps:.3f} | {tps / ring_tps:.3f} | {overhead:.2f} | {overhead / LINKS * 1000:.0f} "
             f"| {' + '.join(f'{ms:.2f}' for ms in steps)} = {sum(steps):.2f} of {1000 / tps:.2f} |"
         )
+    load = os.getloadavg()
     header = (
-        f"SmolLM2-135M-Instruct Q4_1 (30 blocks, hidden 576), context {CONTEXT}, ubatch {UBATCH}, "
-        f"{DECODE} decode tokens with EOS ignored, median of {repeats} repeats, "
-        f"{os.cpu_count()} cores ({platform.machine()}), llama-cpp-python {llama_cpp.__version__}, "
-        f"agent threads: {threads}. Stages split the blocks evenly. Ratios: prefill above 1 is slower, "
-        "decode below 1 is slower. Overhead = pipeline ms/token - single process ms/token. The last "
-        "column compares the stages' own step time with the whole per-token time; the difference is "
-        "transport, relay and orchestrator."
+        f"SmolLM2-135M-Instruct Q4_1 (30 blocks, hidden 576), {STAGES} stages split evenly, float32 "
+        f"activations, context {CONTEXT}, ubatch {UBATCH}, {DECODE} decode tokens with EOS ignored, median "
+        f"of {repeats} rounds that interleave every row (each pipeline started afresh per round, loading "
+        f"not measured), {os.cpu_count()} cores ({platform.machine()}), llama-cpp-python "
+        f"{llama_cpp.__version__}, agents on every core each. Load average at the end "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min): others use this machine too; the "
+        "spread column (slowest to fastest round) says how much that moved a row. Overhead vs ring = "
+        "pipeline ms/token - raw ring ms/token; per link = that over the 3 links a token crosses. The TUI "
+        "rows type a chat prompt into the app (Textual run_test, 120x40); the headless rows beside them "
+        "run the same prompt."
     )
     return header + "\n\n" + "\n".join(lines) + "\n"
 
 
-def plot(results: dict[str, list[Sample]], base: list[Sample], path: Path) -> None:
+def plot(results: dict[str, list[Sample]], single: list[Sample], ring: list[Sample], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(results)
-    base_tps = median(base, "decode_tps")
-    tps = [median(results[n], "decode_tps") for n in names]
-    prefill = [median(results[n], "prefill_ms", 512) / median(base, "prefill_ms", 512) for n in names]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
-    left.barh(names, [t / base_tps for t in tps], color="#4c78a8")
-    left.axvline(1.0, color="black", linewidth=1)
-    left.axvline(0.90, color="#e45756", linestyle="--", linewidth=1, label="target 0.90 (local)")
-    left.axvline(0.85, color="#f58518", linestyle=":", linewidth=1, label="target 0.85 (SSH)")
-    left.set_xlabel("decode tokens/s, ratio to one llama.cpp process")
-    left.legend(loc="lower right", fontsize=8)
-    left.invert_yaxis()
-    right.barh(names, prefill, color="#72b7b2")
-    right.axvline(1.0, color="black", linewidth=1)
-    right.axvline(1.15, color="#e45756", linestyle="--", linewidth=1, label="target 1.15")
-    right.set_xlabel("prefill time of a 512-token prompt, ratio to one process")
-    right.set_yticklabels([])
-    right.legend(loc="lower right", fontsize=8)
-    right.invert_yaxis()
-    fig.suptitle(f"ggufpipe vs one llama.cpp process: SmolLM2-135M on {os.cpu_count()} CPU cores")
+    ring_tps = med(ring, "decode_tps")
+    base_tps = med(single, "decode_tps")
+    ratios = [med(results[n], "decode_tps") / ring_tps for n in names]
+    fig, axis = plt.subplots(figsize=(11, 6.5))
+    axis.barh(names, ratios, color=["#4c78a8" if "relay" not in n else "#f58518" for n in names])
+    axis.axvline(1.0, color="black", linewidth=1, label="raw ring (3 processes, Unix sockets)")
+    axis.axvline(base_tps / ring_tps, color="#54a24b", linewidth=1, label="one llama.cpp process")
+    axis.axvline(0.95, color="#e45756", linestyle="--", linewidth=1, label="target 0.95 (local)")
+    axis.axvline(0.90, color="#e45756", linestyle=":", linewidth=1, label="target 0.90 (SSH)")
+    axis.set_xlabel("decode tokens/s, ratio to the raw ring")
+    axis.legend(loc="lower right", fontsize=8)
+    axis.invert_yaxis()
+    fig.suptitle(f"ggufpipe, 3 stages of SmolLM2-135M on {os.cpu_count()} CPU cores")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -218,69 +350,61 @@ async def main_async(args: argparse.Namespace) -> int:
     prompts = {n: prompt_tokens(model, n) for n in PROMPTS}
     log_dir = tempfile.mkdtemp(prefix="ggufpipe-bench-")
     os.environ.setdefault("GGUFPIPE_CACHE_DIR", os.path.join(log_dir, "stages"))
-    threads = f"threads: {args.threads}" if args.threads else "all cores each"
-    thread_key = f", threads: {args.threads}" if args.threads else ""
-    stage_counts = (1, 3) if args.quick else (1, 2, 3)
-    dtypes = ("float32",) if args.quick else ("float32", "float16")
-    transports = ["local"] if args.no_ssh else ["local", "ssh"]
-
-    sshd = None
-    hosts = {"local": f"  here: {{local: true{thread_key}}}\n"}
-    if "ssh" in transports:
-        from tests.sshd import Sshd, sshd_missing
-
-        missing = sshd_missing()
-        if missing:
-            print(f"SSH rows skipped: {missing}")
-            transports.remove("ssh")
-        else:
-            sshd = Sshd(Path(tempfile.mkdtemp(prefix="ggufpipe-bench-sshd-"))).start()
-            agent = f"{sys.executable} -m ggufpipe_agent"
-            hosts["ssh"] = (
-                f"  gpu: {{address: 127.0.0.1, port: {sshd.port}, user: {sshd.user}, identity: {sshd.client_key}, "
-                f"known_hosts: {sshd.known_hosts}, agent: '{agent}', cache_dir: {os.environ['GGUFPIPE_CACHE_DIR']}"
-                f"{thread_key}}}\n"
-            )
-    host_name = {"local": "here", "ssh": "gpu"}
-    base = baseline(model, prompts, args.repeats)
-    results: dict[str, list[Sample]] = {}
+    hosts = Hosts(ssh=not args.no_ssh)
+    configs = [
+        c
+        for c in CONFIGS
+        if c.transport in hosts.entries and not (args.no_tui and c.view != "headless")
+        and (not args.only or any(word in c.name for word in args.only))
+    ]
+    single = Single(model)
+    ring = RawRing(model, even_splits(30, STAGES))
+    results: dict[str, list[Sample]] = {c.name: [] for c in configs}
+    singles: list[Sample] = []
+    rings: list[Sample] = []
     try:
-        for transport in transports:
-            for stages in stage_counts:
-                for dtype in dtypes:
-                    name = f"{stages} stage{'s' if stages > 1 else ''}, {transport}, {dtype}"
-                    text = inventory_text(model, hosts[transport], host_name[transport], stages, dtype)
-                    print(f"measuring {name} ...", flush=True)
-                    results[name] = await pipeline_samples(text, prompts, args.repeats, log_dir)
-        base += baseline(model, prompts, args.repeats)  # before and after: drift shows in the median
+        for round_ in range(args.repeats):
+            print(f"round {round_ + 1} of {args.repeats}", flush=True)
+            singles.append(single.sample(prompts))
+            rings.append(ring_sample(ring, prompts))
+            for config in configs:
+                inventory = hosts.inventory(config)
+                if config.view == "tui":
+                    sample = await tui_sample(inventory, log_dir)
+                elif config.view == "text":
+                    sample = await text_sample(inventory, log_dir)
+                else:
+                    sample = await pipeline_sample(inventory, prompts, log_dir)
+                results[config.name].append(sample)
+                print(f"  {config.name}: {sample.decode_tps:.1f} tok/s", flush=True)
     finally:
-        if sshd is not None:
-            sshd.stop()
-    report = table(results, base, args.repeats, threads)
+        single.close()
+        ring.close()
+        hosts.close()
+    report = table(results, singles, rings, args.repeats)
     print()
     print(report)
+    if args.no_write:
+        return 0
     docs = REPO / "docs"
-    command = "python benchmarks/bench_pipeline.py" + (
-        f" --repeats {args.repeats}" if args.repeats != 5 else ""
-    )
+    command = "python benchmarks/bench_pipeline.py" + (f" --repeats {args.repeats}" if args.repeats != 5 else "")
     (docs / "bench-pipeline.md").write_text(
         "# Pipeline benchmark\n\n"
         f"Measured {time.strftime('%Y-%m-%d')} with `{command}` ([plot](bench-pipeline.png)).\n\n" + report
     )
-    plot(results, base, docs / "bench-pipeline.png")
+    plot(results, singles, rings, docs / "bench-pipeline.png")
     print(f"written to {docs / 'bench-pipeline.md'} and {docs / 'bench-pipeline.png'}")
     return 0
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0, help="threads per agent (0: all cores)")
-    parser.add_argument("--quick", action="store_true", help="1 and 3 stages, float32 only")
     parser.add_argument("--no-ssh", action="store_true", help="skip the SSH rows")
-    return asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument("--no-tui", action="store_true", help="skip the TUI rows")
+    parser.add_argument("--only", nargs="*", help="only the rows whose name has one of these words")
+    parser.add_argument("--no-write", action="store_true", help="print the table, leave docs/ alone")
+    return aio.run(main_async(parser.parse_args()))
 
 
 if __name__ == "__main__":
