@@ -11,9 +11,15 @@ import numpy as np
 import pytest
 
 from ggufpipe_agent import objects
-from ggufpipe_agent.framing import FrameReader
+from ggufpipe_agent.framing import FrameReader, FrameWriter
 from ggufpipe_agent.protocol import (
     CONTROL_MAGIC,
+    LinkAttach,
+    LinkCredentials,
+    LinkDown,
+    LinkEdge,
+    LinkListen,
+    LinkListening,
     OpenEdge,
     Refused,
     RewireEdge,
@@ -108,6 +114,34 @@ async def test_edge_ids_not_in_the_provision_message(agent, model_path):
     assert record is not None
     header, _ = record
     assert header.sequence == 0 and header.edge_id == message.outbound.edge_id
+
+
+async def test_link_setup_is_the_orchestrators_and_a_link_sets_up_only_consumer_ends(agent, model_path):
+    message = provision(51, str(model_path))
+    await agent.send(message)
+    await agent.expect_state("Preparing")
+    await agent.send(LinkEdge(51, 999, "outbound"))
+    assert "is not this stage's to link" in (await agent.expect(Refused)).reason
+    await agent.send(LinkEdge(51, message.outbound.edge_id, "outbound"))
+    assert "has no link" in (await agent.expect(Refused)).reason
+    # A link from a would-be producer: without the token it is closed unheard.
+    await agent.send(LinkListen(7, "unix", 3, "the-token", LinkCredentials(), 30.0))
+    listening = await agent.expect(LinkListening)
+    path = listening.endpoint.removeprefix("unix:")
+    reader, writer = await asyncio.open_unix_connection(path)
+    await FrameWriter(writer).send(LinkAttach("a-guess"))
+    assert await reader.read() == b"", "closed without an answer"
+    reader, writer = await asyncio.open_unix_connection(path)
+    await FrameWriter(writer).send(LinkAttach("the-token"))
+    assert await FrameReader(reader).message() == LinkAttach("the-token")
+    # The producer may open the consumer's ends only, never make it write back.
+    await FrameWriter(writer).send(OpenEdge(51, message.outbound.edge_id, "outbound"))
+    refused = await agent.expect(Refused)
+    assert refused.what == "OpenEdge" and "is not in the provision message" in refused.reason
+    writer.close()
+    down = await agent.expect(LinkDown)
+    assert down.peer == 3 and "ended" in down.reason
+    await still_answers(agent, model_path)
 
 
 async def test_rewiring_requests_are_refused(agent, model_path):

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from ggufpipe_agent.protocol import ModelFacts
-from ggufpipe_tui.core.inventory import InventoryError, assign_layers, parse_inventory, with_run_options
+from ggufpipe_tui.core.inventory import (
+    InventoryError,
+    assign_layers,
+    parse_inventory,
+    with_data_mode,
+    with_run_options,
+)
 from ggufpipe_tui.core.plan import EdgeEndpoint, PlanError, build_plan, provision_message, validate_plan
 
 FACTS = ModelFacts(
@@ -108,6 +114,18 @@ def test_a_good_inventory():
             "model: {path: m.gguf}\nhosts: {h: {local: true}}\nstages: [{host: h}]\nrun: {temperature: hot}\n",
             ":4: run.temperature: expected a number",
         ),
+        (
+            "model: {path: m.gguf}\nhosts: {h: {local: true}}\nstages: [{host: h}]\nrun: {feedback: pigeon}\n",
+            "run.feedback: must be one of ring, orchestrator",
+        ),
+        (
+            "model: {path: m.gguf}\nhosts: {h: {local: true}}\nstages: [{host: h}]\ndata: fast\n",
+            ":4: data: must be one of auto, direct, relay",
+        ),
+        (
+            "model: {path: m.gguf}\nhosts:\n  h: {local: true, data: tls}\nstages: [{host: h}]\n",
+            ":3: hosts.h.data: must be one of auto, direct, relay",
+        ),
         ("model: [\n", "not valid YAML"),
         ("", ":1: the inventory is empty"),
     ],
@@ -140,6 +158,19 @@ def test_layer_ranges_are_checked_against_the_model(layers, expected):
 def test_automatic_split_is_even():
     text = "model: {path: m.gguf}\nhosts: {h: {local: true}}\nstages: [{host: h}, {host: h}, {host: h}, {host: h}]\n"
     assert assign_layers(parse(text), 30) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+
+
+def test_data_modes_globally_and_per_host():
+    text = GOOD + "data: relay\n"
+    text = text.replace("model_path: /data/m.gguf}", "model_path: /data/m.gguf, data: direct, link_address: 10.1.0.11}")
+    inventory = parse(text)
+    assert inventory.hosts["here"].data == "relay", "the top level applies where a host says nothing"
+    assert inventory.hosts["gpu-a"].data == "direct" and inventory.hosts["gpu-a"].link_address == "10.1.0.11"
+    assert parse(GOOD).hosts["here"].data == "auto" and parse(GOOD).run.feedback == "ring"
+    forced = with_data_mode(inventory, "auto")
+    assert {host.data for host in forced.hosts.values()} == {"auto"}
+    with pytest.raises(InventoryError, match="--data"):
+        with_data_mode(inventory, "sideways")
 
 
 def test_command_line_overrides_are_checked():
@@ -176,6 +207,24 @@ def test_plan_shape():
     message = provision_message(plan, 1)
     assert (message.inbound.edge_id, message.outbound.edge_id) == (1001, 1002)
     assert message.outbound.consumer_node_id == "here" and message.model.max_seq_len == 2048
+
+
+def test_the_token_ring_is_an_edge_of_its_own_between_the_ends():
+    plan = three_stage_plan()
+    ring = plan.ring
+    assert ring is not None and ring.kind == "TokenRing" and ring.edge_id == 1004
+    assert ring.producer == EdgeEndpoint("here", 2) and ring.consumer == EdgeEndpoint("here", 0)
+    first, middle, last = (provision_message(plan, i).ring for i in range(3))
+    assert middle is None
+    assert first is not None and first.consume and not first.produce
+    assert last is not None and last.produce and last.max_tokens == 64 and last.eog_token_ids == (2,)
+    fed = parse(GOOD.replace("run: {", "run: {feedback: orchestrator, "))
+    plan = build_plan(fed, FACTS, assign_layers(fed, 30), run_id=77, edge_base=1000)
+    assert plan.ring is None and provision_message(plan, 1).ring is None
+    with pytest.raises(PlanError, match="token ring"):
+        validate_plan(replace(three_stage_plan(), ring=replace(ring, edge_id=1001)))
+    with pytest.raises(PlanError, match="produced by the last stage"):
+        validate_plan(replace(three_stage_plan(), ring=replace(ring, producer=EdgeEndpoint("gpu-a", 1))))
 
 
 def broken(plan, index, **changes):
