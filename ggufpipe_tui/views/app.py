@@ -31,6 +31,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.message import Message
 from textual.reactive import var
 from textual.widgets import Footer, Input, Static
@@ -44,6 +45,7 @@ from ggufpipe_tui.core.events import (
     PromptAssigned,
     RunFinished,
     RunResult,
+    StageStats,
     TokenStreamed,
 )
 from ggufpipe_tui.core.inventory import Inventory
@@ -57,6 +59,11 @@ WELCOME = "Type a prompt below and press Enter. The stages load while you type."
 #: Tokens are drawn at most this often (30 frames a second): a fast pipeline
 #: must never wait for the screen.
 FRAME_SECONDS = 1 / 30
+#: The stage table and the status line, while tokens stream: a few times a
+#: second (their numbers change with every step; a table costs more to draw
+#: than a line of text, and on a machine with few cores every millisecond
+#: the view spends is taken from the stages).
+PANEL_SECONDS = 1 / 4
 
 #: A script item: the session gave this prompt to run ``run_id``.
 UserPrompt = PromptAssigned
@@ -111,6 +118,7 @@ class GgufpipeApp(App[int]):
         self._pipeline_closes: set[asyncio.Future[None]] = set()
         self._widgets: dict[int, Exchange] = {}
         self._frame_due = False
+        self._panels_at = 0.0
 
     # The view state, read by the header, the tests and whoever drives the app.
     @property
@@ -359,8 +367,8 @@ class GgufpipeApp(App[int]):
             if event.result.outcome == "faulted":
                 self._mark_lost()
         self.prompt_active = self.state.prompt_active
-        if isinstance(event, TokenStreamed):
-            self._draw_soon()
+        if isinstance(event, TokenStreamed | StageStats | AgentLog):
+            self._draw_soon()  # the streams: coalesced into frames
         else:
             self._draw()
 
@@ -369,11 +377,34 @@ class GgufpipeApp(App[int]):
     def _draw_soon(self) -> None:
         if not self._frame_due:
             self._frame_due = True
-            self.set_timer(FRAME_SECONDS, self._draw)
+            self.set_timer(FRAME_SECONDS, self._draw_frame)
+
+    def _draw_frame(self) -> None:
+        """A frame of the streams: new text and log lines at once, the stage
+        table and the status line only every PANEL_SECONDS."""
+        self._frame_due = False
+        with contextlib.suppress(NoMatches):  # the app is going
+            self._draw_text()
+            if time.monotonic() - self._panels_at >= PANEL_SECONDS:
+                self._draw_panels()
 
     def _draw(self) -> None:
-        """Bring the screen up to the view state: one frame."""
-        self._frame_due = False
+        """Bring the whole screen up to the view state now."""
+        self._draw_text()
+        self._draw_panels()
+
+    def _draw_panels(self) -> None:
+        self._panels_at = time.monotonic()
+        for widget in self._widgets.values():
+            if widget.stale:  # a reply line that waits for its layout pass
+                widget.relayout()
+        state = self.state
+        if state.dirty:
+            state.dirty = False
+            self.query_one(StageTable).show(state.rows, state.run_phase == "Running")
+        self._draw_status()
+
+    def _draw_text(self) -> None:
         state = self.state
         log = self.query_one(LogPane)
         while state.log:
@@ -391,10 +422,6 @@ class GgufpipeApp(App[int]):
         if state.touched:
             transcript.follow()
             state.touched.clear()
-        if state.dirty:
-            state.dirty = False
-            self.query_one(StageTable).show(state.rows, state.run_phase == "Running")
-        self._draw_status()
 
     def _title_log(self) -> None:
         only = self.query_one(LogPane).only
@@ -404,8 +431,12 @@ class GgufpipeApp(App[int]):
     def _tick(self) -> None:
         if self.pipeline is not None:
             self.state.queued = self.pipeline.queue.queued
-        if self.state.run_phase == "Running" or self.state.session_phase in ("Connecting", "Closing"):
-            self._draw_status()
+        busy = self.state.run_phase == "Running" or self.state.session_phase in ("Connecting", "Closing")
+        # While tokens stream the frames draw the panels too: one screen
+        # update, not two (each costs milliseconds of compositing).
+        if busy and time.monotonic() - self._panels_at >= PANEL_SECONDS:
+            with contextlib.suppress(NoMatches):  # the app is going
+                self._draw_panels()
 
     def _draw_status(self) -> None:
         state = self.state

@@ -8,11 +8,14 @@ the orchestrator.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rich.console import Group, RenderableType
+from rich.segment import SegmentLines
 from rich.table import Table
 from rich.text import Text
 from textual.containers import Vertical, VerticalScroll
@@ -39,10 +42,34 @@ def bar(fraction: float, width: int, style: str = "yellow") -> Text:
     return text
 
 
+class DrawnOnce(Static):
+    """A Static whose Rich renderable is drawn into segments once per width
+    and content: Textual draws every widget again on each layout pass (a
+    reply growing a line is one), and a table costs milliseconds to lay out.
+    Subclasses give :meth:`content_key` (what they show) and :meth:`draw`."""
+
+    _drawn: tuple[object, SegmentLines] | None = None
+
+    def content_key(self) -> object:
+        raise NotImplementedError
+
+    def draw(self) -> RenderableType:
+        raise NotImplementedError
+
+    def render(self) -> RenderableType:
+        width = self.content_region.width or self.size.width
+        key = (width, self.content_key())
+        if self._drawn is None or self._drawn[0] != key:
+            console = self.app.console
+            options = console.options.update_width(max(1, width))
+            self._drawn = (key, SegmentLines(console.render_lines(self.draw(), options, pad=False), True))
+        return self._drawn[1]
+
+
 # ----------------------------------------------------------------- stages
 
 
-class StageTable(Static):
+class StageTable(DrawnOnce):
     """One row per stage: where it runs, its layers, its FSM state and numbers."""
 
     DEFAULT_CSS = "StageTable { height: auto; }"
@@ -51,12 +78,25 @@ class StageTable(Static):
         super().__init__(id=id)
         self.rows = rows
         self.running = False
+        self._shape: tuple[object, ...] = ()
 
     def show(self, rows: list[StageRow], running: bool) -> None:
+        """Draw ``rows``. A layout pass (the whole screen) only when the table's
+        height can change: new numbers and the spinner repaint the table alone."""
+        shape = tuple((row.state, row.fault, row.connected, row.load_fraction is None) for row in rows)
+        layout, self._shape = shape != self._shape, shape
         self.rows, self.running = rows, running
-        self.refresh(layout=True)
+        self.refresh(layout=layout)
 
-    def render(self) -> RenderableType:
+    def content_key(self) -> object:
+        rows = tuple(
+            (r.index, r.host, r.where, r.layers, r.estimated_bytes, r.device, r.state)
+            + (r.connected, r.fault, r.load_detail, r.load_fraction, r.counters, r.activity)
+            for r in self.rows
+        )
+        return self.running, rows
+
+    def draw(self) -> RenderableType:
         compact = self.size.width < 110
         # Narrow: fill the width. Wide: as wide as the content, so the numbers
         # stay next to the state instead of at the far edge of a big screen.
@@ -147,7 +187,7 @@ class StatusView:
     fault: str = ""
 
 
-class StatusBar(Static):
+class StatusBar(DrawnOnce):
     DEFAULT_CSS = "StatusBar { height: auto; }"
 
     def __init__(self, id: str | None = None) -> None:
@@ -155,10 +195,18 @@ class StatusBar(Static):
         self.view = StatusView()
 
     def show(self, view: StatusView) -> None:
+        """Draw ``view`` if it changed; a layout pass only when the fault line
+        comes or goes (the bar's height)."""
+        if view == self.view:
+            return
+        layout = bool(view.fault) != bool(self.view.fault)
         self.view = view
-        self.refresh(layout=True)
+        self.refresh(layout=layout)
 
-    def render(self) -> RenderableType:
+    def content_key(self) -> object:
+        return dataclasses.astuple(self.view)
+
+    def draw(self) -> RenderableType:
         view = self.view
         top = Text(no_wrap=True, overflow="ellipsis")
         top.append(f" {view.phase} ", style=PHASE_STYLES.get(view.phase, "reverse"))
@@ -192,9 +240,18 @@ class StatusBar(Static):
 # ------------------------------------------------------------- transcript
 
 
+#: A reply's growing tail asks for a layout pass at most this often.
+LAYOUT_SECONDS = 1 / 5
+#: A reply's live tail is frozen (drawn once, never again) at its last line
+#: break once it is this long: each frame re-wraps the tail only, so a long
+#: reply costs no more per frame than a short one.
+FREEZE_CHARS = 1000
+
+
 class Exchange(Vertical):
     """One prompt, its streamed reply and how the run ended: a view of an
-    :class:`~ggufpipe_tui.views.viewstate.ExchangeView`."""
+    :class:`~ggufpipe_tui.views.viewstate.ExchangeView`. The reply is frozen
+    blocks of whole lines and one live tail that new text is appended to."""
 
     DEFAULT_CSS = """
     Exchange { height: auto; margin-bottom: 1; }
@@ -206,6 +263,10 @@ class Exchange(Vertical):
         self.view = view
         self._run_id = view.run_id
         self._shown_parts = 0
+        self._tail = ""
+        self._tail_lines = (0, 0)  # (width, wrapped lines) the tail was last laid out with
+        self._laid_out = 0.0
+        self.stale = False  # the tail grew a line it has no room for yet
         self._prompt = Static(self._prompt_text(), classes="prompt")
         self._reply = Static(Text("waiting for the first token…", style="grey50 italic"), classes="reply")
         self._summary = Static("", classes="summary")
@@ -239,6 +300,29 @@ class Exchange(Vertical):
     def text(self) -> str:
         return self.view.text
 
+    def _show_tail(self) -> None:
+        """The live tail. A layout pass (the whole screen, every widget drawn
+        again) only when its wrapped height changed, and at most every
+        LAYOUT_SECONDS: meanwhile a new line waits below the tail's old
+        height (:meth:`relayout` shows it); text that fills a line repaints
+        this one widget at once."""
+        text = Text(self._tail)
+        width = self._reply.content_region.width
+        lines = (width, len(text.wrap(self.app.console, width))) if width > 0 else (0, 0)
+        grew = lines != self._tail_lines or not width
+        now = time.monotonic()
+        layout = grew and now - self._laid_out >= LAYOUT_SECONDS
+        self._reply.update(text, layout=layout)
+        if layout:
+            self._laid_out, self._tail_lines = now, lines
+        self.stale = grew and not layout
+
+    def relayout(self) -> None:
+        """Give the tail its new height now (a line waited for it)."""
+        if self.stale:
+            self._laid_out = 0.0
+            self._show_tail()
+
     def _prompt_text(self) -> Text:
         text = Text("› ", style="bold dodger_blue1")
         text.append(self.view.prompt, style="bold")
@@ -254,8 +338,13 @@ class Exchange(Vertical):
             self._run_id = view.run_id
             self._prompt.update(self._prompt_text())
         if len(view.parts) != self._shown_parts:
+            self._tail += "".join(view.parts[self._shown_parts :])
             self._shown_parts = len(view.parts)
-            self._reply.update(Text(view.text))
+            if len(self._tail) > FREEZE_CHARS and "\n" in self._tail:
+                block, _, self._tail = self._tail.rpartition("\n")
+                self.mount(Static(Text(block), classes="reply"), before=self._reply)
+                self._tail_lines = (0, 0)
+            self._show_tail()
         if view.finished:
             if not view.parts:
                 self._reply.update(Text("(no output)", style="grey50 italic"))
