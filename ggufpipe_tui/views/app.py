@@ -1,7 +1,9 @@
 """``ggufpipe-tui INVENTORY``: the terminal UI.
 
-The app is a view of one :class:`~ggufpipe_tui.session.pipeline.Pipeline`:
-the pipeline's events arrive as Textual messages, :class:`ViewState` (a
+The app is a view of one :class:`~ggufpipe_tui.session.pipeline.Pipeline`,
+run on an event loop of its own thread (:mod:`ggufpipe_tui.views.threaded`:
+objects relayed through the orchestrator never wait for a frame being
+drawn): the pipeline's events arrive as Textual messages, :class:`ViewState` (a
 reducer, no widgets) turns them into what the screen shows, and the app draws
 that: the status line, the stage table, the streamed replies, the log. Tokens
 are drawn at most :data:`FRAME_SECONDS` apart, however fast they come; every
@@ -49,12 +51,12 @@ from ggufpipe_tui.core.events import (
     TokenStreamed,
 )
 from ggufpipe_tui.core.inventory import Inventory
-from ggufpipe_tui.session.pipeline import Pipeline
-from ggufpipe_tui.session.runs import Prompt, RunHandle
+from ggufpipe_tui.session.runs import Prompt
+from ggufpipe_tui.views.threaded import AppHandle, AppPipeline, ThreadedPipeline
 from ggufpipe_tui.views.viewstate import ExchangeView, StageRow, ViewState
 from ggufpipe_tui.views.widgets import Exchange, LogPane, StageTable, StatusBar, StatusView, Transcript
 
-PipelineFactory = Callable[..., Pipeline]
+PipelineFactory = Callable[..., AppPipeline]
 WELCOME = "Type a prompt below and press Enter. The stages load while you type."
 #: Tokens are drawn at most this often (30 frames a second): a fast pipeline
 #: must never wait for the screen.
@@ -100,7 +102,7 @@ class GgufpipeApp(App[int]):
         inventory: Inventory,
         log_dir: Any = None,
         *,
-        pipeline_factory: PipelineFactory = Pipeline,
+        pipeline_factory: PipelineFactory = ThreadedPipeline,
         script: Sequence[ScriptItem] | None = None,
     ) -> None:
         super().__init__()
@@ -110,9 +112,9 @@ class GgufpipeApp(App[int]):
         self.script = list(script) if script is not None else None
         self._script_now = 0.0
         self.state = ViewState(inventory)
-        self.pipeline: Pipeline | None = None
-        self.active: RunHandle | None = None  # the handle of the run the prompt went to
-        self.handles: dict[int, tuple[RunHandle, ExchangeView]] = {}  # submitted, not started
+        self.pipeline: AppPipeline | None = None
+        self.active: AppHandle | None = None  # the handle of the run the prompt went to
+        self.handles: dict[int, tuple[AppHandle, ExchangeView]] = {}  # submitted, not started
         self.unrun: list[ExchangeView] = []  # prompts for the next session
         self.quitting = False
         self._pipeline_closes: set[asyncio.Future[None]] = set()
@@ -238,7 +240,7 @@ class GgufpipeApp(App[int]):
             return
         self._end_session(session, await pipeline.wait_stopped() or "the run ended unexpectedly")
 
-    def _submit(self, pipeline: Pipeline, view: ExchangeView) -> None:
+    def _submit(self, pipeline: AppPipeline, view: ExchangeView) -> None:
         handle = pipeline.submit(Prompt(text=view.prompt, submitted=view.submitted))
         self.handles[handle.ticket] = (handle, view)
         self.state.tickets[handle.ticket] = view

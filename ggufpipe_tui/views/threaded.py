@@ -1,0 +1,169 @@
+"""The TUI's pipeline on an event loop of its own, in a second thread.
+
+The app composes its frames on its event loop; a frame takes milliseconds.
+On direct links and the token ring nothing of a token's path runs in the
+orchestrator, but a pair of stages relayed through it (hosts that cannot
+reach each other) has each of its objects cross the orchestrator's loop: in
+the app's loop, every object that arrives while a frame is drawn waits for
+the frame. :class:`ThreadedPipeline` runs the
+:class:`~ggufpipe_tui.session.pipeline.Pipeline` (agents, data plane, runs)
+on a loop of its own (uvloop when installed) and gives the app the part of
+its API the app uses: ``submit`` returns a handle at once, the app's calls
+run on the pipeline's loop, the events come back on the app's loop.
+
+Both threads share the interpreter lock, so the switch interval is made
+short (:data:`SWITCH_SECONDS`): an object that arrives while the app draws
+gets the pipeline thread running within half a millisecond, not five.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import sys
+import threading
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
+
+from ggufpipe_tui.core.events import Emit, Event
+from ggufpipe_tui.core.inventory import Inventory
+from ggufpipe_tui.session.pipeline import Pipeline
+from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
+from ggufpipe_tui.transports.link import AgentLink
+
+T = TypeVar("T")
+
+#: The interpreter's thread switch interval while a threaded pipeline runs.
+SWITCH_SECONDS = 0.0005
+#: How long the app waits for a call the pipeline's loop answers at once.
+CALL_SECONDS = 10.0
+
+
+class AppHandle(Protocol):
+    """What the app holds of a submitted prompt (a RunHandle, or its proxy)."""
+
+    @property
+    def ticket(self) -> int: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    def stop(self, reason: str = "stopped by the user") -> None: ...
+
+
+class AppPipeline(Protocol):
+    """What the app uses of its session (a Pipeline, or a ThreadedPipeline)."""
+
+    @property
+    def queue(self) -> RunQueue: ...
+
+    @property
+    def links(self) -> list[AgentLink]: ...
+
+    async def start(self) -> None: ...
+
+    async def wait_stopped(self) -> str: ...
+
+    async def close(self) -> None: ...
+
+    def submit(self, prompt: Prompt, stream: bool = False) -> AppHandle: ...
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class ThreadedHandle:
+    """A :class:`~ggufpipe_tui.session.runs.RunHandle` seen from the app's thread."""
+
+    def __init__(self, handle: RunHandle, loop: asyncio.AbstractEventLoop) -> None:
+        self._handle = handle
+        self._loop = loop
+        self.ticket = handle.ticket
+        self.prompt = handle.prompt
+
+    @property
+    def done(self) -> bool:
+        return self._handle.done
+
+    @property
+    def run_id(self) -> int | None:
+        return self._handle.run_id
+
+    def stop(self, reason: str = "stopped by the user") -> None:
+        self._loop.call_soon_threadsafe(self._handle.stop, reason)
+
+
+class ThreadedPipeline:
+    """A Pipeline on its own thread's event loop, with the app's view of it.
+    Same constructor as :class:`Pipeline` (a ``pipeline_factory`` of the app)."""
+
+    def __init__(self, inventory: Inventory, emit: Emit | None = None, log_dir: Any = None, **options: Any):
+        self.inventory = inventory
+        self._app_loop = asyncio.get_running_loop()
+        self._emit = emit
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ggufpipe-pipeline", daemon=True)
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_SECONDS)
+        self._thread.start()
+        self._closed = False
+
+        async def make() -> Pipeline:
+            return Pipeline(inventory, self._post, log_dir=log_dir, **options)
+
+        self.pipeline: Pipeline = self._wait(make())
+
+    def _post(self, event: Event) -> None:
+        """A pipeline event, on the pipeline's thread: to the app's loop."""
+        if self._emit is not None and not self._app_loop.is_closed():
+            self._app_loop.call_soon_threadsafe(self._emit, event)
+
+    def _wait(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` on the pipeline's loop and wait for it here (short calls only)."""
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result(CALL_SECONDS)
+
+    async def _call(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` on the pipeline's loop; the app's loop goes on meanwhile."""
+        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(work, self._loop)
+        return await asyncio.wrap_future(future)
+
+    # ---------------------------------------------------- what the app uses
+
+    @property
+    def queue(self) -> RunQueue:
+        return self.pipeline.queue  # read only: its counters are plain attributes
+
+    @property
+    def links(self) -> list[AgentLink]:
+        return self.pipeline.links
+
+    async def start(self) -> None:
+        await self._call(self.pipeline.start())
+
+    async def wait_stopped(self) -> str:
+        return await self._call(self.pipeline.wait_stopped())
+
+    def submit(self, prompt: Prompt, stream: bool = False) -> ThreadedHandle:
+        async def submit() -> RunHandle:
+            return self.pipeline.submit(prompt, stream)
+
+        return ThreadedHandle(self._wait(submit()), self._loop)
+
+    async def close(self) -> None:
+        """Close the pipeline (every agent ends), then its loop and thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._call(self.pipeline.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+            if not self._loop.is_running():
+                self._loop.close()
+            sys.setswitchinterval(self._switch)
