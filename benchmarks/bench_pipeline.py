@@ -1,6 +1,6 @@
 """Pipeline benchmark: ggufpipe against its two ceilings, in one run.
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--repeats 5] [--no-ssh] [--no-tui]
+    .venv/bin/python benchmarks/bench_pipeline.py [--repeats 5] [--no-ssh] [--only WORD ...]
 
 References, measured in every round beside the pipelines:
   * llama.cpp itself: the whole model in one context in this process, every
@@ -14,18 +14,17 @@ links with the token ring (the default), the relay with the ring, direct links
 with the orchestrator feeding tokens back, and the spec's relay and
 orchestrator loop; locally, over SSH on loopback (one host: Unix links; three
 hosts: mutual TLS links; the relay's data channels through exec bridges or,
-on a second sshd that allows it, stream-local forwarding); and the terminal
-UI (Textual's run_test, a real reply rendered at 30 frames a second) beside
-headless on the same inventory.
+on a second sshd that allows it, stream-local forwarding). The terminal UI
+against headless is benchmarks/bench_tui.py.
 
 For each: prefill of a 512-token prompt, time to first token (a warm
 pipeline), decode tokens/s over 128 tokens (EOS ignored), the ratio to one
 process and to the raw ring, the per-token overhead against the raw ring and
 per link (three links per token: 0->1, 1->2 and the token back to stage 0),
-and the stages' own mean step times. Rounds interleave every configuration
-(each started afresh, loading not measured), so the machine's noise hits
-them alike; medians of --repeats rounds, and the spread (slowest to fastest
-decode of a configuration) says how noisy the run was.
+and the stages' own mean step times. Every pipeline is started (and warmed
+up) once; then each round samples every configuration in turn, so the
+machine's noise hits them alike; medians of --repeats rounds, and the spread
+(slowest to fastest decode of a configuration) says how noisy the run was.
 
 Writes docs/bench-pipeline.md and docs/bench-pipeline.png.
 """
@@ -33,7 +32,6 @@ Writes docs/bench-pipeline.md and docs/bench-pipeline.png.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import os
 import platform
@@ -41,7 +39,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +62,6 @@ DECODE = 128
 PROMPTS = (128, 512)
 STAGES = 3
 LINKS = 3  # per token: 0 -> 1, 1 -> 2, and the token back to stage 0
-TUI_PROMPT = "Count slowly from one to one thousand, one number per line."
 
 
 @dataclasses.dataclass
@@ -82,7 +78,6 @@ class Config:
     transport: str  # "local", "ssh" (one host), "ssh-hosts" (three), "ssh-forwarding"
     data: str
     feedback: str
-    view: str = "headless"  # or "tui"
 
 
 CONFIGS = [
@@ -95,10 +90,6 @@ CONFIGS = [
     Config("ssh, relay via exec bridges, ring", "ssh", "relay", "ring"),
     Config("ssh, relay via exec bridges, orchestrator-fed", "ssh", "relay", "orchestrator"),
     Config("ssh, relay via stream-local, orchestrator-fed", "ssh-forwarding", "relay", "orchestrator"),
-    Config("TUI, local, direct, ring", "local", "direct", "ring", "tui"),
-    Config("headless (same prompt), local, direct, ring", "local", "direct", "ring", "text"),
-    Config("TUI, local, relay, orchestrator-fed", "local", "relay", "orchestrator", "tui"),
-    Config("headless (same prompt), local, relay, orchestrator-fed", "local", "relay", "orchestrator", "text"),
 ]
 
 
@@ -202,70 +193,28 @@ class Hosts:
             server.stop()
 
 
-async def pipeline_sample(inventory: Inventory, prompts: dict[int, list[int]], log_dir: str) -> Sample:
+async def start_pipeline(inventory: Inventory, prompts: dict[int, list[int]], log_dir: str) -> Pipeline:
     pipeline = Pipeline(inventory, lambda event: None, log_dir=log_dir)
     try:
         await pipeline.start()
         pipeline.inventory = with_run_options(inventory, max_tokens=4)
         await pipeline.generate_tokens(prompts[128][:32])  # warm-up: loads every stage
-        pipeline.inventory = with_run_options(inventory, max_tokens=1)
-        result = await pipeline.generate_tokens(prompts[512])
-        assert result.ok, result.failure
-        prefill = result.timings.prefill_ms
-        pipeline.inventory = with_run_options(inventory, max_tokens=DECODE + 1)
-        result = await pipeline.generate_tokens(prompts[128])
-        assert result.ok and len(result.tokens) == DECODE + 1, result.failure
-        t = result.timings
-        return Sample(prefill, t.decode_tokens_per_s, t.ttft_ms, t.stage_mean_step_ms)
-    finally:
+    except BaseException:
         await pipeline.close()
+        raise
+    return pipeline
 
 
-async def text_sample(inventory: Inventory, log_dir: str) -> Sample:
-    """Headless with the TUI's prompt (through the chat template), for the TUI's comparison."""
-    pipeline = Pipeline(inventory, lambda event: None, log_dir=log_dir)
-    try:
-        await pipeline.start()
-        pipeline.inventory = with_run_options(inventory, max_tokens=4)
-        await pipeline.generate(TUI_PROMPT, chat=True)
-        pipeline.inventory = with_run_options(inventory, max_tokens=DECODE + 1)
-        result = await pipeline.generate(TUI_PROMPT, chat=True)
-        assert result.ok, result.failure
-        t = result.timings
-        return Sample(0.0, t.decode_tokens_per_s, t.ttft_ms, t.stage_mean_step_ms)
-    finally:
-        await pipeline.close()
-
-
-async def tui_sample(inventory: Inventory, log_dir: str) -> Sample:
-    """The terminal UI in Textual's run_test (a real screen of 120x40 cells,
-    composed and rendered, not written to a terminal), typing the prompt."""
-    from ggufpipe_tui.views.app import GgufpipeApp
-
-    inventory = with_run_options(inventory, max_tokens=DECODE + 1, chat=True)
-    app = GgufpipeApp(inventory, log_dir=log_dir)
-
-    async def until(condition: Callable[[], bool], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the TUI did not get there (fault: {app.fault})")
-            await asyncio.sleep(0.05)
-
-    def ready() -> bool:
-        return app.run_phase == "WaitingReady" and all(row.state == "Ready" for row in app.rows)
-
-    async with app.run_test(size=(120, 40)) as pilot:
-        for runs in (1, 2):  # a warm-up run, then the measured one
-            await until(ready, 300)
-            await pilot.press(*TUI_PROMPT, "enter")
-            await until(lambda runs=runs: len(app.results) == runs, 300)
-        result = app.results[1]
-        await pilot.press("ctrl+q")
-        await until(lambda: app.return_code is not None, 60)
+async def pipeline_sample(pipeline: Pipeline, inventory: Inventory, prompts: dict[int, list[int]]) -> Sample:
+    pipeline.inventory = with_run_options(inventory, max_tokens=1)
+    result = await pipeline.generate_tokens(prompts[512])
     assert result.ok, result.failure
+    prefill = result.timings.prefill_ms
+    pipeline.inventory = with_run_options(inventory, max_tokens=DECODE + 1)
+    result = await pipeline.generate_tokens(prompts[128])
+    assert result.ok and len(result.tokens) == DECODE + 1, result.failure
     t = result.timings
-    return Sample(0.0, t.decode_tokens_per_s, t.ttft_ms, t.stage_mean_step_ms)
+    return Sample(prefill, t.decode_tokens_per_s, t.ttft_ms, t.stage_mean_step_ms)
 
 
 # ------------------------------------------------------------------- output
@@ -309,14 +258,12 @@ def table(results: dict[str, list[Sample]], single: list[Sample], ring: list[Sam
     header = (
         f"SmolLM2-135M-Instruct Q4_1 (30 blocks, hidden 576), {STAGES} stages split evenly, float32 "
         f"activations, context {CONTEXT}, ubatch {UBATCH}, {DECODE} decode tokens with EOS ignored, median "
-        f"of {repeats} rounds that interleave every row (each pipeline started afresh per round, loading "
-        f"not measured), {os.cpu_count()} cores ({platform.machine()}), llama-cpp-python "
+        f"of {repeats} rounds that interleave every row (every pipeline started and warmed up once), "
+        f"{os.cpu_count()} cores ({platform.machine()}), llama-cpp-python "
         f"{llama_cpp.__version__}, agents on every core each. Load average at the end "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min): others use this machine too; the "
         "spread column (slowest to fastest round) says how much that moved a row. Overhead vs ring = "
-        "pipeline ms/token - raw ring ms/token; per link = that over the 3 links a token crosses. The TUI "
-        "rows type a chat prompt into the app (Textual run_test, 120x40); the headless rows beside them "
-        "run the same prompt."
+        "pipeline ms/token - raw ring ms/token; per link = that over the 3 links a token crosses."
     )
     return header + "\n\n" + "\n".join(lines) + "\n"
 
@@ -352,32 +299,30 @@ async def main_async(args: argparse.Namespace) -> int:
     os.environ.setdefault("GGUFPIPE_CACHE_DIR", os.path.join(log_dir, "stages"))
     hosts = Hosts(ssh=not args.no_ssh)
     configs = [
-        c
-        for c in CONFIGS
-        if c.transport in hosts.entries and not (args.no_tui and c.view != "headless")
-        and (not args.only or any(word in c.name for word in args.only))
+        c for c in CONFIGS if c.transport in hosts.entries and (not args.only or any(w in c.name for w in args.only))
     ]
     single = Single(model)
     ring = RawRing(model, even_splits(30, STAGES))
     results: dict[str, list[Sample]] = {c.name: [] for c in configs}
     singles: list[Sample] = []
     rings: list[Sample] = []
+    pipelines: dict[str, Pipeline] = {}
     try:
+        for config in configs:
+            print(f"starting {config.name} ...", flush=True)
+            pipelines[config.name] = await start_pipeline(hosts.inventory(config), prompts, log_dir)
         for round_ in range(args.repeats):
             print(f"round {round_ + 1} of {args.repeats}", flush=True)
             singles.append(single.sample(prompts))
             rings.append(ring_sample(ring, prompts))
+            print(f"  one process: {singles[-1].decode_tps:.1f} tok/s, raw ring: {rings[-1].decode_tps:.1f}")
             for config in configs:
-                inventory = hosts.inventory(config)
-                if config.view == "tui":
-                    sample = await tui_sample(inventory, log_dir)
-                elif config.view == "text":
-                    sample = await text_sample(inventory, log_dir)
-                else:
-                    sample = await pipeline_sample(inventory, prompts, log_dir)
+                sample = await pipeline_sample(pipelines[config.name], hosts.inventory(config), prompts)
                 results[config.name].append(sample)
                 print(f"  {config.name}: {sample.decode_tps:.1f} tok/s", flush=True)
     finally:
+        for pipeline in pipelines.values():
+            await pipeline.close()
         single.close()
         ring.close()
         hosts.close()
@@ -388,6 +333,7 @@ async def main_async(args: argparse.Namespace) -> int:
         return 0
     docs = REPO / "docs"
     command = "python benchmarks/bench_pipeline.py" + (f" --repeats {args.repeats}" if args.repeats != 5 else "")
+    command += " --no-ssh" * args.no_ssh + (" --only " + " ".join(args.only) if args.only else "")
     (docs / "bench-pipeline.md").write_text(
         "# Pipeline benchmark\n\n"
         f"Measured {time.strftime('%Y-%m-%d')} with `{command}` ([plot](bench-pipeline.png)).\n\n" + report
@@ -401,7 +347,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-ssh", action="store_true", help="skip the SSH rows")
-    parser.add_argument("--no-tui", action="store_true", help="skip the TUI rows")
     parser.add_argument("--only", nargs="*", help="only the rows whose name has one of these words")
     parser.add_argument("--no-write", action="store_true", help="print the table, leave docs/ alone")
     return aio.run(main_async(parser.parse_args()))
