@@ -25,6 +25,7 @@ import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -128,7 +129,25 @@ class RawRing:
         context = multiprocessing.get_context("spawn")
         self.where = tempfile.mkdtemp(prefix="ggufpipe-raw-ring-")
         self.controls: list[Connection] = []
-        self.processes = []
+        self.processes: list[Any] = []
+        # A spawned child imports the parent's main module before _stage runs;
+        # when that module imports llama_cpp (bench_pipeline does), libgomp
+        # reads GOMP_SPINCOUNT at that import, so the children must inherit it.
+        spin = os.environ.get("GOMP_SPINCOUNT")
+        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+        try:
+            self._spawn(context, model, splits, threads)
+        finally:
+            if spin is None:
+                del os.environ["GOMP_SPINCOUNT"]
+        for control in self.controls:
+            assert control.recv() == "listening"
+        for control in self.controls:
+            control.send("connect")
+        for control in self.controls:
+            assert control.recv() == "ready"
+
+    def _spawn(self, context: Any, model: Path, splits: list[tuple[int, int]], threads: int) -> None:
         for index, split in enumerate(splits):
             ours, theirs = context.Pipe()
             process = context.Process(
@@ -139,12 +158,6 @@ class RawRing:
             process.start()
             self.controls.append(ours)
             self.processes.append(process)
-        for control in self.controls:
-            assert control.recv() == "listening"
-        for control in self.controls:
-            control.send("connect")
-        for control in self.controls:
-            assert control.recv() == "ready"
 
     def generate(self, prompt: list[int], tokens: int) -> tuple[list[int], float]:
         """``tokens`` + 1 greedy tokens; returns them and the decode tokens/s."""
