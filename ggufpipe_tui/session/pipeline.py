@@ -62,7 +62,8 @@ from ggufpipe_tui.core.events import (
     Timings,
     TokenStreamed,
 )
-from ggufpipe_tui.core.inventory import HostSpec, Inventory, assign_layers
+from ggufpipe_tui.core.inventory import HostSpec, Inventory
+from ggufpipe_tui.core.placement import place_stages
 from ggufpipe_tui.core.plan import (
     PlanError,
     RunPlan,
@@ -245,7 +246,9 @@ class Pipeline:
         facts = reply.facts
         where = f"{facts.path} on {link.host.name}"
         check_architecture(facts.architecture, where)
-        self.ranges = assign_layers(self.inventory, facts.block_count)
+        # Ranges and memory from what each host has; refuses a plan that does not fit.
+        self.placement = place_stages(self.inventory, facts, [link.hello for link in self.links])
+        self.ranges = list(self.placement.ranges)
         check_plan(facts, self.ranges, where)
         self.facts, self.pieces = facts, reply.pieces
         self.emit(ModelInspected(facts))
