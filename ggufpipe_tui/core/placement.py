@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.memory import (
+    GIB,
     MIB,
     MemoryFacts,
     StageMemory,
@@ -397,6 +398,13 @@ def _most_layers(
     return best
 
 
+def _round_up(count: int) -> str:
+    """A size to write in the inventory, rounded up to 64 MiB."""
+    step = 64 * MIB
+    rounded = -(-count // step) * step
+    return f"{rounded // GIB}GiB" if rounded % GIB == 0 else f"{rounded // MIB}MiB"
+
+
 def refusal(
     inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None], placement: Placement
 ) -> str:
@@ -458,6 +466,22 @@ def refusal(
                 f"more hosts or memory: the plan needs {format_size(int(total))}, "
                 f"the hosts have {format_size(room)} for it"
             )
-    if not advice:
-        advice.append("more memory there, or fewer stages on that host")
-    return "the plan does not fit in memory: " + "; ".join(lines) + ". What would fit: " + ", or ".join(advice) + "."
+    for pool in placement.pools:
+        if pool.fits:
+            continue
+        wanted = int(pool.needed * (1 + MARGIN))
+        if pool.place == RAM and pool.cap:
+            advice.append(
+                f"memory: {_round_up(wanted)} or more on {pool.host} (it has {format_size(pool.free)} free)"
+            )
+        else:
+            reserve = RAM_RESERVE if pool.place == RAM else GPU_RESERVE
+            what = "RAM" if pool.place == RAM else pool.place
+            advice.append(f"{format_size(wanted + reserve - pool.free)} more free {what} on {pool.host}")
+    return (
+        "the plan does not fit in memory: "
+        + "; ".join(lines)
+        + ". What would fit: "
+        + ", or ".join(advice)
+        + "."
+    )

@@ -22,6 +22,7 @@ from textual.widget import Widget
 from textual.widgets import RichLog, Static
 
 from ggufpipe_agent.protocol import StepCounters
+from ggufpipe_tui.core.placement import MARGIN
 
 STAGE_STYLES = {
     "Unprovisioned": "grey58",
@@ -92,7 +93,8 @@ class StageRow:
     host: str
     where: str = ""
     layers: tuple[int, int] | None = None
-    estimated_bytes: int = 0
+    estimated_bytes: int = 0  # what the stage needs where its layers go (the plan's estimate)
+    available_bytes: int = 0  # what the plan may use there, shared by the host's stages; 0: unknown
     device: str = ""
     state: str = "Unprovisioned"
     connected: bool = False
@@ -102,6 +104,21 @@ class StageRow:
     counters: StepCounters | None = None
     activity: int = 0  # StageStats received while the run is running
     history: list[str] = field(default_factory=list)  # every state it passed through
+
+
+def memory_cell(row: StageRow, compact: bool) -> Text:
+    """Needed / available, red when the need (with the plan's margin) is over;
+    ``~needed`` while what the host has is unknown."""
+    if not row.estimated_bytes:
+        return Text("?", style="grey50")
+    need = format_bytes(row.estimated_bytes, compact)
+    if not row.available_bytes:
+        return Text(f"~{need}")
+    over = row.estimated_bytes * (1 + MARGIN) > row.available_bytes
+    text = Text(need, style="bold red" if over else "")
+    text.append("/" if compact else " / ", style="grey50")
+    text.append(format_bytes(row.available_bytes, compact), style="grey70")
+    return text
 
 
 class StageTable(Static):
@@ -128,7 +145,7 @@ class StageTable(Static):
         if not compact:
             table.add_column("device", no_wrap=True, overflow="ellipsis", max_width=28)
         table.add_column("layers", no_wrap=True)
-        table.add_column("mem" if compact else "est. mem", justify="right", no_wrap=True)
+        table.add_column("mem" if compact else "mem need / has", justify="right", no_wrap=True)
         table.add_column("state", no_wrap=True)
         if compact:
             table.add_column("", ratio=1, min_width=10)  # load bar, activity or fault
@@ -147,7 +164,7 @@ class StageTable(Static):
     def _cells(self, row: StageRow, compact: bool) -> list[RenderableType]:
         host = row.host if compact or not row.where or row.where == row.host else f"{row.host} ({row.where})"
         layers = f"[{row.layers[0]},{row.layers[1]})" if row.layers else "auto"
-        mem = f"~{format_bytes(row.estimated_bytes, compact)}" if row.estimated_bytes else "?"
+        mem = memory_cell(row, compact)
         state = Text(row.state, style=STAGE_STYLES.get(row.state, ""))
         cells: list[RenderableType] = [str(row.index), host]
         if not compact:
