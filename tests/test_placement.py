@@ -190,9 +190,10 @@ def test_given_ranges_that_do_not_fit_are_refused_with_what_would():
     assert message.startswith(
         "the plan does not fit in memory: stage 0 on a (local), layers [0, 15), needs 2.43 GiB of RAM "
         "(weights 1.66 GiB, KV cache 240 MiB, compute 70 MiB, outputs 250 MiB, agent 224 MiB); "
-        "a (local) has 2.00 GiB of RAM for the plan (memory: 2.00 GiB in the inventory); "
-        "the stage needs 2.55 GiB with the 5% margin. "
+        "2.55 GiB with the 5% margin, and a has 2.00 GiB there for the plan (memory: 2.00 GiB in the "
+        "inventory). What would fit: "
     )
+    assert "memory: 2624MiB or more on a (it has 64.0 GiB free)" in message
     assert "at most 10 layers on stage 0 ([0, 10) instead of [0, 15))" in message
     assert "a context of 256 tokens (--context 256; now 4096)" in message
     assert "stage 1" not in message.split("What would fit")[0]  # b fits
@@ -275,3 +276,9 @@ def test_build_plan_carries_the_placement_figures():
     for stage, placed in zip(plan.stages, placement.stages, strict=True):
         assert (stage.estimated_bytes, stage.available_bytes) == (placed.needed, placed.available)
         assert stage.memory == placed.memory
+
+
+def test_the_worked_example_in_the_docs_is_what_its_script_prints():
+    from benchmarks.plan_70b import BEGIN, DOC, END, example
+
+    assert DOC.read_text().split(BEGIN)[1].split(END)[0] == example(), "run benchmarks/plan_70b.py --docs"

@@ -85,7 +85,7 @@ def test_a_plan_that_does_not_fit_is_refused_before_anything_loads(tmp_path, mod
     assert last.startswith(
         "ggufpipe: error: the plan does not fit in memory: stage 0 on a (local), layers [0, 20)"
     )
-    assert "of RAM" in last and "a (local) has 500 MiB of RAM for the plan" in last
+    assert "of RAM" in last and "a has 500 MiB there for the plan (memory: 500 MiB in the inventory)" in last
     # Even one block does not fit there at this context (the fixed parts), so
     # the advice is a shorter context or a bigger cap.
     assert "What would fit: a context of 768 tokens (--context 768; now 2048)" in last

@@ -381,7 +381,9 @@ def with_run_options(inventory: Inventory, **overrides: Any) -> Inventory:
 
 def assign_layers(inventory: Inventory, block_count: int) -> list[tuple[int, int]]:
     """Each stage's [start, end): as given (checked: no overlap, no gap, the
-    model's end reached) or split evenly when no stage gives layers."""
+    model's end reached) or split evenly by block count when no stage gives
+    layers. Runs split by memory instead (core.placement), which checks given
+    ranges here."""
     stages = inventory.stages
     if stages[0].layers is None:
         if len(stages) > block_count:

@@ -415,29 +415,26 @@ def refusal(
         if pool.fits:
             continue
         stages = [placement.stages[i] for i in pool.stages]
-        spec = inventory.hosts[pool.host]
-        where = f"{pool.host} ({spec.where})"
-        need = pool.needed
         what = "RAM" if pool.place == RAM else f"GPU {pool.place}"
         if pool.description:
             what += f" ({pool.description})"
-        for stage in stages:
-            lines.append(
-                f"stage {stage.index} on {where}, layers [{stage.layers[0]}, {stage.layers[1]}), needs "
-                f"{format_size(_usage_by_place(stage.memory).get(pool.place, 0))} of {what} "
-                f"({_parts(stage.memory, pool.place)})"
-            )
-        has = f"{where} has {format_size(pool.usable)} of {what} for the plan"
+        needs = [
+            f"stage {stage.index} on {pool.host} ({inventory.hosts[pool.host].where}), layers "
+            f"[{stage.layers[0]}, {stage.layers[1]}), needs "
+            f"{format_size(_usage_by_place(stage.memory).get(pool.place, 0))} of {what} "
+            f"({_parts(stage.memory, pool.place)})"
+            for stage in stages
+        ]
         if pool.place == RAM and pool.cap and pool.cap <= pool.free - RAM_RESERVE:
-            has += f" (memory: {format_size(pool.cap)} in the inventory)"
-        elif pool.place == RAM:
-            has += f" ({format_size(pool.free)} available less {format_size(RAM_RESERVE)} kept free)"
+            why = f"memory: {format_size(pool.cap)} in the inventory"
         else:
-            has += f" ({format_size(pool.free)} free less {format_size(GPU_RESERVE)} kept free)"
-        together = " together" if len(stages) > 1 else ""
+            reserve = RAM_RESERVE if pool.place == RAM else GPU_RESERVE
+            why = f"{format_size(pool.free)} free less {format_size(reserve)} kept free"
+        with_margin = format_size(int(pool.needed * (1 + MARGIN)))
         lines.append(
-            f"{has}; the stage{'s' if len(stages) > 1 else ''} need{'' if len(stages) > 1 else 's'}"
-            f"{together} {format_size(int(need * (1 + MARGIN)))} with the {MARGIN:.0%} margin"
+            " and ".join(needs)
+            + f"; {'together ' if len(stages) > 1 else ''}{with_margin} with the {MARGIN:.0%} margin, and "
+            f"{pool.host} has {format_size(pool.usable)} there for the plan ({why})"
         )
     advice = []
     context = _largest_context(inventory, facts, hellos)
