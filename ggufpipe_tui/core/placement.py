@@ -237,7 +237,7 @@ def _proportional(
         where = RAM if one.host.blocks else next(d.place for d in one.devices if d.blocks)
         used[where] -= cost
         fixed.append(used)
-    rooms: list[float] = []
+    rooms: list[float | None] = []  # None: an agent that reported nothing
     for stage in stages:
         host = hosts[stage.host]
         sharing = [i for i, other in enumerate(stages) if other.host == stage.host]
@@ -255,10 +255,10 @@ def _proportional(
                 continue
             taken = sum(fixed[i].get(pool.place, 0) for i in sharing) * (1 + MARGIN)
             room += pool.usable - taken
-        rooms.append(float("nan") if unknown else room / len(sharing) / (1 + MARGIN))
-    known = [room for room in rooms if room == room]
+        rooms.append(None if unknown else room / len(sharing) / (1 + MARGIN))
+    known = [room for room in rooms if room is not None]
     fallback = max(known) if known else 1.0
-    weights = [max(room if room == room else fallback, 0.0) for room in rooms]
+    weights = [max(fallback if room is None else room, 0.0) for room in rooms]
     if sum(weights) <= 0:
         weights = [1.0] * count
     costs = [_block_cost(memory, block, options) for block in range(blocks)]
