@@ -16,6 +16,7 @@ from typing import Any
 
 from ggufpipe_agent.errors import ModelError
 from ggufpipe_agent.gguf_header import GgufHeader, read_header
+from ggufpipe_agent.memory import memory_facts
 from ggufpipe_agent.protocol import ModelFacts
 
 GGUF_MAGIC = b"GGUF"
@@ -133,6 +134,7 @@ def _facts(path: str, _size: int, _mtime_ns: int) -> ModelFacts:
         block_bytes=tuple(block_bytes),
         embedding_bytes=embedding_bytes,
         output_bytes=output_bytes,
+        memory=memory_facts(header),
     )
 
 
@@ -147,15 +149,3 @@ def _file_type_name(value: Any) -> str:
         return f"type {value}"
     return name.removeprefix("MOSTLY_")
 
-
-def kv_bytes_per_token(facts: ModelFacts, blocks: int) -> int:
-    """KV cache bytes per context position for ``blocks`` blocks (f16 K and V)."""
-    return blocks * facts.head_count_kv * (facts.key_length + facts.value_length) * 2
-
-
-def estimate_stage_bytes(facts: ModelFacts, start: int, end: int, n_ctx: int, last: bool) -> int:
-    """Rough resident memory of a stage: its weights, embeddings, KV cache."""
-    weights = sum(facts.block_bytes[start:end]) + facts.embedding_bytes
-    if last:
-        weights += facts.output_bytes
-    return weights + kv_bytes_per_token(facts, end - start) * n_ctx

@@ -49,7 +49,8 @@ from ggufpipe_tui.core.events import (
     RunFinished,
     RunResult,
 )
-from ggufpipe_tui.core.inventory import HostSpec, Inventory, assign_layers
+from ggufpipe_tui.core.inventory import HostSpec, Inventory
+from ggufpipe_tui.core.placement import Placement, place_stages
 from ggufpipe_tui.core.plan import PlanError, RunPlan, build_plan, new_run_id, validate_plan
 from ggufpipe_tui.dataplane import DataPlane, DataPlaneEvents
 from ggufpipe_tui.dataplane.relay import RelayPlane
@@ -95,6 +96,7 @@ class Pipeline:
         self.facts: ModelFacts | None = None
         self.pieces: tuple[bytes, ...] = ()
         self.ranges: list[tuple[int, int]] = []
+        self.placement: Placement | None = None  # what each stage needs and each host has
         self.driver: RunDriver | None = None
         self.broken = ""  # why the pipeline cannot carry another run
         self.closing = False
@@ -199,7 +201,9 @@ class Pipeline:
         facts = reply.facts
         where = f"{facts.path} on {stage.host.name}"
         check_architecture(facts.architecture, where)
-        self.ranges = assign_layers(self.inventory, facts.block_count)
+        # Ranges and memory from what each host has; refuses a plan that does not fit.
+        self.placement = place_stages(self.inventory, facts, [link.hello for link in self.links])
+        self.ranges = list(self.placement.ranges)
         check_plan(facts, self.ranges, where)
         self.facts, self.pieces = facts, reply.pieces
         self.emit(ModelInspected(facts))
@@ -234,7 +238,7 @@ class Pipeline:
 
     def make_plan(self) -> RunPlan:
         assert self.facts is not None
-        return build_plan(self.inventory, self.facts, self.ranges, new_run_id())
+        return build_plan(self.inventory, self.facts, self.ranges, new_run_id(), placement=self.placement)
 
     async def prepare_run(self) -> RunDriver:
         """Plan, provision and load a run that waits for its prompt."""
