@@ -139,11 +139,15 @@ def private_cache_dir(path: str | os.PathLike[str]) -> Path:
     it and why) when another user owns it or group or others may write in it."""
     directory = Path(path)
     try:
-        if not directory.is_dir():
-            directory.parent.mkdir(parents=True, exist_ok=True)
+        missing = []
+        probe = directory
+        while not probe.is_dir() and probe != probe.parent:
+            missing.append(probe)
+            probe = probe.parent
+        for level in reversed(missing):  # what we create is private, ancestors included
             with contextlib.suppress(FileExistsError):
-                os.mkdir(directory, 0o700)
-                os.chmod(directory, 0o700)  # mkdir's mode passes through the umask
+                os.mkdir(level, 0o700)
+                os.chmod(level, 0o700)  # mkdir's mode passes through the umask
         info = os.stat(directory)
     except OSError as error:
         raise CacheError(f"cannot create stage cache {directory}: {error.strerror}") from None
@@ -235,12 +239,18 @@ def write_all(fd: int, data: bytes | memoryview, path: Path, total: int) -> None
 def disk_full(path: Path, needed: int) -> DiskFull:
     available = free_bytes(path.parent)
     return DiskFull(
-        f"no space left for {path}: the stage file needs {needed} bytes ({needed / 2**30:.2f} GiB), "
-        f"{available} bytes ({available / 2**30:.2f} GiB) are free there",
+        f"no space left for {path}: the stage file needs {needed} bytes ({human_bytes(needed)}), "
+        f"{available} bytes ({human_bytes(available)}) are free there",
         str(path),
         needed,
         available,
     )
+
+
+def human_bytes(count: int) -> str:
+    if count >= 1 << 30:
+        return f"{count / 2**30:.2f} GiB"
+    return f"{count / 2**20:.1f} MiB"
 
 
 def free_bytes(directory: Path) -> int:
@@ -434,102 +444,3 @@ def touch(target: Path) -> None:
     """Mark an entry used now (its sidecar's mtime is its last use)."""
     with contextlib.suppress(OSError):
         os.utime(sidecar_path(target), follow_symlinks=False)
-
-
-# ------------------------------------------------------------ management
-
-
-@dataclass(frozen=True, slots=True)
-class CacheEntry:
-    """One entry of a host's stage cache, for listing (``ggufpipe-tui cache``)."""
-
-    name: str  # file name in the cache directory
-    state: str  # "complete", "partial" (a transfer to resume) or "unverified"
-    model: str  # the model's identity digest ('' when unknown)
-    model_name: str
-    start: int
-    end: int
-    block_count: int
-    size: int  # bytes on disk
-    expected_size: int  # of the complete file (0 when unknown)
-    last_used: float  # seconds since the epoch
-
-
-def list_entries(directory: str | os.PathLike[str]) -> list[CacheEntry]:
-    """Every entry of a cache directory, most recently used first; files the
-    cache does not know (older formats, stray files) are listed as
-    "unverified" so they can be removed too."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    entries = []
-    for path in sorted(root.iterdir()):
-        name = path.name
-        if name.startswith(".") or name.endswith(SIDECAR_SUFFIX):
-            continue
-        try:
-            info = path.lstat()
-        except FileNotFoundError:
-            continue
-        if name.endswith(PARTIAL_SUFFIX):
-            entries.append(_partial_entry(path, info))
-            continue
-        sidecar = read_sidecar(path)
-        if sidecar is None:
-            entries.append(CacheEntry(name, "unverified", "", "", 0, 0, 0, info.st_size, 0, info.st_mtime))
-            continue
-        key = sidecar.key
-        used = _mtime(sidecar_path(path), info.st_mtime)
-        entries.append(
-            CacheEntry(
-                name, "complete", key.model, key.label, key.start, key.end, key.block_count,
-                info.st_size, sidecar.size, used,
-            )
-        )
-    return sorted(entries, key=lambda entry: -entry.last_used)
-
-
-def _partial_entry(path: Path, info: os.stat_result) -> CacheEntry:
-    progress = read_private_json(path.with_name(path.name + SIDECAR_SUFFIX)) or {}
-    found = progress.get("key")
-    key: dict[str, Any] = found if isinstance(found, dict) else {}
-    return CacheEntry(
-        path.name,
-        "partial",
-        str(key.get("model", "")),
-        str(key.get("label", "")),
-        int(key.get("start", 0)),
-        int(key.get("end", 0)),
-        int(key.get("block_count", 0)),
-        int(progress.get("verified", 0)),
-        int(progress.get("size", 0)),
-        _mtime(path, info.st_mtime),
-    )
-
-
-def _mtime(path: Path, default: float) -> float:
-    try:
-        return path.lstat().st_mtime
-    except OSError:
-        return default
-
-
-def remove_entries(directory: str | os.PathLike[str], names: Iterable[str]) -> list[str]:
-    """Remove the named entries (complete, partial or unverified) with their
-    sidecars; returns the names removed. A name is a file name in the cache,
-    never a path: anything else is refused."""
-    root = Path(directory)
-    removed = []
-    for name in names:
-        if not name or "/" in name or name.startswith(".") or name.endswith(SIDECAR_SUFFIX):
-            raise CacheError(f"{name!r} is not an entry of the stage cache {root}")
-        path = root / name
-        found = False
-        for candidate in (path, path.with_name(name + SIDECAR_SUFFIX)):
-            with contextlib.suppress(FileNotFoundError):
-                candidate.unlink()
-                found = True
-        if found:
-            removed.append(name)
-    return removed
-
