@@ -217,8 +217,8 @@ def read_header(path: Path) -> GgufHeader:
     for entry in entries:
         if data_offset + entry.offset + entry.nbytes > file_size:
             raise ModelError(
-                f"{path}: truncated GGUF (tensor {entry.name} ends at byte "
-                f"{data_offset + entry.offset + entry.nbytes}, the file has {file_size})"
+                f"{path}: corrupt or truncated GGUF (tensor {entry.name} ends at byte "
+                f"{data_offset + entry.offset + entry.nbytes}, the file has {file_size} bytes)"
             )
     return GgufHeader(
         path, version, metadata, tuple(entries), spans, value_types, alignment, data_offset, file_size

@@ -40,8 +40,8 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from ggufpipe_agent.digest import LEAF, FileDigest, chunk_digest, leaf_digests
 from ggufpipe_agent.errors import CacheError, DiskFull, TransferError
 from ggufpipe_agent.stagecache import (
     DIGEST_ALGORITHM,
@@ -69,7 +69,7 @@ from ggufpipe_agent.stagecache import (
 
 log = logging.getLogger("ggufpipe.receiver")
 
-MIN_CHUNK = 64 << 10
+MIN_CHUNK = LEAF
 MAX_CHUNK = 64 << 20
 MAX_SIZE = 1 << 48  # 256 TiB: anything larger is not a stage file
 CHECKPOINT_BYTES = 256 << 20
@@ -103,8 +103,10 @@ class StageFileReceiver:
         key.check()
         if not 0 < size <= MAX_SIZE:
             raise TransferError(f"stage file size {size} is not a size")
-        if not MIN_CHUNK <= chunk_size <= MAX_CHUNK:
-            raise TransferError(f"chunk size {chunk_size} is outside [{MIN_CHUNK}, {MAX_CHUNK}]")
+        if not MIN_CHUNK <= chunk_size <= MAX_CHUNK or chunk_size % LEAF:
+            raise TransferError(
+                f"chunk size {chunk_size} is not a multiple of {LEAF} in [{MIN_CHUNK}, {MAX_CHUNK}]"
+            )
         self.key = key
         self.size = size
         self.chunk_size = chunk_size
@@ -114,7 +116,7 @@ class StageFileReceiver:
         self.partial = self.directory / (key.file_name + PARTIAL_SUFFIX)
         self.record = self.directory / (key.file_name + PARTIAL_SUFFIX + SIDECAR_SUFFIX)
         self._fd = -1
-        self._digest: Any = None
+        self._digest = FileDigest()
         self.received = 0  # bytes written and verified chunk by chunk
         self._durable = 0  # bytes the progress record vouches for
 
@@ -130,6 +132,10 @@ class StageFileReceiver:
         """What this host has; after a "partial" or "empty" answer the
         receiver is ready for chunk ``verified_chunks``."""
         name = self.target.name
+        if self._fd >= 0:  # asked again while receiving: where it stands
+            chunks = self.received // self.chunk_size
+            state = "partial" if self.received else "empty"
+            return ReceiveStatus(state, name, verified_bytes=self.received, verified_chunks=chunks)
         complete = self._complete()
         if complete:
             return ReceiveStatus("complete", name, digest=complete)
@@ -236,9 +242,8 @@ class StageFileReceiver:
         length = min(self.chunk_size, self.size - self.received)
         if len(data) != length:
             raise TransferError(f"{self.partial}: chunk {index} has {len(data)} bytes, not {length}")
-        actual = new_digest()
-        actual.update(data)
-        if not hmac.compare_digest(actual.hexdigest(), digest):
+        leaves = leaf_digests(data)
+        if not hmac.compare_digest(chunk_digest(leaves), digest):
             raise TransferError(f"{self.partial}: chunk {index} does not match its digest; rejected")
         os.lseek(self._fd, self.received, os.SEEK_SET)
         try:
@@ -246,7 +251,7 @@ class StageFileReceiver:
         except DiskFull:
             self._drop()
             raise
-        self._digest.update(data)
+        self._digest.add_leaves(leaves)
         self.received += length
         if self.received - self._durable >= self.checkpoint_bytes and self.received < self.size:
             self.checkpoint()
@@ -318,11 +323,11 @@ class StageFileReceiver:
         self._release()
 
 
-def _hash_prefix(fd: int, verified: int, keep: int) -> tuple[Any, Any]:
+def _hash_prefix(fd: int, verified: int, keep: int) -> tuple[FileDigest | None, FileDigest | None]:
     """The running digests of a file's first ``verified`` and ``keep`` bytes
     (``keep <= verified``); (None, None) when the file is shorter."""
-    digest = new_digest()
-    kept: Any = None
+    digest = FileDigest()
+    kept: FileDigest | None = None
     position = 0
     for boundary in (keep, verified):
         while position < boundary:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ggufpipe_agent.digest import LEAF, chunk_digest, leaf_digests
+from ggufpipe_agent.errors import TransferError
 from ggufpipe_agent.modelfiles import ModelFiles, read_model_files
 from ggufpipe_agent.stagecache import (
     StageKey,
@@ -72,6 +74,8 @@ class StageSender:
         chunk_size: int = DEFAULT_CHUNK,
         memo_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        if chunk_size <= 0 or chunk_size % LEAF:
+            raise ValueError(f"chunk size {chunk_size} is not a positive multiple of {LEAF}")
         self.files = source if isinstance(source, ModelFiles) else read_model_files(source)
         self.stream = StageFileStream(self.files, start, end)
         self.key = stage_key(self.files, start, end)
@@ -133,7 +137,12 @@ class StageSender:
 
     def first_chunk(self, status: ReceiveStatus) -> int | None:
         """Where to start for a host that answered ``status``: None when it
-        already has exactly this file (nothing to send)."""
+        already has exactly this file (nothing to send); TransferError when
+        another transfer is writing it there (offer again later)."""
+        if status.state == "busy":
+            raise TransferError(
+                f"{status.name}: another transfer to that host is writing it; offer it again later"
+            )
         if status.state == "complete":
             return None if status.digest == self.full_digest() else 0
         if status.state == "partial":
@@ -153,16 +162,11 @@ class StageSender:
             position += len(data)
         index = first
         for data in self.stream.chunks(self.chunk_size, offset):
-            whole.update(data)
-            yield StageChunk(index, data, _digest(data))
+            leaves = leaf_digests(data)  # each byte hashed once: for the chunk and the file
+            whole.add_leaves(leaves)
+            yield StageChunk(index, data, chunk_digest(leaves))
             index += 1
         self._remember(whole.hexdigest())
-
-
-def _digest(data: bytes) -> str:
-    digest = new_digest()
-    digest.update(data)
-    return str(digest.hexdigest())
 
 
 __all__ = ["StageChunk", "StageOffer", "StageSender"]

@@ -20,6 +20,7 @@ import pytest
 
 from ggufpipe_agent import receiver as receiver_module
 from ggufpipe_agent.cacheadmin import list_entries
+from ggufpipe_agent.digest import digest_file
 from ggufpipe_agent.errors import CacheError, DiskFull, TransferError
 from ggufpipe_agent.receiver import StageFileReceiver
 from ggufpipe_agent.sender import StageSender
@@ -62,7 +63,7 @@ def test_a_stage_file_arrives_verified_and_a_second_offer_sends_nothing(sender, 
         entry = receiver.finish(sender.digest)
     local = ensure_stage_file(model_path, *RANGE, tmp_path / "local")
     assert entry.name == local.name and entry.read_bytes() == local.read_bytes()
-    assert read_sidecar(entry).digest == sender.digest == hashlib.sha256(entry.read_bytes()).hexdigest()
+    assert read_sidecar(entry).digest == sender.digest == digest_file(entry)
     assert read_sidecar(entry).sources == (), "a received entry was written from no local file"
     assert oct(entry.stat().st_mode & 0o777) == "0o600"
     assert sorted(p.name for p in cache.iterdir()) == [entry.name, entry.name + ".json"]
@@ -103,7 +104,7 @@ def test_a_killed_connection_resumes_instead_of_restarting(sender, tmp_path):
         assert sender.first_chunk(status) == total // 2
         assert send(sender, receiver, total // 2) == total - total // 2, "only the rest is sent"
         entry = receiver.finish(sender.digest)
-    assert hashlib.sha256(entry.read_bytes()).hexdigest() == sender.digest
+    assert digest_file(entry) == sender.digest
 
 
 def test_a_killed_agent_resumes_from_its_last_checkpoint(sender, model_path, tmp_path):
@@ -134,7 +135,7 @@ def test_a_killed_agent_resumes_from_its_last_checkpoint(sender, model_path, tmp
         assert (status.state, status.verified_chunks) == ("partial", 8)
         send(sender, receiver, sender.first_chunk(status))
         entry = receiver.finish(sender.digest)
-    assert hashlib.sha256(entry.read_bytes()).hexdigest() == sender.digest
+    assert digest_file(entry) == sender.digest
 
 
 def test_a_damaged_partial_file_starts_over(sender, tmp_path):
@@ -151,7 +152,7 @@ def test_a_damaged_partial_file_starts_over(sender, tmp_path):
         assert (status.state, status.verified_bytes) == ("empty", 0)
         send(sender, receiver, sender.first_chunk(status))
         entry = receiver.finish(sender.digest)
-    assert hashlib.sha256(entry.read_bytes()).hexdigest() == sender.digest
+    assert digest_file(entry) == sender.digest
 
 
 def test_a_wrong_whole_file_digest_removes_the_partial_file(sender, tmp_path):
@@ -167,7 +168,10 @@ def test_a_second_receiver_of_the_same_stage_waits_for_the_first(sender, tmp_pat
     cache = tmp_path / "cache"
     with receiver_for(sender, cache) as first, receiver_for(sender, cache) as second:
         first.open()
-        assert second.open().state == "busy"
+        busy = second.open()
+        assert busy.state == "busy"
+        with pytest.raises(TransferError, match="another transfer to that host is writing it"):
+            sender.first_chunk(busy)
         send(sender, first, 0)
         first.finish(sender.digest)
         status = second.open()
@@ -188,7 +192,7 @@ def test_a_corrupted_entry_is_sent_again(sender, tmp_path):
         assert status.state == "empty" and sender.first_chunk(status) == 0
         send(sender, receiver, 0)
         receiver.finish(sender.digest)
-    assert hashlib.sha256(entry.read_bytes()).hexdigest() == sender.digest
+    assert digest_file(entry) == sender.digest
 
 
 def test_a_complete_entry_of_other_weights_is_sent_again(model_path, tmp_path):
@@ -199,12 +203,12 @@ def test_a_complete_entry_of_other_weights_is_sent_again(model_path, tmp_path):
     first = synthetic.write_model(tmp_path / "a.gguf", "llama", seed=0)
     second = synthetic.write_model(tmp_path / "b.gguf", "llama", seed=1)
     cache = tmp_path / "cache"
-    sender = StageSender(first, 2, 5, chunk_size=64 << 10, memo_dir=tmp_path / "sent")
+    sender = StageSender(first, 2, 5, chunk_size=1 << 20, memo_dir=tmp_path / "sent")
     with sender, receiver_for(sender, cache) as receiver:
         receiver.open()
         send(sender, receiver, 0)
         receiver.finish(sender.digest)
-    with StageSender(second, 2, 5, chunk_size=64 << 10, memo_dir=tmp_path / "sent") as other:
+    with StageSender(second, 2, 5, chunk_size=1 << 20, memo_dir=tmp_path / "sent") as other:
         assert other.key == sender.key, "one identity, so one cache name"
         with receiver_for(other, cache) as receiver:
             status = receiver.open()
@@ -373,3 +377,34 @@ def test_memory_stays_bounded_whatever_the_file_size(tmp_path):
     assert growth < 48 << 20, f"peak RSS grew by {growth / 2**20:.0f} MiB for a {result['size'] / 2**20:.0f} MiB file"
     with contextlib.suppress(OSError):
         source.unlink()
+
+
+# ------------------------------------------------------------ the digest
+
+
+def test_the_file_digest_is_the_same_however_the_bytes_arrive():
+    from ggufpipe_agent.digest import LEAF, FileDigest, chunk_digest, leaf_digests
+
+    data = np.random.default_rng(3).bytes(5 * LEAF + 12345)
+    whole = FileDigest()
+    whole.update(data)
+    expected = hashlib.sha256(b"".join(hashlib.sha256(data[i : i + LEAF]).digest() for i in range(0, len(data), LEAF)))
+    assert whole.hexdigest() == expected.hexdigest()
+    for piece in (1, 999, LEAF - 1, LEAF, 3 * LEAF + 7):
+        pieces = FileDigest()
+        for offset in range(0, len(data), piece):
+            pieces.update(data[offset : offset + piece])
+        assert pieces.hexdigest() == whole.hexdigest(), piece
+    chunks = FileDigest()
+    for offset in range(0, len(data), 2 * LEAF):  # as a receiver adds verified chunks
+        leaves = leaf_digests(data[offset : offset + 2 * LEAF])
+        assert chunk_digest(leaves) == hashlib.sha256(leaves).hexdigest()
+        chunks.add_leaves(leaves)
+    assert chunks.hexdigest() == whole.hexdigest()
+
+
+def test_chunk_sizes_are_whole_leaves(sender, model_path, tmp_path):
+    with pytest.raises(TransferError, match="is not a multiple of"):
+        StageFileReceiver(tmp_path / "cache", sender.key, sender.offer.size, (1 << 20) + 1)
+    with pytest.raises(ValueError, match="not a positive multiple"):
+        StageSender(model_path, *RANGE, chunk_size=64 << 10)

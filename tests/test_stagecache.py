@@ -4,7 +4,6 @@ files, a sidecar checked before every use (issue 14, item 5)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ggufpipe_agent.cacheadmin import list_entries, remove_entries
+from ggufpipe_agent.digest import digest_file
 from ggufpipe_agent.errors import CacheError
 from ggufpipe_agent.gguf_header import read_header
 from ggufpipe_agent.stagecache import create_private, read_sidecar, sidecar_path
@@ -34,7 +34,7 @@ def test_an_entry_has_a_sidecar_that_vouches_for_it(model, tmp_path):
     entry = ensure_stage_file(model, 2, 5, tmp_path / "cache")
     sidecar = read_sidecar(entry)
     assert sidecar is not None
-    assert sidecar.digest == hashlib.sha256(entry.read_bytes()).hexdigest()
+    assert sidecar.digest == digest_file(entry)
     assert (sidecar.size, sidecar.inode) == (entry.stat().st_size, entry.stat().st_ino)
     assert (sidecar.key.start, sidecar.key.end, sidecar.key.block_count) == (2, 5, 7)
     assert [source.path for source in sidecar.sources] == [os.path.realpath(model)]
