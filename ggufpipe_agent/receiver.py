@@ -138,6 +138,7 @@ class StageFileReceiver:
             return ReceiveStatus(state, name, verified_bytes=self.received, verified_chunks=chunks)
         complete = self._complete()
         if complete:
+            self._drop_stale_partial()
             return ReceiveStatus("complete", name, digest=complete)
         remove_orphans(self.directory, self.partial.name)
         try:
@@ -155,9 +156,9 @@ class StageFileReceiver:
             self._drop()
             raise CacheError(f"{self.partial} is not a regular file of this user; removed")
         os.fchmod(fd, 0o600)
-        complete = self._complete()  # finished by another receiver while we waited for the lock
+        complete = self._complete()  # finished by another receiver just before we locked
         if complete:
-            self._release()
+            self._drop()  # a partial file of a complete entry is only space
             return ReceiveStatus("complete", name, digest=complete)
         self._resume(info.st_size)
         needed = self.size - self.received
@@ -174,18 +175,37 @@ class StageFileReceiver:
         chunks = self.received // self.chunk_size
         return ReceiveStatus(state, name, verified_bytes=self.received, verified_chunks=chunks)
 
-    def _open_partial(self) -> int:
+    def _drop_stale_partial(self) -> None:
+        """A partial file beside a complete entry is only space, unless another
+        receiver still holds it (then it is that one's to finish or drop)."""
         try:
-            return os.open(self.partial, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            pass
-        except OSError as error:
-            if error.errno != errno.ELOOP:
-                raise
-            log.warning("%s is a symbolic link, not a partial file of ours; removed", self.partial)
-            self.partial.unlink()
-            self.record.unlink(missing_ok=True)
-        return create_private(self.partial)
+            fd = os.open(self.partial, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return
+        self._fd = fd
+        self._drop()
+
+    def _open_partial(self) -> int:
+        """The partial file, opened or created; never through a symlink."""
+        for _ in range(3):  # another receiver may create it between our two calls
+            try:
+                return os.open(self.partial, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                pass
+            except OSError as error:
+                if error.errno != errno.ELOOP:
+                    raise
+                log.warning("%s is a symbolic link, not a partial file of ours; removed", self.partial)
+                self.partial.unlink()
+                self.record.unlink(missing_ok=True)
+            with contextlib.suppress(FileExistsError):
+                return create_private(self.partial)
+        raise CacheError(f"cannot open {self.partial}: it keeps appearing and vanishing")
 
     def _complete(self) -> str:
         """The digest of a trustworthy complete entry; a broken one is removed."""
@@ -217,7 +237,8 @@ class StageFileReceiver:
         if usable:
             keep = verified - verified % self.chunk_size  # whole chunks of this offer
             whole, kept = _hash_prefix(self._fd, verified, keep)
-            if whole is not None and hmac.compare_digest(whole.hexdigest(), str(record.get("prefix", ""))):
+            prefix = str(record.get("prefix", ""))
+            if whole is not None and kept is not None and hmac.compare_digest(whole.hexdigest(), prefix):
                 self._digest = kept
                 self.received = self._durable = keep
                 log.info("resuming %s at byte %d of %d", self.partial, keep, self.size)

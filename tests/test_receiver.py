@@ -178,6 +178,18 @@ def test_a_second_receiver_of_the_same_stage_waits_for_the_first(sender, tmp_pat
         assert (status.state, status.digest) == ("complete", sender.digest)
 
 
+def test_a_partial_file_beside_a_complete_entry_is_removed(sender, model_path, tmp_path):
+    cache = tmp_path / "cache"
+    with receiver_for(sender, cache) as receiver:
+        receiver.open()
+        send(sender, receiver, 0, stop=3)
+    ensure_stage_file(model_path, *RANGE, cache)  # the same entry, written from a local copy
+    with receiver_for(sender, cache) as receiver:
+        status = receiver.open()
+        assert status.state == "complete" and sender.first_chunk(status) is None
+        assert not receiver.partial.exists() and not receiver.record.exists()
+
+
 def test_a_corrupted_entry_is_sent_again(sender, tmp_path):
     cache = tmp_path / "cache"
     with receiver_for(sender, cache) as receiver:

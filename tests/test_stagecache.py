@@ -131,7 +131,7 @@ def test_temporaries_are_created_exclusively_and_never_through_a_symlink(tmp_pat
     assert victim.read_bytes() == b"precious" and not (tmp_path / "would-be-created").exists()
 
 
-def test_temporary_names_are_unpredictable(model, tmp_path, monkeypatch):
+def test_temporary_names_are_unpredictable(tmp_path):
     from ggufpipe_agent import stagecache
 
     names = [stagecache.temporary_path(tmp_path, "x.gguf").name for _ in range(3)]
