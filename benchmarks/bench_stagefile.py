@@ -163,6 +163,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", type=Path, default=REPO / "docs" / "bench-stagefile.md")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-stagefile-") as scratch:
         work = Path(scratch)
         rows = bench_model("SmolLM2-135M Q4_1", smollm_path(), 8, 21, args.repeats, work)
@@ -171,11 +172,12 @@ def main() -> int:
         reading += bench_reading("Gemma 3 270M Q4_K_M", gemma_path(work), args.repeats)
         digests = bench_digests(args.repeats)
     cpu = platform.processor() or platform.machine()
+    load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after (a shared machine: compare within a run)"
     lines = [
         "# Stage-file benchmark",
         "",
         f"`benchmarks/bench_stagefile.py --repeats {args.repeats}`, {os.cpu_count()} cores ({cpu}), "
-        f"Python {platform.python_version()}, medians, warm page cache.",
+        f"Python {platform.python_version()}, medians, warm page cache; {load}.",
         "",
         "Writing one stage file into a fresh cache: the writer it replaced (GGUFReader + GGUFWriter, "
         "fsync) against `ensure_stage_file` (stream, digest while writing, fsync, sidecar); the "
