@@ -79,8 +79,10 @@ def _widest(value: Any, default: int = 0) -> int:
     return int(value) if value is not None else default
 
 
-def memory_facts(header: Any) -> MemoryFacts:
-    """The memory facts of a parsed GGUF header (:class:`~ggufpipe_agent.gguf_header.GgufHeader`)."""
+def memory_facts(header: Any, tensors: Any = None) -> MemoryFacts:
+    """The memory facts of a parsed GGUF header (:class:`~ggufpipe_agent.gguf_header.GgufHeader`);
+    ``tensors``: the tensor table when it spans more files than the header's
+    (a split set), else the header's own."""
     from ggufpipe_agent.arch import gemma3_swa_flags
 
     arch = header.architecture
@@ -112,7 +114,7 @@ def memory_facts(header: Any) -> MemoryFacts:
     block_bytes = [0] * blocks
     named = {"token_embd.weight": 0, "output_norm.weight": 0, "output.weight": 0}
     global_bytes = 0
-    for tensor in header.tensors:
+    for tensor in header.tensors if tensors is None else tensors:
         match = _BLOCK_TENSOR.match(tensor.name)
         if match:
             index = int(match.group(1))

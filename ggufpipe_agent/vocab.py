@@ -2,7 +2,11 @@
 
 The orchestrator holds no weights, so it asks a stage host for what needs the
 tokenizer. llama.cpp loads a GGUF with ``vocab_only`` in a fraction of a
-second and no tensor data.
+second and no tensor data. Even so, llama.cpp's loader opens every part of a
+split set and must be given the first one (``llama_model_loader`` reads the
+parts' headers before it looks at ``vocab_only``), so the whole set is
+checked first (:func:`ggufpipe_agent.modelfiles.read_model_files`) and its
+first part is what llama.cpp gets.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import threading
 from typing import Any
 
 from ggufpipe_agent.errors import ModelError
-from ggufpipe_agent.model import check_gguf_path
+from ggufpipe_agent.modelfiles import read_model_files
 
 
 class Vocabulary:
@@ -25,7 +29,7 @@ class Vocabulary:
 
         _init_backend()
         self._lib = llama_cpp
-        self.path = str(check_gguf_path(path))
+        self.path = str(read_model_files(path).first)
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
         self._model = llama_cpp.llama_model_load_from_file(self.path.encode(), params)
