@@ -167,7 +167,11 @@ class GgufpipeApp(App[int]):
         self.query_one("#stages").border_title = "Stages"
         self.query_one("#transcript").border_title = "Output"
         self._title_log()
-        self.query_one("#prompt", Input).focus()
+        prompt = self.query_one("#prompt", Input)
+        prompt.focus()
+        # A scripted app is a screenshot: a blinking cursor would make it
+        # depend on the moment it is taken.
+        prompt.cursor_blink = self.script is None
         self.set_interval(0.25, self._tick)
         self.state.session_started = self.now()
         if self.script is not None:
