@@ -81,10 +81,17 @@ class ContextOverflow(PipelineError):
 
     def __init__(self, prompt_tokens: int, max_tokens: int, context: int) -> None:
         self.prompt_tokens, self.max_tokens, self.context = prompt_tokens, max_tokens, context
-        super().__init__(
-            f"the prompt is {prompt_tokens} tokens and the reply may take {max_tokens} more: "
-            f"{prompt_tokens + max_tokens} do not fit the context of {context} tokens"
-        )
+        if prompt_tokens >= context:
+            said = (
+                f"the prompt is {prompt_tokens} tokens, the context holds {context} "
+                "(raise run.context or --context)"
+            )
+        else:
+            said = (
+                f"the prompt is {prompt_tokens} tokens and the reply may take {max_tokens} more: "
+                f"{prompt_tokens + max_tokens} do not fit the context of {context} tokens"
+            )
+        super().__init__(said)
 
 
 def run_options(base: RunOptions, overrides: RunOverrides) -> RunOptions:
@@ -113,10 +120,7 @@ def reply_limit(prompt: Prompt, prompt_tokens: int, options: RunOptions, context
     if prompt.overflow not in OVERFLOW_POLICIES:
         raise PipelineError(f"unknown overflow policy {prompt.overflow!r}")
     if prompt_tokens >= context:
-        raise PipelineError(
-            f"the prompt is {prompt_tokens} tokens, the context holds {context} "
-            "(raise run.context or --context)"
-        )
+        raise ContextOverflow(prompt_tokens, options.max_tokens, context)
     room = context - prompt_tokens
     if prompt.overflow == REFUSE and options.max_tokens > room:
         raise ContextOverflow(prompt_tokens, options.max_tokens, context)
