@@ -59,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' (default: $GGUFPIPE_API_KEY; none: no key)",
     )
     serve.add_argument(
-        "--queue", type=int, default=16, metavar="N", help="requests that may wait behind the running one"
+        "--queue",
+        type=int,
+        default=16,
+        metavar="N",
+        help="waiting requests allowed behind the running one (16)",
     )
     group = parser.add_argument_group("run options (override the inventory's run: section)")
     group.add_argument("--max-tokens", type=int, metavar="N", help="stop after N generated tokens")

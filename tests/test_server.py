@@ -369,3 +369,30 @@ def test_sigterm_finishes_the_running_request_and_leaves_no_agent(
     assert served.lines[-1].strip() == "ggufpipe: every stage is torn down"
     with pytest.raises(aiohttp.ClientConnectionError):
         raw(served, "GET", "/health")
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return sorted(int(line.split()[0]) for line in out.splitlines() if "ggufpipe_agent" in line)
+
+
+def test_a_fault_ends_the_server_with_its_reason(tmp_path: Path, model_path: Path, no_agent_left: None) -> None:
+    served = start_server(tmp_path, model_path)
+    try:
+        agents = children(served.process.pid)
+        assert len(agents) == 3, agents
+        stream = served.client().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": COUNT}], max_tokens=400, stream=True
+        )
+        chunks = iter(stream)
+        for _ in range(4):
+            next(chunks)
+        os.kill(agents[1], signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="the pipeline faulted: stage"):
+            for _ in chunks:
+                pass
+        assert served.process.wait(60) == 1, "".join(served.lines)
+    finally:
+        served.stop()
+    assert any("shutting down: the pipeline stopped: stage" in line for line in served.lines), served.lines
+    assert any(" 500 " in line and "faulted" in line for line in served.lines)

@@ -63,9 +63,9 @@ STOP_WORDS = {"eos": "stop", "max_tokens": "length"}
 
 
 def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``[V6]:PORT`` or ``:PORT`` (127.0.0.1); port 0 picks a free one."""
-    host, colon, port = text.rpartition(":")
-    if not colon or not port.isdigit() or not 0 <= int(port) < 65536:
+    """``HOST:PORT``, ``[V6]:PORT``, ``:PORT`` or ``PORT`` (127.0.0.1); port 0 picks a free one."""
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
         raise GgufpipeError(f"--serve {text!r}: HOST:PORT is required, e.g. 127.0.0.1:8080")
     return host.strip("[]") or "127.0.0.1", int(port)
 
