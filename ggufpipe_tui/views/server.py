@@ -442,14 +442,24 @@ async def run_server(
         server.log(f"listening on http://{shown}:{port}/v1 (OpenAI-compatible); starting the stages")
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             server.log(f"warning: {host} without --api-key: whoever reaches this port can use the pipeline")
-        await pipeline.start()
+        starting = asyncio.ensure_future(pipeline.start())
+        signalled = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # a signal while the agents start: give up starting
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, GgufpipeError):
+                await starting
+            server.log("shutting down: signal received while starting")
+            await runner.cleanup()
+            await pipeline.close()
+            return EXIT_OK
+        starting.result()
     except GgufpipeError as error:
         server.log(f"error: {error}")
         await runner.cleanup()
         await pipeline.close()
         return EXIT_SETUP
     stopped = asyncio.ensure_future(pipeline.wait_stopped())
-    signalled = asyncio.ensure_future(stop.wait())
     loaded = asyncio.ensure_future(printer.loaded.wait())
     await asyncio.wait([stopped, signalled, loaded], return_when=asyncio.FIRST_COMPLETED)
     loaded.cancel()
