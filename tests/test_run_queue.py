@@ -177,10 +177,15 @@ async def test_a_prompt_with_other_sampling_gets_a_run_of_its_own():
     assert greedy.driver.result is not None and greedy.driver.result.outcome == "torn down"
     assert pipeline.rigs[1].plan.sampling.temperature == 0.7 and pipeline.rigs[1].plan.sampling.seed == 5
     await asyncio.sleep(0.05)
-    assert pipeline.rigs[2].plan.sampling.temperature == 0.0, "prepared ahead with the inventory's again"
+    assert pipeline.rigs[2].plan.sampling.temperature == 0.7, "prepared ahead as the last prompt sampled"
+    again = pipeline.queue.submit(Prompt(text="hot", options=RunOverrides(temperature=0.7, seed=5)))
+    assert (await asyncio.wait_for(again.result(), 5)).run_id == 0x103, "the prepared run serves it"
+    cold = pipeline.queue.submit(Prompt(text="cold"))
+    assert (await asyncio.wait_for(cold.result(), 5)).run_id == 0x105, "greedy: prepared anew"
+    await asyncio.sleep(0.05)
     # Greedy with other top_p is still greedy: the prepared run serves it.
     same = pipeline.queue.submit(Prompt(text="cold", options=RunOverrides(temperature=0.0, top_p=0.5)))
-    assert (await asyncio.wait_for(same.result(), 5)).run_id == 0x103
+    assert (await asyncio.wait_for(same.result(), 5)).run_id == 0x106
     pipeline.queue.stop("done")
     await asyncio.wait_for(serving, 2)
 

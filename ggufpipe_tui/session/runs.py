@@ -12,8 +12,9 @@ prompt still waiting is failed with the reason.
 A prompt may carry run options of its own (:class:`RunOverrides`: an HTTP
 request's temperature, seed, max_tokens). The sampling is part of each
 stage's provision, so a run prepared ahead with other sampling is torn down
-and one is prepared with the prompt's; max_tokens is the orchestrator's alone
-and is given with the prompt. Each prompt's tokens are its whole context (a
+and one is prepared with the prompt's (the next run is prepared ahead as the
+last prompt sampled); max_tokens is the orchestrator's alone and is given
+with the prompt. Each prompt's tokens are its whole context (a
 conversation's every turn so far), and runs go in submission order, so
 whatever a run leaves in the stages is what the next one starts from.
 """
@@ -210,6 +211,7 @@ class RunQueue:
         self.stopped = ""  # why the queue serves no more prompts
         self._stopped = asyncio.Event()
         self.taking: RunHandle | None = None  # taken from the queue, not finished yet
+        self.last_options: RunOptions | None = None  # the last run's (None: the inventory's)
 
     @property
     def queued(self) -> int:
@@ -245,7 +247,9 @@ class RunQueue:
         try:
             while not self.stopped:
                 if self.prepare_ahead and prepared is None:
-                    prepared = await pipeline.prepare_run()
+                    # Sampled as the last prompt asked: a client that keeps its
+                    # settings finds its next run ready.
+                    prepared = await pipeline.prepare_run(self.last_options)
                 handle = self.taking = await self._next(prepared)
                 if handle is None:
                     if prepared is not None and prepared.done.is_set():
@@ -277,6 +281,7 @@ class RunQueue:
                 if handle.done:  # withdrawn while it was tokenized
                     prepared = driver
                     continue
+                self.last_options = options
                 result = await self._run(handle, driver, tokens, limit)
                 if pipeline.broken or result.outcome == "faulted":
                     reason = result.failure or pipeline.broken
