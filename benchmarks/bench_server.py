@@ -205,7 +205,8 @@ def report(base: dict[str, float], served: dict[str, Any], args: argparse.Namesp
         "",
         f"`benchmarks/bench_server.py --requests {args.requests} --stages {args.stages} "
         f"--max-tokens {args.max_tokens}` on {platform.machine()}, {os.cpu_count()} cores "
-        f"({platform.python_version()}), SmolLM2-135M Q4_1, greedy, streamed chat completions.",
+        f"({platform.python_version()}), load average {args.load:.1f} at the start (a shared machine: "
+        "numbers are only comparable within one run), SmolLM2-135M Q4_1, greedy, streamed chat completions.",
         "Medians. The baseline is llama-cpp-python's own `create_chat_completion` on the whole model in",
         "one process (threads = cores); ggufpipe is `--serve` with local stages, asked over HTTP.",
         "",
@@ -244,6 +245,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
+    args.load = os.getloadavg()[0]
     path = smollm_path()
     base = baseline(path, args.max_tokens, args.requests)
     with tempfile.TemporaryDirectory() as workdir:
