@@ -135,6 +135,14 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One turn of a conversation, as the model's chat template takes it."""
+
+    role: str  # "system", "user" or "assistant"
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
 class Device:
     name: str
     description: str
@@ -320,10 +328,16 @@ class Inspect(Message):
 
 @dataclass(frozen=True, slots=True)
 class Tokenize(Message):
+    """Tokenize ``text``, or with ``messages`` a whole conversation, which the
+    model's chat template renders ready for the next assistant turn (``chat``
+    must be True then). An agent that predates ``messages`` refuses the field
+    by name."""
+
     request_id: int
     path: str
     text: str
     chat: bool  # apply the model's chat template first
+    messages: tuple[ChatMessage, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

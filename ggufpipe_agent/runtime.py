@@ -417,7 +417,7 @@ def _answer(request: Inspect | Tokenize) -> Message:
             facts = replace(facts, eog_token_ids=vocab.eog_tokens())
         return ModelInfo(request.request_id, facts, pieces)
     vocab = vocabulary(facts.path)
-    tokens, rendered = vocab.prompt_tokens(facts.chat_template, request.text, request.chat)
+    tokens, rendered = vocab.prompt_tokens(facts.chat_template, request.text, request.chat, request.messages)
     return Tokenized(request.request_id, tuple(tokens), rendered)
 
 
