@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from ggufpipe_agent.protocol import (
@@ -20,7 +21,7 @@ from ggufpipe_agent.protocol import (
 )
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core.events import Event
-from ggufpipe_tui.core.inventory import Inventory, Timeouts, parse_inventory
+from ggufpipe_tui.core.inventory import Inventory, RunOptions, Timeouts, parse_inventory
 from ggufpipe_tui.core.plan import RunPlan, build_plan
 from ggufpipe_tui.session.driver import RunDriver
 
@@ -123,8 +124,11 @@ class Rig:
         run_id: int = 0x101,
         emit: Callable[[Event], None] | None = None,
         feedback: str = "orchestrator",
+        run: RunOptions | None = None,
     ) -> None:
         self.inventory = inventory(stages, max_tokens, step, feedback)
+        if run is not None:  # a prompt's own run options
+            self.inventory = replace(self.inventory, run=run)
         self.plan = plan_for(self.inventory, run_id)
         self.stages = [FakeStage(i) for i in range(stages)]
         self.edges = FakeEdges()
@@ -172,7 +176,9 @@ async def settle(rounds: int = 20) -> None:
 class Autopilot:
     """Plays every agent of a rig by itself: a provision is answered with
     Preparing and Ready, each token-in object with the next token (token ids
-    count up from 9), StopRun with StageStopped. ``fault_at`` makes stage 0
+    count up from 9), StopRun with StageStopped. In a token-ring run the
+    prompt is answered with every token the last stage's provision allows, as
+    that stage would feed them round itself. ``fault_at`` makes stage 0
     fault instead of answering that sequence."""
 
     def __init__(self, rig: Rig, fault_at: int | None = None) -> None:
@@ -209,4 +215,9 @@ class Autopilot:
 
             self.rig.agent_says(0, StageFault(self.rig.plan.run_id, 0, "a", f"step {sequence} failed"))
             return
-        self.rig.driver.on_token(sequence, 9 + sequence)
+        ring = self.rig.provisioned(len(self.rig.stages) - 1).ring
+        if ring is None:
+            self.rig.driver.on_token(sequence, 9 + sequence)
+            return
+        for fed in range(ring.max_tokens):  # the last stage stops where its provision says
+            self.rig.driver.on_token(fed, 9 + fed)

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
-from ggufpipe_tui.core.events import Emit, Event
+from ggufpipe_tui.core.events import Emit, Event, RunResult
 from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
@@ -48,7 +48,15 @@ class AppHandle(Protocol):
     @property
     def done(self) -> bool: ...
 
+    @property
+    def started(self) -> bool: ...
+
+    @property
+    def run_id(self) -> int | None: ...
+
     def stop(self, reason: str = "stopped by the user") -> None: ...
+
+    async def result(self) -> RunResult: ...
 
 
 class AppPipeline(Protocol):
@@ -78,7 +86,9 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 class ThreadedHandle:
-    """A :class:`~ggufpipe_tui.session.runs.RunHandle` seen from the app's thread."""
+    """A :class:`~ggufpipe_tui.session.runs.RunHandle` seen from the app's
+    thread: its plain attributes are read as they are, its calls go to the
+    pipeline's loop."""
 
     def __init__(self, handle: RunHandle, loop: asyncio.AbstractEventLoop) -> None:
         self._handle = handle
@@ -91,11 +101,21 @@ class ThreadedHandle:
         return self._handle.done
 
     @property
+    def started(self) -> bool:
+        return self._handle.started
+
+    @property
     def run_id(self) -> int | None:
         return self._handle.run_id
 
     def stop(self, reason: str = "stopped by the user") -> None:
         self._loop.call_soon_threadsafe(self._handle.stop, reason)
+
+    async def result(self) -> RunResult:
+        """The run's result, awaited on the pipeline's loop (its errors too:
+        PipelineError, ContextOverflow)."""
+        future = asyncio.run_coroutine_threadsafe(self._handle.result(), self._loop)
+        return await asyncio.wrap_future(future)
 
 
 class ThreadedPipeline:

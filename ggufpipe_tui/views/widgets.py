@@ -23,6 +23,7 @@ from textual.events import Resize
 from textual.widget import Widget
 from textual.widgets import RichLog, Static
 
+from ggufpipe_tui.core.placement import MARGIN
 from ggufpipe_tui.views.format import format_bytes, format_seconds
 from ggufpipe_tui.views.viewstate import PHASE_STYLES, STAGE_STYLES, ExchangeView, StageRow
 
@@ -69,6 +70,21 @@ class DrawnOnce(Static):
 # ----------------------------------------------------------------- stages
 
 
+def memory_cell(row: StageRow, compact: bool) -> Text:
+    """Needed / available, red when the need (with the plan's margin) is over;
+    ``~needed`` while what the host has is unknown."""
+    if not row.estimated_bytes:
+        return Text("?", style="grey50")
+    need = format_bytes(row.estimated_bytes, compact)
+    if not row.available_bytes:
+        return Text(f"~{need}")
+    over = row.estimated_bytes * (1 + MARGIN) > row.available_bytes
+    text = Text(need, style="bold red" if over else "")
+    text.append("/" if compact else " / ", style="grey50")
+    text.append(format_bytes(row.available_bytes, compact), style="grey70")
+    return text
+
+
 class StageTable(DrawnOnce):
     """One row per stage: where it runs, its layers, its FSM state and numbers."""
 
@@ -90,7 +106,7 @@ class StageTable(DrawnOnce):
 
     def content_key(self) -> object:
         rows = tuple(
-            (r.index, r.host, r.where, r.layers, r.estimated_bytes, r.device, r.state)
+            (r.index, r.host, r.where, r.layers, r.estimated_bytes, r.available_bytes, r.device, r.state)
             + (r.connected, r.fault, r.load_detail, r.load_fraction, r.counters, r.activity)
             for r in self.rows
         )
@@ -106,7 +122,7 @@ class StageTable(DrawnOnce):
         if not compact:
             table.add_column("device", no_wrap=True, overflow="ellipsis", max_width=28)
         table.add_column("layers", no_wrap=True)
-        table.add_column("mem" if compact else "est. mem", justify="right", no_wrap=True)
+        table.add_column("mem" if compact else "mem need / has", justify="right", no_wrap=True)
         table.add_column("state", no_wrap=True)
         if compact:
             table.add_column("", ratio=1, min_width=10)  # load bar, activity or fault
@@ -125,7 +141,7 @@ class StageTable(DrawnOnce):
     def _cells(self, row: StageRow, compact: bool) -> list[RenderableType]:
         host = row.host if compact or not row.where or row.where == row.host else f"{row.host} ({row.where})"
         layers = f"[{row.layers[0]},{row.layers[1]})" if row.layers else "auto"
-        mem = f"~{format_bytes(row.estimated_bytes, compact)}" if row.estimated_bytes else "?"
+        mem = memory_cell(row, compact)
         state = Text(row.state, style=STAGE_STYLES.get(row.state, ""))
         cells: list[RenderableType] = [str(row.index), host]
         if not compact:
