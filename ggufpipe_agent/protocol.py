@@ -404,6 +404,10 @@ def _from_wire(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, list | tuple):
             raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
         (item_tp, _ellipsis) = typing.get_args(tp)
+        # A vocabulary or a prompt: hundreds of thousands of plain items,
+        # checked in one pass (bool is an int to Python, not to the wire).
+        if item_tp in (int, bytes, str) and all(type(v) is item_tp for v in value):
+            return tuple(value)
         return tuple(_from_wire(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value))
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
@@ -443,23 +447,95 @@ def encode_message(message: Message) -> bytes:
     return _PREFIX.pack(CONTROL_MAGIC, len(payload)) + payload
 
 
-def parse_prefix(prefix: bytes) -> int:
-    """Check a control frame prefix and return its payload length."""
+def parse_prefix(prefix: bytes, limit: int = MAX_CONTROL_BYTES) -> int:
+    """Check a control frame prefix and return its payload length (at most
+    ``limit``: a connection that has not authenticated gets a small one)."""
     magic, length = _PREFIX.unpack(prefix)
     if magic != CONTROL_MAGIC:
         raise ProtocolError(f"bad control frame magic {magic!r}")
-    if length > MAX_CONTROL_BYTES:
-        raise ProtocolError(f"control frame of {length} bytes exceeds {MAX_CONTROL_BYTES}")
+    if length > limit:
+        raise ProtocolError(f"control frame of {length} bytes exceeds {limit}")
     return length
 
 
-def decode_payload(payload: bytes) -> Message:
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """What one message type may hold once decoded: msgpack's own per-item
+    limits, and a count of containers (an empty map is one byte on the wire
+    and about 64 in memory, so a frame of them expands ~70x: the count, not
+    the frame size, bounds that)."""
+
+    str_len: int = 1 << 20
+    bin_len: int = 4096
+    array_len: int = 4096
+    map_len: int = 64
+    containers: int = 256
+
+
+#: Every message is small but these: a vocabulary of a few hundred thousand
+#: pieces and a chat template (ModelInfo), a prompt's text and tokens.
+SMALL = Bounds()
+BOUNDS: dict[str, Bounds] = {
+    "ModelInfo": Bounds(str_len=16 << 20, bin_len=1 << 16, array_len=1 << 21),
+    "Tokenize": Bounds(str_len=32 << 20),
+    "Tokenized": Bounds(str_len=32 << 20, array_len=1 << 22),
+}
+_HEAD_LIMITS = {"max_str_len": 64, "max_bin_len": 0, "max_array_len": 2, "max_map_len": 0, "max_ext_len": 0}
+
+
+class _ContainerCount:
+    """msgpack hooks that count maps and arrays as they are built and stop the
+    decoder past the message type's bound."""
+
+    def __init__(self, tag: str, limit: int) -> None:
+        self.tag, self.left = tag, limit
+
+    def _one(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise ProtocolError(f"{self.tag}: more nested maps and arrays than such a message holds")
+
+    def map(self, pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+        self._one()
+        return dict(pairs)
+
+    def array(self, items: list[Any]) -> list[Any]:
+        self._one()
+        return items
+
+
+def decode_payload(payload: bytes | bytearray | memoryview) -> Message:
+    """A message from a frame's payload. The tag is read first, under tiny
+    limits; the fields then under the bounds of that message type, so nothing
+    a peer sends can make the decoder allocate much more than the frame."""
+    view = memoryview(payload)
+    head = msgpack.Unpacker(raw=False, **_HEAD_LIMITS)
+    head.feed(view[:96])
     try:
-        tag, body = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        if head.read_array_header() != 2:
+            raise ProtocolError("undecodable control message: not [tag, fields]")
+        tag = head.unpack()
     except (ValueError, TypeError, msgpack.UnpackException) as error:
-        raise ProtocolError(f"undecodable control message: {error}") from None
+        raise ProtocolError(f"undecodable control message: {error or type(error).__name__}") from None
     if not isinstance(tag, str) or tag not in _REGISTRY:
         raise ProtocolError(f"unknown control message {tag!r}")
+    bounds = BOUNDS.get(tag, SMALL)
+    count = _ContainerCount(tag, bounds.containers)
+    try:
+        body = msgpack.unpackb(
+            view[head.tell() :],
+            raw=False,
+            strict_map_key=True,
+            object_pairs_hook=count.map,
+            list_hook=count.array,
+            max_str_len=bounds.str_len,
+            max_bin_len=bounds.bin_len,
+            max_array_len=bounds.array_len,
+            max_map_len=bounds.map_len,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException) as error:
+        raise ProtocolError(f"{tag}: undecodable control message: {error}") from None
     message: Message = _build(_REGISTRY[tag], body, tag)
     return message
 

@@ -313,6 +313,15 @@ class Session:
             try:
                 frame = await frames.frame(limit)
                 if isinstance(frame, objects.ObjectHeader):
+                    problem = self._object_problem(frame)
+                    if problem:
+                        # Refused at its header; the payload is skipped in
+                        # bounded chunks, never held: the stream stays in
+                        # step and memory stays flat whatever it claims.
+                        self.refuse("object", f"{frame.describe()}: {problem}")
+                        async for _chunk in frames.chunks(frame):
+                            pass
+                        continue
                     payload = await frames.payload(frame)
             except TruncatedFrame:
                 await self._data_fault("truncated frame: the data connection ended inside it")
@@ -370,20 +379,24 @@ class Session:
         except GgufpipeError as error:
             self.refuse("OpenEdge", str(error))
 
-    async def inbound_object(self, header: objects.ObjectHeader, payload: bytes) -> None:
+    def _object_problem(self, header: objects.ObjectHeader) -> str:
+        """Why an inbound object is refused ('' when the active run takes it)."""
         problem = self._run_problem(header.run_id)
         if problem:
-            self.refuse("object", f"{header.describe()}: {problem}")
-            return
+            return problem
         run = self.run
         assert run is not None
         if header.edge_id != run.provision.inbound.edge_id:
-            self.refuse(
-                "object",
-                f"{header.describe()}: edge {header.edge_id} is not this stage's inbound edge",
-            )
+            return f"edge {header.edge_id} is not this stage's inbound edge"
+        return ""
+
+    async def inbound_object(self, header: objects.ObjectHeader, payload: bytes) -> None:
+        problem = self._object_problem(header)  # the run may have stopped since the header
+        if problem:
+            self.refuse("object", f"{header.describe()}: {problem}")
             return
-        await run.deliver(header, payload)
+        assert self.run is not None
+        await self.run.deliver(header, payload)
 
     def _run_problem(self, run_id: int) -> str:
         run = self.run

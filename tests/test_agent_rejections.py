@@ -248,3 +248,24 @@ async def test_a_provision_the_wire_cannot_carry_is_refused(agent, model_path):
         assert refused.what == "ProvisionStage" and words in refused.reason, (name, refused.reason)
     # None of them left the stage busy: a sound provision is taken at once.
     await ready_run(agent, model_path, run_id + 1)
+
+
+async def test_an_object_for_no_run_is_refused_at_its_header(agent, model_path):
+    """An object of an unknown or stale run, or on an edge the stage does not
+    have, is refused as soon as its header is read, and its payload is
+    skipped in bounded chunks (never held whole): the data connection stays
+    usable (issue 14, item 6)."""
+    claimed = 32 << 20  # 32 MiB of tokens, no run to take them
+    header = objects.ObjectHeader(objects.KIND_TOKENS, 1, 0xBEEF, 100, 0, claimed // 4, 1, claimed)
+    await agent.send_data(header.pack())
+    refused = await agent.expect(Refused, timeout=10)  # not one payload byte sent yet
+    assert refused.what == "object" and "unknown run id 000000000000beef" in refused.reason
+    await agent.send_data(bytes(claimed))
+    message = await ready_run(agent, model_path, 96)  # the same data connection goes on
+    wrong_edge = objects.ObjectHeader(objects.KIND_TOKENS, 1, 96, 555, 0, 4, 1, 16)
+    await agent.send_data(wrong_edge.pack())
+    assert "not this stage's inbound edge" in (await agent.expect(Refused, timeout=10)).reason
+    await agent.send_data(bytes(16))
+    await agent.send_data(objects.tokens_record(96, message.inbound.edge_id, 0, [1, 2, 3]))
+    record = await FrameReader(agent.data_reader).record(1 << 20)
+    assert record is not None and record[0].sequence == 0
