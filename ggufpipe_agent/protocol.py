@@ -362,6 +362,49 @@ class DataAttach(Message):
 
 
 # --------------------------------------------------------------------------- #
+# Both ways
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    """Sent on the control stream every ``interval`` seconds by both sides once
+    the orchestrator has sent its first: a side that hears nothing from the
+    other for ``timeout`` seconds takes it for gone (the orchestrator reports
+    the stage lost; the agent ends the session). The orchestrator's values
+    are the session's."""
+
+    interval: float
+    timeout: float
+
+
+# --------------------------------------------------------------------------- #
+# A hand-started agent's handshake (ggufpipe_agent/credential.py)
+
+
+@dataclass(frozen=True, slots=True)
+class AuthChallenge(Message):
+    """The first frame on a ``--listen`` connection, instead of Hello."""
+
+    protocol: int
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AuthResponse(Message):
+    """The orchestrator's nonce and its proof that it holds the listen key."""
+
+    nonce: bytes
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AuthProof(Message):
+    """The agent's proof that it holds the listen key; Hello follows."""
+
+    proof: bytes
+
+
+# --------------------------------------------------------------------------- #
 # Encoding
 
 

@@ -2,8 +2,9 @@
 for edge streams, and the stage runs they drive.
 
 * Control stream: stdin/stdout when launched over SSH or as a subprocess, or
-  a connection to ``--listen`` when started by hand. The agent writes a Hello
-  first, then answers control messages.
+  an authenticated connection to ``--listen`` when started by hand
+  (:mod:`ggufpipe_agent.listener`). The agent writes a Hello first, then
+  answers control messages.
 * Data socket: a Unix socket in a private directory, named in the Hello. The
   orchestrator connects to it (directly, or through ``ggufpipe-agent bridge``
   on an SSH exec channel), presents the Hello's data token, sets up the edge
@@ -32,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from ggufpipe_agent import PROTOCOL_VERSION, __version__, objects
-from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
 from ggufpipe_agent.protocol import (
@@ -51,7 +51,6 @@ from ggufpipe_agent.protocol import (
     StopRun,
     Tokenize,
     Tokenized,
-    encode_message,
 )
 from ggufpipe_agent.stage_fsm import EdgeEstablished, Provision, StageState, StopRunEvent
 from ggufpipe_agent.stage_run import EngineSlot, StageRun
@@ -558,37 +557,5 @@ async def serve_stdio(cache_dir: Path | None) -> str:
         reader, writer = await stdio_streams()
         session = Session(agent, reader, writer)
         return await session.serve()
-    finally:
-        agent.close()
-
-
-async def serve_listen(endpoint: str, cache_dir: Path | None) -> None:
-    """A hand-started agent: one orchestrator at a time on ``endpoint``."""
-    agent = Agent(cache_dir)
-    await agent.start()
-    busy = asyncio.Lock()
-
-    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername") or "unix peer"
-        if busy.locked():
-            log.warning("refused orchestrator %s: another one is attached", peer)
-            writer.write(encode_message(Refused("connection", "another orchestrator is attached")))
-            writer.close()
-            return
-        async with busy:
-            log.info("orchestrator attached from %s", peer)
-            reason = await Session(agent, reader, writer).serve()
-            log.info("orchestrator detached: %s", reason)
-            writer.close()
-
-    where, port = parse_endpoint(endpoint)
-    if port is None:
-        server = await asyncio.start_unix_server(on_connect, path=where, limit=1 << 20)
-    else:
-        server = await asyncio.start_server(on_connect, where, port, limit=1 << 20)
-    log.info("listening on %s (data socket unix:%s)", endpoint, agent.data_path)
-    try:
-        async with server:
-            await server.serve_forever()
     finally:
         agent.close()

@@ -39,6 +39,7 @@ class HostSpec:
     agent: str = "ggufpipe-agent"
     model_path: str = ""
     listen: str = ""
+    listen_key: str = ""  # the hand-started agent's key file on the host ("": its default)
     threads: int = 0
     gpu_layers: int = -1
     cache_dir: str = ""
@@ -206,6 +207,8 @@ def _host(reader: _Reader, name: str, node: yaml.Node) -> HostSpec:
             parse_endpoint(host.listen)
         except ValueError as error:
             raise reader.fail(node, f"{key}.listen", str(error)) from None
+    elif host.listen_key:
+        raise reader.fail(node, f"{key}.listen_key", "goes with listen: (a hand-started agent)")
     if host.insecure_no_host_key_check and host.known_hosts:
         raise reader.fail(node, key, "known_hosts and insecure_no_host_key_check exclude each other")
     return host
