@@ -146,6 +146,8 @@ class Listener:
                 log.info("orchestrator attached from %s", peer)
                 reason = await Session(self.agent, reader, writer).serve()
                 log.info("orchestrator detached: %s", reason)
+        except asyncio.CancelledError:
+            return  # the agent is ending (see Agent._data_connection)
         finally:
             writer.close()
 

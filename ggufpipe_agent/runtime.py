@@ -35,8 +35,10 @@ from typing import Any
 from ggufpipe_agent import PROTOCOL_VERSION, __version__, objects
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
+from ggufpipe_agent.heartbeat import Silence
 from ggufpipe_agent.protocol import (
     DataAttach,
+    Heartbeat,
     Hello,
     Inspect,
     Message,
@@ -55,6 +57,7 @@ from ggufpipe_agent.protocol import (
 from ggufpipe_agent.stage_fsm import EdgeEstablished, Provision, StageState, StopRunEvent
 from ggufpipe_agent.stage_run import EngineSlot, StageRun
 from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.validation import fits_bits, validate_provision
 
 log = logging.getLogger("ggufpipe.agent")
 
@@ -140,6 +143,11 @@ class Agent:
             await session.serve_data(reader, writer)
         except (asyncio.TimeoutError, ProtocolError, ConnectionError) as error:
             log.warning("data connection closed: %s", error or type(error).__name__)
+        except asyncio.CancelledError:
+            # The agent is ending and asyncio.run cancels what is left; this
+            # is the handler's outermost frame (Python 3.11's stream server
+            # logs a traceback for a handler that ends cancelled).
+            return
         finally:
             writer.close()
 
@@ -149,8 +157,22 @@ class Agent:
         shutil.rmtree(self.private_dir, ignore_errors=True)
 
 
+#: How long an agent waits for a word from its orchestrator before the first
+#: Heartbeat says how long to wait (the orchestrator's timeouts.heartbeat).
+DEFAULT_SILENCE_S = 120.0
+#: The range a Heartbeat's timeout is held to.
+SILENCE_RANGE_S = (0.5, 3600.0)
+
+
 class Session:
-    """One orchestrator on one control stream."""
+    """One orchestrator on one control stream.
+
+    The session ends when the stream does, and also when the orchestrator
+    falls silent: once it has sent a Heartbeat, nothing from it for that
+    Heartbeat's ``timeout`` ends the session (an agent on stdio then exits;
+    a hand-started one waits for the next orchestrator), and so does a
+    control stream it stops reading for as long. The agent's own heartbeats
+    tell the orchestrator it is alive in turn."""
 
     def __init__(self, agent: Agent, reader: Any, writer: Any) -> None:
         self.agent = agent
@@ -163,6 +185,10 @@ class Session:
         # order it was posted: a stage's StageFault is always read before the
         # refusal of an OpenEdge that arrived after the fault.
         self._outbox: asyncio.Queue[Message | None] = asyncio.Queue()
+        self.silence = Silence(DEFAULT_SILENCE_S)
+        self._beat_interval = 0.0
+        self._beating: asyncio.Task[None] | None = None
+        self._writer_lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     def _task_failed(self, name: str, error: BaseException) -> None:
         """A session task that fails (answering a request) is a fault of the
@@ -177,15 +203,17 @@ class Session:
         self._outbox.put_nowait(message)
 
     async def _send_posted(self) -> None:
-        """The control stream's one writer. A stream that breaks ends it: the
-        control reader sees the same loss and ends the session."""
+        """The control stream's one writer. A stream that breaks, or that the
+        orchestrator stops reading past the heartbeat bound, ends the session."""
         while True:
             message = await self._outbox.get()
             if message is None:
                 return
             try:
                 await self.writer.send(message)
-            except (ConnectionError, OSError):
+            except (ConnectionError, OSError) as error:
+                if not self._writer_lost.done():
+                    self._writer_lost.set_result(f"the control stream broke ({error})")
                 return
 
     def refuse(self, what: str, reason: str) -> None:
@@ -195,26 +223,24 @@ class Session:
     # ------------------------------------------------------------ control
 
     async def serve(self) -> str:
-        """Answer control messages until the stream ends; returns why it ended."""
+        """Answer control messages until the stream ends or the orchestrator
+        falls silent; returns why it ended."""
         self.agent.session = self
         sender = self.tasks.spawn(self._send_posted(), "control writer")
+        reading = self.tasks.spawn(self._read(), "control reader")
+        watching = self.tasks.spawn(self._watch(), "silence watch")
         try:
             self.post(self.agent.hello())
-            while True:
-                try:
-                    message = await self.reader.message()
-                except ProtocolError as error:
-                    # A corrupt control stream cannot be resynchronised.
-                    self.refuse("control frame", str(error))
-                    return f"corrupt control stream: {error}"
-                if message is None:
-                    return "the orchestrator closed the control stream"
-                if isinstance(message, Shutdown):
-                    return f"shutdown requested: {message.reason}"
-                await self.dispatch(message)
-        except (ConnectionError, OSError) as error:
-            return f"the control stream broke ({error})"
+            await asyncio.wait({reading, watching, self._writer_lost}, return_when=asyncio.FIRST_COMPLETED)
+            for ended in (reading, watching):
+                if ended.done() and not ended.cancelled() and ended.exception() is None:
+                    return ended.result()
+            if self._writer_lost.done():
+                return self._writer_lost.result()
+            return f"internal error in the agent's control reader: {reading.exception()!r}"
         finally:
+            reading.cancel()
+            watching.cancel()
             await self.stop_all("orchestrator session ended")
             self.closing = True
             self._outbox.put_nowait(None)  # what was posted still goes, then the writer ends
@@ -223,6 +249,48 @@ class Session:
             await self.tasks.close()
             if self.agent.session is self:
                 self.agent.session = None
+
+    async def _watch(self) -> str:
+        bound = await self.silence.expired()
+        return f"no message from the orchestrator for {bound:g}s"
+
+    async def _read(self) -> str:
+        """The control reader; returns why the session ends."""
+        while True:
+            try:
+                message = await self.reader.message()
+            except ProtocolError as error:
+                # A corrupt control stream cannot be resynchronised.
+                self.refuse("control frame", str(error))
+                return f"corrupt control stream: {error}"
+            except (ConnectionError, OSError) as error:
+                return f"the control stream broke ({error})"
+            self.silence.heard()
+            if message is None:
+                return "the orchestrator closed the control stream"
+            if isinstance(message, Shutdown):
+                return f"shutdown requested: {message.reason}"
+            if isinstance(message, Heartbeat):
+                self._heartbeat(message)
+                continue
+            await self.dispatch(message)
+
+    def _heartbeat(self, beat: Heartbeat) -> None:
+        """The orchestrator's heartbeat: its bound becomes the session's, and
+        the agent beats back at its interval."""
+        low, high = SILENCE_RANGE_S
+        if not (math.isfinite(beat.timeout) and math.isfinite(beat.interval)):
+            return
+        self.silence.timeout = min(max(beat.timeout, low), high)
+        self._beat_interval = min(max(beat.interval, low / 10), self.silence.timeout / 2)
+        self.writer.drain_timeout = self.silence.timeout
+        if self._beating is None:
+            self._beating = self.tasks.spawn(self._beat(), "heartbeat")
+
+    async def _beat(self) -> None:
+        while True:
+            self.post(Heartbeat(self._beat_interval, self.silence.timeout))
+            await asyncio.sleep(self._beat_interval)
 
     async def dispatch(self, message: Message) -> None:
         if isinstance(message, ProvisionStage):
@@ -266,7 +334,7 @@ class Session:
             # sound provision (a field the wire cannot carry must never reach
             # struct.pack or llama.cpp and fault a step).
             self.refuse("ProvisionStage", f"run {message.run_id:#x}: {problem}")
-            if _fits(message.run_id, 64):
+            if fits_bits(message.run_id, 64):
                 self.agent.seen_runs.add(message.run_id)
             return
         if message.run_id in self.agent.seen_runs:
@@ -404,112 +472,6 @@ class Session:
         if run_id in self.agent.seen_runs:
             return f"stale run id {run_id:016x}"
         return f"unknown run id {run_id:016x}"
-
-
-#: Bounds on what a provision may ask for: far above any real model, far
-#: below what would overflow a wire field or exhaust memory.
-MAX_STAGES = 1024
-MAX_CONTEXT = 1 << 24
-MAX_LAYERS = 1 << 16
-MAX_RING_SLOTS = 64
-MAX_THREADS = 4096
-
-
-def _fits(value: int, bits: int) -> bool:
-    """``value`` is an unsigned integer of ``bits`` bits (a header field)."""
-    return 0 <= value < 1 << bits
-
-
-def _field_problem(p: ProvisionStage) -> str:
-    """Every number the wire can set, against what its use can carry."""
-    if not _fits(p.run_id, 64):
-        return f"run id {p.run_id} is not a u64"
-    if not 1 <= p.stage_count <= MAX_STAGES:
-        return f"stage count {p.stage_count} outside 1..{MAX_STAGES}"
-    if not 0 <= p.layer_start < p.layer_end_exclusive <= MAX_LAYERS:
-        return f"layers [{p.layer_start}, {p.layer_end_exclusive}) is empty, reversed or out of bounds"
-    model = p.model
-    for name, value in (
-        ("block count", model.block_count),
-        ("hidden dim", model.hidden_dim),
-        ("vocab size", model.vocab_size),
-    ):
-        if not 1 <= value < 1 << 31:
-            return f"model {name} {value} is out of range"
-    if not 1 <= model.max_seq_len <= MAX_CONTEXT:
-        return f"max_seq_len {model.max_seq_len} outside 1..{MAX_CONTEXT}"
-    if p.layer_end_exclusive > model.block_count:
-        return f"layers [{p.layer_start}, {p.layer_end_exclusive}) go past {model.block_count} blocks"
-    for side, edge in (("inbound", p.inbound), ("outbound", p.outbound)):
-        spec = edge.object_spec
-        if not _fits(edge.edge_id, 32):
-            return f"{side} edge id {edge.edge_id} is not a u32"
-        if not 1 <= spec.max_rows <= model.max_seq_len:
-            return f"{side} edge max_rows {spec.max_rows} outside 1..{model.max_seq_len}"
-        if not 1 <= spec.width < 1 << 31:
-            return f"{side} edge width {spec.width} is out of range"
-        if spec.dtype in ("int32", "float32", "float16") and spec.max_extent > objects.ABSOLUTE_MAX_PAYLOAD:
-            return f"{side} edge objects of {spec.max_extent} bytes exceed {objects.ABSOLUTE_MAX_PAYLOAD}"
-        if not 1 <= edge.ring_spec.slots <= MAX_RING_SLOTS:
-            return f"{side} ring of {edge.ring_spec.slots} slots outside 1..{MAX_RING_SLOTS}"
-    engine = p.engine
-    if not 1 <= engine.n_ctx <= MAX_CONTEXT:
-        return f"context {engine.n_ctx} outside 1..{MAX_CONTEXT}"
-    for name, value in (("batch", engine.n_batch), ("ubatch", engine.n_ubatch)):
-        if not 1 <= value <= MAX_CONTEXT:
-            return f"{name} {value} outside 1..{MAX_CONTEXT}"
-    if not 0 <= engine.threads <= MAX_THREADS:
-        return f"threads {engine.threads} outside 0..{MAX_THREADS}"
-    if not -1 <= engine.gpu_layers < 1 << 31:
-        return f"gpu_layers {engine.gpu_layers} is out of range"
-    sampling = p.sampling
-    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
-        return f"temperature {sampling.temperature} is not a finite number >= 0"
-    if not math.isfinite(sampling.top_p):
-        return f"top_p {sampling.top_p} is not a finite number"
-    if not 0 <= sampling.top_k < 1 << 31:
-        return f"top_k {sampling.top_k} is out of range"
-    return ""
-
-
-def validate_provision(message: ProvisionStage) -> str:
-    """Spec §6 'validate run_id and stage assignment', and every field the
-    wire can set; '' when it is sound."""
-    p = message
-    problem = _field_problem(p)
-    if problem:
-        return problem
-    if not 0 <= p.stage_index < p.stage_count:
-        return f"stage index {p.stage_index} outside a pipeline of {p.stage_count}"
-    if p.inbound.edge_id == p.outbound.edge_id:
-        return f"inbound and outbound edges share id {p.inbound.edge_id}"
-    want_in = "TokenIn" if p.stage_index == 0 else "Activation"
-    want_out = "TokenOut" if p.stage_index == p.stage_count - 1 else "Activation"
-    if p.inbound.kind != want_in:
-        return f"stage {p.stage_index} inbound edge must be {want_in}, not {p.inbound.kind}"
-    if p.outbound.kind != want_out:
-        return f"stage {p.stage_index} outbound edge must be {want_out}, not {p.outbound.kind}"
-    for name, spec, edge_kind in (
-        ("inbound", p.inbound.object_spec, p.inbound.kind),
-        ("outbound", p.outbound.object_spec, p.outbound.kind),
-    ):
-        if spec.dtype not in ("int32", "float32", "float16"):
-            return f"{name} edge dtype {spec.dtype!r} is not supported"
-        want_kind = "activation" if edge_kind == "Activation" else "tokens"
-        if spec.kind != want_kind:
-            return f"{name} {edge_kind} edge carries {want_kind} objects, not {spec.kind!r}"
-        if spec.kind == "tokens" and (spec.dtype != "int32" or spec.width != 1):
-            return f"{name} edge carries tokens as int32 of width 1, not {spec.dtype} of width {spec.width}"
-        if spec.kind == "activation" and (
-            spec.width != p.model.hidden_dim or spec.max_rows != p.model.max_seq_len
-        ):
-            return (
-                f"{name} edge carries [{spec.max_rows}, {spec.width}] activations; the model "
-                f"facts say [{p.model.max_seq_len}, {p.model.hidden_dim}]"
-            )
-    if p.engine.n_ctx < p.model.max_seq_len:
-        return f"context {p.engine.n_ctx} is shorter than max_seq_len {p.model.max_seq_len}"
-    return ""
 
 
 def _answer(request: Inspect | Tokenize) -> Message:

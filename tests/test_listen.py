@@ -26,6 +26,7 @@ from ggufpipe_agent.protocol import (
     AuthChallenge,
     AuthProof,
     AuthResponse,
+    Heartbeat,
     Hello,
     Inspect,
     Message,
@@ -261,3 +262,29 @@ def test_listen_key_needs_listen(tmp_path):
     text = "model: {path: m.gguf}\nhosts:\n  a: {local: true, listen_key: /k}\nstages:\n  - {host: a}\n"
     with pytest.raises(InventoryError, match=r"hosts.a.listen_key: goes with listen:"):
         parse_inventory(text, tmp_path / "inventory.yaml")
+
+
+async def test_an_attached_orchestrator_that_falls_silent_is_detached(listening):
+    """The idle bound of an attached session is its orchestrator's heartbeat:
+    an orchestrator that says nothing for that long (its machine froze, its
+    network went) is detached, and the next one can attach."""
+    key = credential.read_key_file(listening.key_file)
+    frames, out, writer = await connect(listening)
+    challenge = await next_message(frames)
+    assert isinstance(challenge, AuthChallenge)
+    nonce = credential.new_nonce()
+    await out.send(AuthResponse(nonce, credential.proof(key, credential.ORCHESTRATOR, challenge.nonce, nonce)))
+    assert isinstance(await next_message(frames), AuthProof)
+    assert isinstance(await next_message(frames), Hello)
+    await out.send(Heartbeat(0.2, 1.0))
+    silent = time.monotonic()
+    while (message := await next_message(frames)) is not None:
+        assert isinstance(message, Heartbeat), message  # the agent beats back meanwhile
+    assert time.monotonic() - silent < 5, "detached within the bound"
+    writer.close()
+    link = LocalAgent(listening.host(), 0, lambda line: None)
+    try:
+        assert (await link.start(15)).pid == listening.process.pid
+    finally:
+        await link.close(1)
+    assert any("detached: no message from the orchestrator for 1s" in line for line in listening.stderr)

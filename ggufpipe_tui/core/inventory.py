@@ -77,12 +77,16 @@ class RunOptions:
 @dataclass(frozen=True, slots=True)
 class Timeouts:
     """Seconds. ``step`` bounds one decode step; a prefill gets ``step`` per
-    ubatch of prompt."""
+    ubatch of prompt. ``heartbeat``: a stage that sends nothing for that long
+    (the agents beat every heartbeat/5 s) is lost, an agent that hears
+    nothing from its orchestrator for that long ends, and no send to a stage
+    waits longer."""
 
     connect: float = 15.0
     ready: float = 600.0
     step: float = 120.0
     teardown: float = 15.0
+    heartbeat: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +291,7 @@ def parse_inventory(text: str, path: Path) -> Inventory:
         timeouts=timeouts,
     )
     check_run_options(inventory.run, lambda key, message: _run_error(top.get("run"), reader, key, message))
-    for name in ("connect", "ready", "step", "teardown"):
+    for name in ("connect", "ready", "step", "teardown", "heartbeat"):
         if getattr(timeouts, name) <= 0:
             node = top.get("timeouts")
             raise reader.fail(node, f"timeouts.{name}", "must be positive")
