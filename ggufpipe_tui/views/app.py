@@ -143,7 +143,7 @@ class GgufpipeApp(App[int]):
 
     @property
     def results(self) -> list[RunResult]:
-        return self.state.results
+        return list(self.state.results)
 
     @property
     def agent_pids(self) -> dict[int, int]:
@@ -203,6 +203,7 @@ class GgufpipeApp(App[int]):
             previous.cancel()
         self.unrun += [view for _, view in self.handles.values()]
         self.handles.clear()
+        self.state.tickets.clear()  # the new session gives them new tickets
         self.active = None
         self.state.new_session(self.now())
         self._draw()
@@ -384,6 +385,11 @@ class GgufpipeApp(App[int]):
             widget = self._widgets[id(view)] = Exchange(view)
             transcript.add(widget)
         state.mount.clear()
+        for view in state.unmount:  # scrolled out of a long session
+            gone = self._widgets.pop(id(view), None)
+            if gone is not None:
+                gone.remove()
+        state.unmount.clear()
         for view in state.touched.values():
             shown = self._widgets.get(id(view))
             if shown is not None:
