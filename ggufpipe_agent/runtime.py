@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import math
 import os
 import platform
 import secrets
-import shutil
 import socket
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +35,7 @@ from ggufpipe_agent import PROTOCOL_VERSION, __version__, objects
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
 from ggufpipe_agent.heartbeat import Silence
+from ggufpipe_agent.privatedir import PrivateDirectory, base_directory
 from ggufpipe_agent.protocol import (
     DataAttach,
     Heartbeat,
@@ -112,10 +112,8 @@ class Agent:
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="ggufpipe-worker")
         self.helper = ThreadPoolExecutor(1, thread_name_prefix="ggufpipe-helper")
         self.data_token = secrets.token_hex(16)
-        base = os.environ.get("XDG_RUNTIME_DIR")
-        if not base or not os.access(base, os.W_OK):
-            base = None
-        self.private_dir = Path(tempfile.mkdtemp(prefix="ggufpipe-agent-", dir=base))
+        self.private = PrivateDirectory(base_directory())
+        self.private_dir = self.private.path
         self.data_path = self.private_dir / "data.sock"
         self.session: Session | None = None
         self.seen_runs: set[int] = set()
@@ -134,7 +132,7 @@ class Agent:
         session = self.session
         try:
             first = await asyncio.wait_for(FrameReader(reader, "data connection").message(), timeout=10)
-            if not isinstance(first, DataAttach) or first.token != self.data_token:
+            if not isinstance(first, DataAttach) or not hmac.compare_digest(first.token, self.data_token):
                 log.warning("refused a data connection without the data token")
                 return
             if session is None:
@@ -154,7 +152,7 @@ class Agent:
     def close(self) -> None:
         if self._data_server is not None:
             self._data_server.close()
-        shutil.rmtree(self.private_dir, ignore_errors=True)
+        self.private.remove()
 
 
 #: How long an agent waits for a word from its orchestrator before the first
