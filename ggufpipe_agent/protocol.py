@@ -14,15 +14,21 @@ messages (Hello, Inspect, Tokenize, progress and stats) are documented in
 
 from __future__ import annotations
 
-import dataclasses
 import struct
-import types
-import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import msgpack
 
+from ggufpipe_agent.codec import (  # noqa: F401 - to_plain, Bounds, BOUNDS are this module's API too
+    BOUNDS,
+    HEAD_LIMITS,
+    SMALL,
+    Bounds,
+    ContainerCount,
+    build,
+    to_plain,
+)
 from ggufpipe_agent.errors import ProtocolError
 
 CONTROL_MAGIC = b"GPCM"
@@ -408,82 +414,6 @@ class AuthProof(Message):
 # Encoding
 
 
-def to_plain(value: Any, text_bytes: bool = False) -> Any:
-    """Dataclasses as maps of their fields and tuples as lists, recursively:
-    what msgpack writes on the wire and what the run log writes as JSON. Bytes
-    stay bytes on the wire; ``text_bytes`` makes them text (for a log)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_plain(getattr(value, f.name), text_bytes) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple | list):
-        return [to_plain(v, text_bytes) for v in value]
-    if isinstance(value, dict):
-        return {k: to_plain(v, text_bytes) for k, v in value.items()}
-    if text_bytes and isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    return value
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
-T = TypeVar("T")
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = typing.get_type_hints(cls)
-        _HINTS[cls] = hints
-    return hints
-
-
-def _from_wire(tp: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        inner = [o for o in options if o is not type(None)]
-        return _from_wire(inner[0], value, where)
-    if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        (item_tp, _ellipsis) = typing.get_args(tp)
-        # A vocabulary or a prompt: hundreds of thousands of plain items,
-        # checked in one pass (bool is an int to Python, not to the wire).
-        if item_tp in (int, bytes, str) and all(type(v) is item_tp for v in value):
-            return tuple(value)
-        return tuple(_from_wire(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(value, tp):
-        return value
-    raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-
-
-def _build(cls: Any, value: Any, where: str) -> Any:
-    if not isinstance(value, dict):
-        raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-    assert isinstance(cls, type)
-    hints = _hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(value) - fields
-    if unknown:
-        raise ProtocolError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
-    kwargs = {}
-    for name in fields:
-        if name in value:
-            kwargs[name] = _from_wire(hints[name], value[name], f"{where}.{name}")
-    try:
-        return cls(**kwargs)
-    except TypeError as error:
-        raise ProtocolError(f"{where}: {error}") from None
-
-
 def encode_message(message: Message) -> bytes:
     """A whole control frame: prefix and msgpack payload."""
     payload = msgpack.packb([message.tag, to_plain(message)], use_bin_type=True)
@@ -501,58 +431,12 @@ def parse_prefix(prefix: bytes, limit: int = MAX_CONTROL_BYTES) -> int:
     return length
 
 
-@dataclass(frozen=True, slots=True)
-class Bounds:
-    """What one message type may hold once decoded: msgpack's own per-item
-    limits, and a count of containers (an empty map is one byte on the wire
-    and about 64 in memory, so a frame of them expands ~70x: the count, not
-    the frame size, bounds that)."""
-
-    str_len: int = 1 << 20
-    bin_len: int = 4096
-    array_len: int = 4096
-    map_len: int = 64
-    containers: int = 256
-
-
-#: Every message is small but these: a vocabulary of a few hundred thousand
-#: pieces and a chat template (ModelInfo), a prompt's text and tokens.
-SMALL = Bounds()
-BOUNDS: dict[str, Bounds] = {
-    "ModelInfo": Bounds(str_len=16 << 20, bin_len=1 << 16, array_len=1 << 21),
-    "Tokenize": Bounds(str_len=32 << 20),
-    "Tokenized": Bounds(str_len=32 << 20, array_len=1 << 22),
-}
-_HEAD_LIMITS = {"max_str_len": 64, "max_bin_len": 0, "max_array_len": 2, "max_map_len": 0, "max_ext_len": 0}
-
-
-class _ContainerCount:
-    """msgpack hooks that count maps and arrays as they are built and stop the
-    decoder past the message type's bound."""
-
-    def __init__(self, tag: str, limit: int) -> None:
-        self.tag, self.left = tag, limit
-
-    def _one(self) -> None:
-        self.left -= 1
-        if self.left < 0:
-            raise ProtocolError(f"{self.tag}: more nested maps and arrays than such a message holds")
-
-    def map(self, pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-        self._one()
-        return dict(pairs)
-
-    def array(self, items: list[Any]) -> list[Any]:
-        self._one()
-        return items
-
-
 def decode_payload(payload: bytes | bytearray | memoryview) -> Message:
     """A message from a frame's payload. The tag is read first, under tiny
     limits; the fields then under the bounds of that message type, so nothing
     a peer sends can make the decoder allocate much more than the frame."""
     view = memoryview(payload)
-    head = msgpack.Unpacker(raw=False, **_HEAD_LIMITS)
+    head = msgpack.Unpacker(raw=False, **HEAD_LIMITS)
     head.feed(view[:96])
     try:
         if head.read_array_header() != 2:
@@ -563,7 +447,7 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> Message:
     if not isinstance(tag, str) or tag not in _REGISTRY:
         raise ProtocolError(f"unknown control message {tag!r}")
     bounds = BOUNDS.get(tag, SMALL)
-    count = _ContainerCount(tag, bounds.containers)
+    count = ContainerCount(tag, bounds.containers)
     try:
         body = msgpack.unpackb(
             view[head.tell() :],
@@ -579,7 +463,7 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> Message:
         )
     except (ValueError, TypeError, msgpack.UnpackException) as error:
         raise ProtocolError(f"{tag}: undecodable control message: {error}") from None
-    message: Message = _build(_REGISTRY[tag], body, tag)
+    message: Message = build(_REGISTRY[tag], body, tag)
     return message
 
 

@@ -22,19 +22,18 @@ import hmac
 import logging
 import math
 import os
-import platform
 import secrets
-import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ggufpipe_agent import PROTOCOL_VERSION, __version__, objects
+from ggufpipe_agent import objects
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
 from ggufpipe_agent.heartbeat import Silence
+from ggufpipe_agent.hello import make_hello
 from ggufpipe_agent.privatedir import PrivateDirectory, base_directory
 from ggufpipe_agent.protocol import (
     DataAttach,
@@ -60,46 +59,6 @@ from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.validation import fits_bits, validate_provision
 
 log = logging.getLogger("ggufpipe.agent")
-
-
-def _meminfo() -> tuple[int, int]:
-    total = available = 0
-    with contextlib.suppress(OSError), open("/proc/meminfo") as handle:
-        for line in handle:
-            key, _, rest = line.partition(":")
-            if key == "MemTotal":
-                total = int(rest.split()[0]) * 1024
-            elif key == "MemAvailable":
-                available = int(rest.split()[0]) * 1024
-    return total, available
-
-
-def make_hello(data_endpoint: str, data_token: str) -> Hello:
-    import llama_cpp
-
-    from ggufpipe_agent.engine import gpu_offload_supported
-    from ggufpipe_agent.ggml import list_devices
-
-    devices = tuple(list_devices())
-    backend = "cpu"
-    if devices:
-        backend = devices[0].name.rstrip("0123456789").lower() or "gpu"
-    total, available = _meminfo()
-    return Hello(
-        protocol=PROTOCOL_VERSION,
-        version=__version__,
-        hostname=socket.gethostname(),
-        pid=os.getpid(),
-        python=platform.python_version(),
-        llama_cpp=getattr(llama_cpp, "__version__", ""),
-        backend=backend,
-        gpu_offload=gpu_offload_supported(),
-        devices=devices,
-        memory_total=total,
-        memory_available=available,
-        data_endpoint=data_endpoint,
-        data_token=data_token,
-    )
 
 
 class Agent:
