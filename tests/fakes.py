@@ -160,6 +160,11 @@ class Rig:
             self.agent_says(index, StageProgress(run_id, index, "Preparing", "", -1.0))
             self.agent_says(index, StageReady(run_id, index, "a"))
 
+    async def timed_out(self) -> None:
+        """Until the run has faulted (a timeout fired)."""
+        while self.driver.run.phase.value not in ("Faulted", "TearingDown", "Done"):
+            await asyncio.sleep(0.02)
+
     def answer_stops(self) -> None:
         """Every stage that got StopRun says it stopped."""
         for stage in self.stages:

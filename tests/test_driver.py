@@ -187,7 +187,7 @@ async def test_a_token_in_edge_that_takes_nothing_blocks_neither_the_step_timeou
     rig.make_ready()
     rig.edges.stalled = True
     rig.driver.give_prompt([5])
-    await asyncio.sleep(0.5)
+    await asyncio.wait_for(rig.timed_out(), 3)
     await finish(rig)
     result = rig.driver.result
     assert result is not None and result.failure == "step timeout waiting for token 0"
@@ -213,7 +213,10 @@ async def test_a_write_that_stalls_past_its_deadline_is_a_lost_stage():
     rig.make_ready()
     rig.edges.stalled = True
     rig.driver.give_prompt([5])
-    await asyncio.sleep(0.4)
+    for _ in range(100):  # the write gives up 0.2 s after it began
+        if rig.stages[0].lost:
+            break
+        await asyncio.sleep(0.05)
     assert rig.stages[0].lost == ["token-in edge: the peer took nothing for 0.2s"]
 
 

@@ -53,7 +53,6 @@ STOP_SEND_TIMEOUT = 5.0
 Send = Callable[[], Awaitable[None]]
 #: What a failed send becomes: the event to feed the run (or None).
 Failed = Callable[[BaseException], "fsm.RunEvent | None"]
-Done = Callable[[], "fsm.RunEvent | None"]
 
 
 class Lane:
@@ -71,15 +70,15 @@ class Lane:
         self, name: str, tasks: TaskOwner, feed: Callable[[fsm.RunEvent], None], deadline: float
     ) -> None:
         self.name, self.tasks, self.feed, self.deadline = name, tasks, feed, deadline
-        self.pending: deque[tuple[Send, Failed, Done | None]] = deque()
+        self.pending: deque[tuple[Send, Failed]] = deque()
         self.broken: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def post(self, send: Send, failed: Failed, done: Done | None = None) -> None:
+    def post(self, send: Send, failed: Failed) -> None:
         if self.broken is not None:
             self._answer(failed(self.broken))
             return
-        self.pending.append((send, failed, done))
+        self.pending.append((send, failed))
         if self._task is None or self._task.done():
             self._task = self.tasks.spawn(self._write(), self.name)
 
@@ -89,7 +88,7 @@ class Lane:
 
     async def _write(self) -> None:
         while self.pending:
-            send, failed, done = self.pending.popleft()
+            send, failed = self.pending.popleft()
             try:
                 await asyncio.wait_for(send(), self.deadline)
             except asyncio.TimeoutError:
@@ -101,8 +100,6 @@ class Lane:
                 while self.pending:
                     self._answer(self.pending.popleft()[1](self.broken))
                 return
-            if done is not None:
-                self._answer(done())
 
 
 class RunEdges(Protocol):
