@@ -30,7 +30,8 @@ DESCRIPTION = """\
 ggufpipe stage agent: runs one contiguous layer range of a GGUF model with
 llama.cpp for a ggufpipe orchestrator. With no options it speaks the ggufpipe
 protocol on stdin/stdout (frames only on stdout, logs on stderr); this is how
-ggufpipe-tui starts it, as a local process or over SSH."""
+ggufpipe-tui starts it, as a local process or over SSH. It exits when its
+orchestrator goes, or says nothing for the heartbeat bound it announced."""
 
 EPILOG = """\
 subcommands:
@@ -65,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ADDR",
         help="wait for an orchestrator on HOST:PORT or unix:PATH instead of using stdio "
         "(for an agent started by hand; bind to 127.0.0.1 and let the orchestrator "
-        "reach it over SSH)",
+        "reach it over SSH). Only an orchestrator that proves it holds the listen key "
+        "(--key-file) is served, one at a time; one that falls silent past its heartbeat "
+        "bound is detached",
     )
     parser.add_argument(
         "--key-file",
