@@ -61,6 +61,28 @@ from ggufpipe_agent.validation import fits_bits, validate_provision
 log = logging.getLogger("ggufpipe.agent")
 
 
+class SeenRuns:
+    """The run ids this agent has taken, to refuse a stale one (spec §10):
+    the newest :attr:`keep`, so an agent that serves for months stays the
+    same size (an id older than that is refused as unknown instead)."""
+
+    keep = 1 << 16
+
+    def __init__(self) -> None:
+        self._ids: dict[int, None] = {}  # insertion-ordered: oldest first
+
+    def add(self, run_id: int) -> None:
+        self._ids[run_id] = None
+        while len(self._ids) > self.keep:
+            del self._ids[next(iter(self._ids))]
+
+    def __contains__(self, run_id: object) -> bool:
+        return run_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 class Agent:
     """What outlives one orchestrator session: the loaded engine, the data
     socket, the worker threads and the run ids already used."""
@@ -75,7 +97,7 @@ class Agent:
         self.private_dir = self.private.path
         self.data_path = self.private_dir / "data.sock"
         self.session: Session | None = None
-        self.seen_runs: set[int] = set()
+        self.seen_runs = SeenRuns()
         self._data_server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:

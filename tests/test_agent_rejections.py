@@ -269,3 +269,12 @@ async def test_an_object_for_no_run_is_refused_at_its_header(agent, model_path):
     await agent.send_data(objects.tokens_record(96, message.inbound.edge_id, 0, [1, 2, 3]))
     record = await FrameReader(agent.data_reader).record(1 << 20)
     assert record is not None and record[0].sequence == 0
+
+
+def test_the_run_ids_an_agent_remembers_are_bounded():
+    from ggufpipe_agent.runtime import SeenRuns
+
+    seen = SeenRuns()
+    for run_id in range(SeenRuns.keep + 10):
+        seen.add(run_id)
+    assert len(seen) == SeenRuns.keep and 9 not in seen and 10 in seen and SeenRuns.keep + 9 in seen
