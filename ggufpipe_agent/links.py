@@ -66,6 +66,8 @@ log = logging.getLogger("ggufpipe.links")
 LINK_DOMAIN = "ggufpipe.invalid"
 #: How long a peer may take for its TLS handshake and its first frame.
 ATTACH_TIMEOUT = 10.0
+#: The attach frame each way is a token: nothing bigger is read before it.
+ATTACH_FRAME_LIMIT = 4096
 STREAM_LIMIT = 1 << 20
 
 #: Serves an accepted inbound link (the session's data-stream loop); returns
@@ -175,7 +177,8 @@ class Links:
                 writer.close()
                 return
             try:
-                first = await asyncio.wait_for(FrameReader(reader, "link").message(), ATTACH_TIMEOUT)
+                attach = FrameReader(reader, "link").message(ATTACH_FRAME_LIMIT)
+                first = await asyncio.wait_for(attach, ATTACH_TIMEOUT)
             except (asyncio.TimeoutError, ProtocolError, ConnectionError, OSError) as error:
                 log.warning("refused a link: %s", error or type(error).__name__)
                 writer.close()
@@ -275,7 +278,7 @@ class Links:
         link = Link(reader, writer, request.peer, f"link to stage {request.peer}")
         started = time.perf_counter()
         await link.writer.send(LinkAttach(request.token))
-        answer = await link.reader.message()
+        answer = await link.reader.message(ATTACH_FRAME_LIMIT)
         if not isinstance(answer, LinkAttach) or not secrets.compare_digest(answer.token, request.token):
             writer.close()
             raise ProtocolError("the consumer did not accept the link")

@@ -14,15 +14,21 @@ messages (Hello, Inspect, Tokenize, progress and stats) are documented in
 
 from __future__ import annotations
 
-import dataclasses
 import struct
-import types
-import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import msgpack
 
+from ggufpipe_agent.codec import (  # noqa: F401 - to_plain, Bounds, BOUNDS are this module's API too
+    BOUNDS,
+    HEAD_LIMITS,
+    SMALL,
+    Bounds,
+    ContainerCount,
+    build,
+    to_plain,
+)
 from ggufpipe_agent.errors import ProtocolError
 
 CONTROL_MAGIC = b"GPCM"
@@ -413,168 +419,50 @@ class DataAttach(Message):
 
 
 # --------------------------------------------------------------------------- #
-# Direct stage links (docs/rings.md, ggufpipe_agent/links.py)
+# Both ways
 
 
 @dataclass(frozen=True, slots=True)
-class LinkCredentials:
-    """A stage's TLS identity for links to another host: its key and
-    certificate and the session authority's certificate (PEM). Empty for a
-    Unix-socket link (same host: file permissions authenticate)."""
+class Heartbeat(Message):
+    """Sent on the control stream every ``interval`` seconds by both sides once
+    the orchestrator has sent its first: a side that hears nothing from the
+    other for ``timeout`` seconds takes it for gone (the orchestrator reports
+    the stage lost; the agent ends the session). The orchestrator's values
+    are the session's."""
 
-    certificate: bytes = b""
-    key: bytes = b""
-    authority: bytes = b""
+    interval: float
+    timeout: float
 
 
-@dataclass(frozen=True, slots=True)
-class LinkListen(Message):
-    """o -> consumer: accept one link from stage ``peer`` that presents
-    ``token`` (and, for "tls", a certificate of this session naming ``peer``)."""
-
-    request_id: int
-    transport: str  # "unix" or "tls"
-    peer: int
-    token: str
-    credentials: LinkCredentials
-    timeout: float  # seconds the listener waits for its producer
+# --------------------------------------------------------------------------- #
+# A hand-started agent's handshake (ggufpipe_agent/credential.py)
 
 
 @dataclass(frozen=True, slots=True)
-class LinkListening(Message):
-    """consumer -> o: where the producer connects. ``endpoint`` is "unix:PATH"
-    or "tcp:PORT"; ``addresses`` are this host's own idea of where it is (the
-    address its SSH connection arrived at)."""
+class AuthChallenge(Message):
+    """The first frame on a ``--listen`` connection, instead of Hello."""
 
-    request_id: int
-    endpoint: str
-    addresses: tuple[str, ...]
+    protocol: int
+    nonce: bytes
 
 
 @dataclass(frozen=True, slots=True)
-class LinkConnect(Message):
-    """o -> producer: connect to stage ``peer`` at the first of ``endpoints``
-    that answers ("unix:PATH" or "HOST:PORT") and attach with ``token``."""
+class AuthResponse(Message):
+    """The orchestrator's nonce and its proof that it holds the listen key."""
 
-    request_id: int
-    transport: str
-    peer: int
-    endpoints: tuple[str, ...]
-    token: str
-    credentials: LinkCredentials
-    timeout: float  # seconds per endpoint
+    nonce: bytes
+    proof: bytes
 
 
 @dataclass(frozen=True, slots=True)
-class LinkConnected(Message):
-    """producer -> o: the link is up (the probe): where, and the attach round trip."""
+class AuthProof(Message):
+    """The agent's proof that it holds the listen key; Hello follows."""
 
-    request_id: int
-    endpoint: str
-    round_trip_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class LinkAttach(Message):
-    """First frame on a link, both ways: the producer presents the token, the
-    consumer answers with it once it has accepted the link."""
-
-    token: str
-
-
-@dataclass(frozen=True, slots=True)
-class LinkEdge(Message):
-    """o -> producer: set up this run's ``role`` end ("outbound": the activation
-    edge; "ring-out": the token ring) on the stage's link; the agent opens the
-    consumer's end by sending OpenEdge on the link."""
-
-    run_id: int
-    edge_id: int
-    role: str
-
-
-@dataclass(frozen=True, slots=True)
-class LinkDown(Message):
-    """a -> o: the link to or from stage ``peer`` ended (between runs too)."""
-
-    peer: int
-    reason: str
+    proof: bytes
 
 
 # --------------------------------------------------------------------------- #
 # Encoding
-
-
-def to_plain(value: Any, text_bytes: bool = False) -> Any:
-    """Dataclasses as maps of their fields and tuples as lists, recursively:
-    what msgpack writes on the wire and what the run log writes as JSON. Bytes
-    stay bytes on the wire; ``text_bytes`` makes them text (for a log)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_plain(getattr(value, f.name), text_bytes) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple | list):
-        return [to_plain(v, text_bytes) for v in value]
-    if isinstance(value, dict):
-        return {k: to_plain(v, text_bytes) for k, v in value.items()}
-    if text_bytes and isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    return value
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
-T = TypeVar("T")
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = typing.get_type_hints(cls)
-        _HINTS[cls] = hints
-    return hints
-
-
-def _from_wire(tp: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        inner = [o for o in options if o is not type(None)]
-        return _from_wire(inner[0], value, where)
-    if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        (item_tp, _ellipsis) = typing.get_args(tp)
-        return tuple(_from_wire(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(value, tp):
-        return value
-    raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-
-
-def _build(cls: Any, value: Any, where: str) -> Any:
-    if not isinstance(value, dict):
-        raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-    assert isinstance(cls, type)
-    hints = _hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(value) - fields
-    if unknown:
-        raise ProtocolError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
-    kwargs = {}
-    for name in fields:
-        if name in value:
-            kwargs[name] = _from_wire(hints[name], value[name], f"{where}.{name}")
-    try:
-        return cls(**kwargs)
-    except TypeError as error:
-        raise ProtocolError(f"{where}: {error}") from None
 
 
 def encode_message(message: Message) -> bytes:
@@ -583,24 +471,50 @@ def encode_message(message: Message) -> bytes:
     return _PREFIX.pack(CONTROL_MAGIC, len(payload)) + payload
 
 
-def parse_prefix(prefix: bytes) -> int:
-    """Check a control frame prefix and return its payload length."""
+def parse_prefix(prefix: bytes, limit: int = MAX_CONTROL_BYTES) -> int:
+    """Check a control frame prefix and return its payload length (at most
+    ``limit``: a connection that has not authenticated gets a small one)."""
     magic, length = _PREFIX.unpack(prefix)
     if magic != CONTROL_MAGIC:
         raise ProtocolError(f"bad control frame magic {magic!r}")
-    if length > MAX_CONTROL_BYTES:
-        raise ProtocolError(f"control frame of {length} bytes exceeds {MAX_CONTROL_BYTES}")
+    if length > limit:
+        raise ProtocolError(f"control frame of {length} bytes exceeds {limit}")
     return length
 
 
-def decode_payload(payload: bytes) -> Message:
+def decode_payload(payload: bytes | bytearray | memoryview) -> Message:
+    """A message from a frame's payload. The tag is read first, under tiny
+    limits; the fields then under the bounds of that message type, so nothing
+    a peer sends can make the decoder allocate much more than the frame."""
+    view = memoryview(payload)
+    head = msgpack.Unpacker(raw=False, **HEAD_LIMITS)
+    head.feed(view[:96])
     try:
-        tag, body = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        if head.read_array_header() != 2:
+            raise ProtocolError("undecodable control message: not [tag, fields]")
+        tag = head.unpack()
     except (ValueError, TypeError, msgpack.UnpackException) as error:
-        raise ProtocolError(f"undecodable control message: {error}") from None
+        raise ProtocolError(f"undecodable control message: {error or type(error).__name__}") from None
     if not isinstance(tag, str) or tag not in _REGISTRY:
         raise ProtocolError(f"unknown control message {tag!r}")
-    message: Message = _build(_REGISTRY[tag], body, tag)
+    bounds = BOUNDS.get(tag, SMALL)
+    count = ContainerCount(tag, bounds.containers)
+    try:
+        body = msgpack.unpackb(
+            view[head.tell() :],
+            raw=False,
+            strict_map_key=True,
+            object_pairs_hook=count.map,
+            list_hook=count.array,
+            max_str_len=bounds.str_len,
+            max_bin_len=bounds.bin_len,
+            max_array_len=bounds.array_len,
+            max_map_len=bounds.map_len,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException) as error:
+        raise ProtocolError(f"{tag}: undecodable control message: {error}") from None
+    message: Message = build(_REGISTRY[tag], body, tag)
     return message
 
 
@@ -612,3 +526,17 @@ def decode_message(frame: bytes) -> Message:
     if len(frame) != CONTROL_PREFIX_SIZE + length:
         raise ProtocolError(f"control frame says {length} bytes, has {len(frame) - CONTROL_PREFIX_SIZE}")
     return decode_payload(frame[CONTROL_PREFIX_SIZE:])
+
+
+# The direct links' messages live in their own module (this one would grow
+# past its size); importing them here registers them for every decoder.
+from ggufpipe_agent.link_messages import (  # noqa: E402, F401 - this module's API too
+    LinkAttach,
+    LinkConnect,
+    LinkConnected,
+    LinkCredentials,
+    LinkDown,
+    LinkEdge,
+    LinkListen,
+    LinkListening,
+)

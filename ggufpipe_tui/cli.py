@@ -122,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "-v", "--verbose", action="store_true", help="agent logs and every state change on stderr"
     )
-    out.add_argument("--log-dir", metavar="DIR", help="where run event logs go")
+    out.add_argument(
+        "--log-dir", metavar="DIR", help="where run event logs go (0600 each; the newest 256 are kept)"
+    )
     parser.add_argument("--version", action="version", version=f"ggufpipe {__version__}")
     return parser
 

@@ -52,13 +52,17 @@ PIECES = tuple(f"<{i}>".encode() for i in range(16))
 
 
 def inventory(
-    stages: int = 2, max_tokens: int = 4, step: float = 30.0, feedback: str = "orchestrator"
+    stages: int = 2,
+    max_tokens: int = 4,
+    step: float = 30.0,
+    feedback: str = "orchestrator",
+    heartbeat: float = 30.0,
 ) -> Inventory:
     text = (
         "model: {path: /models/m.gguf}\nhosts: {a: {local: true}}\nstages:\n"
         + "".join("  - {host: a}\n" for _ in range(stages))
         + f"run: {{max_tokens: {max_tokens}, context: 32, feedback: {feedback}}}\n"
-        + f"timeouts: {{step: {step}, ready: 30, teardown: 5}}\n"
+        + f"timeouts: {{step: {step}, ready: 30, teardown: 5, heartbeat: {heartbeat}}}\n"
     )
     return parse_inventory(text, Path("inventory.yaml"))
 
@@ -79,6 +83,7 @@ class FakeStage:
         self.lost: list[str] = []
         self.up = True
         self.fail_sends = False
+        self.stalled = False  # an agent that reads nothing: sends never complete
 
     @property
     def label(self) -> str:
@@ -90,6 +95,8 @@ class FakeStage:
     async def send(self, message: Message) -> None:
         if self.fail_sends:
             raise ConnectionResetError("gone")
+        if self.stalled:
+            await asyncio.Event().wait()
         self.sent.append(message)
 
     def report_lost(self, symptom: str) -> None:
@@ -103,6 +110,7 @@ class FakeEdges:
         self.opened: list[int] = []
         self.written: list[tuple[int, list[int]]] = []
         self.fail_writes = False
+        self.stalled = False  # stage 0 reads nothing: token-in writes never complete
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None:
         self.opened.append(stage)
@@ -110,6 +118,8 @@ class FakeEdges:
     async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int]) -> None:
         if self.fail_writes:
             raise BrokenPipeError("token-in gone")
+        if self.stalled:
+            await asyncio.Event().wait()
         self.written.append((sequence, list(tokens)))
 
 
@@ -125,8 +135,9 @@ class Rig:
         emit: Callable[[Event], None] | None = None,
         feedback: str = "orchestrator",
         run: RunOptions | None = None,
+        heartbeat: float = 30.0,
     ) -> None:
-        self.inventory = inventory(stages, max_tokens, step, feedback)
+        self.inventory = inventory(stages, max_tokens, step, feedback, heartbeat)
         if run is not None:  # a prompt's own run options
             self.inventory = replace(self.inventory, run=run)
         self.plan = plan_for(self.inventory, run_id)
@@ -159,6 +170,11 @@ class Rig:
         for index in range(len(self.stages)):
             self.agent_says(index, StageProgress(run_id, index, "Preparing", "", -1.0))
             self.agent_says(index, StageReady(run_id, index, "a"))
+
+    async def timed_out(self) -> None:
+        """Until the run has faulted (a timeout fired)."""
+        while self.driver.run.phase.value not in ("Faulted", "TearingDown", "Done"):
+            await asyncio.sleep(0.02)
 
     def answer_stops(self) -> None:
         """Every stage that got StopRun says it stopped."""

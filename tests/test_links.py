@@ -139,3 +139,47 @@ async def test_a_link_that_ends_is_reported(pair):
         await asyncio.sleep(0.02)
     assert consumer.posted and isinstance(consumer.posted[0], LinkDown)
     assert consumer.posted[0].peer == 0 and "ended" in consumer.posted[0].reason
+
+
+async def test_each_pair_gets_its_link_edge_once_when_the_stages_set_up_at_once():
+    """The stages of a run take their provisions at about the same moment and
+    their edge setups run side by side; each may find its pair complete while
+    the other waits for a send, and a second LinkEdge would make the producer
+    open the consumer's end twice (refused: the run faults)."""
+    from types import SimpleNamespace
+
+    from ggufpipe_agent.protocol import LinkEdge
+    from ggufpipe_tui.core.events import DataPath
+    from ggufpipe_tui.dataplane import DataPlaneEvents
+    from ggufpipe_tui.dataplane.direct import DirectPlane
+    from tests.fakes import inventory, plan_for
+
+    sent: list[tuple[int, LinkEdge]] = []
+
+    class Stage:
+        def __init__(self, index: int) -> None:
+            self.index = index
+            self.data = SimpleNamespace(writer=SimpleNamespace(write=self.write))
+
+        async def write(self, *frames: bytes) -> None:
+            await asyncio.sleep(0)
+
+        async def send(self, message: LinkEdge) -> None:
+            await asyncio.sleep(0)  # a bounded send yields (asyncio.wait_for)
+            sent.append((self.index, message))
+
+    def ignore(*args: object) -> None:
+        pass
+
+    plan = plan_for(inventory(stages=3, feedback="ring"))
+    owner = TaskOwner(lambda name, error: None, "test")
+    plane = DirectPlane([Stage(i) for i in range(3)], owner, DataPlaneEvents(ignore, ignore, ignore))  # type: ignore[list-item]
+    for producer in range(3):
+        plane.paths[producer] = DataPath(producer, (producer + 1) % 3, "direct", "unix")
+    await asyncio.gather(*(plane.open_edges(plan, stage) for stage in range(3)))
+    assert sorted((stage, message.role) for stage, message in sent) == [
+        (0, "outbound"),
+        (1, "outbound"),
+        (2, "ring-out"),
+    ]
+    await owner.close()

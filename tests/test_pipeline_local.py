@@ -183,3 +183,19 @@ async def test_one_stage_feeds_itself(tmp_path, model_path, no_agent_left):
     assert result.outcome == "completed", result.failure
     assert list(result.tokens) == whole_model_greedy(model_path, list(result.prompt_tokens), 24, 512, 32)
     assert [(e.data, e.transport) for e in events if isinstance(e, DataPath)] == [("direct", "self")]
+
+
+async def test_close_leaves_no_task_running(tmp_path, model_path, no_agent_left):
+    """Pipeline.close cancels what it started and awaits it: after it, not
+    one task of the pipeline, its links or its runs is left (issue 14.10)."""
+    import asyncio
+
+    inventory = load_inventory(write_inventory(tmp_path, model_path, UNEVEN, "max_tokens: 3, chat: false"))
+    before = asyncio.all_tasks()
+    pipeline = Pipeline(inventory, lambda event: None, prepare_ahead=True)
+    await pipeline.start()
+    assert (await pipeline.generate("Hello")).outcome == "completed"
+    await pipeline.close()
+    left = [task for task in asyncio.all_tasks() - before if not task.done()]
+    assert not left, [task.get_name() for task in left]
+    assert not pipeline.tasks.pending() and all(not link.tasks.pending() for link in pipeline.links)

@@ -83,6 +83,7 @@ class DirectPlane(RelayPlane):
         self._authority: object | None = None
         self._acked_run = 0
         self._acked: set[int] = set()
+        self._linked: set[int] = set()  # producers whose LinkEdge this run has been sent
         self._down: set[int] = set()
 
     # ---------------------------------------------------------- the links
@@ -176,7 +177,7 @@ class DirectPlane(RelayPlane):
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None:
         if plan.run_id != self._acked_run:
-            self._acked_run, self._acked = plan.run_id, set()
+            self._acked_run, self._acked, self._linked = plan.run_id, set(), set()
         ends = [end for end in self.edge_ends(plan, stage) if not self._linked_end(plan, stage, end)]
         if ends:
             await self._stream(stage).writer.write(*(encode_message(end) for end in ends))
@@ -185,7 +186,8 @@ class DirectPlane(RelayPlane):
         # Each link whose two stages have now both taken their provision.
         for producer in {stage, (stage - 1) % n}:
             consumer = (producer + 1) % n
-            if not self.direct(producer) or not {producer, consumer} <= self._acked:
+            both = {producer, consumer} <= self._acked
+            if producer in self._linked or not both or not self.direct(producer):
                 continue
             if producer < n - 1:
                 message = LinkEdge(plan.run_id, plan.stages[producer].outbound_edge, "outbound")
@@ -193,6 +195,9 @@ class DirectPlane(RelayPlane):
                 message = LinkEdge(plan.run_id, plan.ring.edge_id, "ring-out")
             else:
                 continue  # the orchestrator feeds tokens back: the ring's link idles
+            # Once: the setups of both stages of a pair run at once, and each
+            # may find the pair complete while the other awaits its send.
+            self._linked.add(producer)
             await self.stages[producer].send(message)
 
     # ------------------------------------------------------- a link down

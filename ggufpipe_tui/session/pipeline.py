@@ -169,6 +169,7 @@ class Pipeline:
                 raise first
             raise PipelineError(f"starting the agents failed: {first!r}") from first
         for stage in self.stages:
+            stage.start_heartbeat(self.tasks, inventory.timeouts.heartbeat)
             self.tasks.spawn(stage.read_control(), f"control reader of stage {stage.index}")
         try:
             await self._inspect()
@@ -325,7 +326,10 @@ class Pipeline:
             ):
                 # The stage will never become ready: say why now, not at the readiness timeout.
                 reason = f"{stage.label} refused {message.what}: {message.reason}"
-                driver.feed(fsm.StageFaultEvent(stage.index, reason))
+                if message.what == "ProvisionStage":
+                    driver.provision_refused(stage.index, reason)
+                else:
+                    driver.feed(fsm.StageFaultEvent(stage.index, reason))
             return
         run_id = getattr(message, "run_id", None)
         if driver is None or run_id != driver.plan.run_id:
@@ -351,8 +355,11 @@ class Pipeline:
             self.broken = reason
         self.emit(Notice("error", reason))
         stage.fail_requests(reason)
-        if self.driver is not None:
+        if self.driver is not None and not self.driver.done.is_set():
             self.driver.feed(fsm.StageLost(stage.index, reason))
+        else:
+            # Between runs (no run to fault): the session can serve no more.
+            self.queue.stop(reason)
 
     def _edge_fault(self, reason: str) -> None:
         if not self.broken:
