@@ -10,4 +10,4 @@ __version__ = "0.1.0"
 
 #: Bumped whenever a control message or the object record layout changes in a
 #: way an older peer cannot read. The orchestrator refuses a mismatched agent.
-PROTOCOL_VERSION = 2  # 2: ModelFacts.memory
+PROTOCOL_VERSION = 3  # 2: ModelFacts.memory; 3: model delivery, ModelInfo.identity

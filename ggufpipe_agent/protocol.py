@@ -23,7 +23,12 @@ from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
+from ggufpipe_agent.cacheadmin import CacheEntry
 from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.identity import ModelIdentity
+from ggufpipe_agent.receiver import ReceiveStatus
+from ggufpipe_agent.sender import StageOffer
+from ggufpipe_agent.stagecache import StageKey
 
 CONTROL_MAGIC = b"GPCM"
 _PREFIX = struct.Struct("<4sI")
@@ -211,6 +216,17 @@ class StepCounters:
         return self.total_ms / self.steps if self.steps else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class StageFileRef:
+    """A stage file the orchestrator delivered to the host's cache: found there
+    by its key (never by a path from the wire) and used only when its sidecar
+    says it holds exactly ``size`` bytes of digest ``digest``."""
+
+    key: StageKey
+    size: int
+    digest: str
+
+
 # --------------------------------------------------------------------------- #
 # Agent -> orchestrator
 
@@ -239,6 +255,7 @@ class ModelInfo(Message):
     request_id: int
     facts: ModelFacts
     pieces: tuple[bytes, ...]  # token id -> bytes, empty unless asked
+    identity: ModelIdentity | None = None  # what hosts compare (docs/model-delivery.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,6 +357,9 @@ class ProvisionStage(Message):
     model: StageModelFacts
     engine: EngineOptions
     sampling: SamplingParams
+    # Set when the orchestrator sent the stage file (model send: true): the
+    # stage loads that cache entry and never reads gguf_source.
+    stage_file: StageFileRef | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,6 +400,94 @@ class DataAttach(Message):
     that received the agent's Hello."""
 
     token: str
+
+
+# --------------------------------------------------------------------------- #
+# Model delivery (model send: true). On a data connection of its own, after
+# DataAttach, so gigabytes of chunks never hold up the control stream:
+# o -> a ReceiveStage, a -> o ReceiveAnswer, o -> a StageData... StageDataEnd,
+# a -> o StageStored or ReceiveFailed. See docs/protocol.md.
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveStage(Message):
+    """Offer a stage file. ``replace``: the host's complete entry of this key
+    is not what the sender has (another digest); remove it and start over."""
+
+    offer: StageOffer
+    replace: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveAnswer(Message):
+    """What the host holds of the offered file, where, and the free space there."""
+
+    status: ReceiveStatus
+    cache_dir: str
+    free_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class StageData(Message):
+    """Chunk ``index`` of the offered file (``offer.chunk_size`` bytes, the
+    last one shorter) and its digest (ggufpipe_agent.digest)."""
+
+    index: int
+    digest: str
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StageDataEnd(Message):
+    """Every chunk is sent; ``digest`` is the whole file's."""
+
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class StageStored(Message):
+    """The file is verified and in the cache under ``name``."""
+
+    name: str
+    size: int
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveFailed(Message):
+    """The host cannot take the file. ``kind``: "disk_full" (``path``,
+    ``needed`` and ``available`` say where and how much), "transfer" (a
+    chunk or the file did not verify) or "cache" (the cache cannot be used)."""
+
+    reason: str
+    kind: str
+    path: str = ""
+    needed: int = 0
+    available: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRequest(Message):
+    """Manage the host's stage cache (``ggufpipe-tui cache``). ``action``:
+    "list", "remove" (``names``, or every entry when ``every``) or "verify"
+    (re-hash every complete entry; the damaged ones are removed)."""
+
+    request_id: int
+    action: str
+    names: tuple[str, ...] = ()
+    every: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CacheReport(Message):
+    """The answer to CacheRequest: the cache as it is after the action."""
+
+    request_id: int
+    cache_dir: str
+    free_bytes: int
+    entries: tuple[CacheEntry, ...]
+    removed: tuple[str, ...] = ()
+    damaged: tuple[str, ...] = ()  # removed by "verify": their contents did not match
 
 
 # --------------------------------------------------------------------------- #

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +71,8 @@ from ggufpipe_agent.stagecache import (
 log = logging.getLogger("ggufpipe.receiver")
 
 MIN_CHUNK = LEAF
-MAX_CHUNK = 64 << 20
+#: A chunk travels in one control frame (64 MiB at most, protocol.py).
+MAX_CHUNK = 32 << 20
 MAX_SIZE = 1 << 48  # 256 TiB: anything larger is not a stage file
 CHECKPOINT_BYTES = 256 << 20
 PROGRESS_VERSION = 1
@@ -99,6 +101,7 @@ class StageFileReceiver:
         size: int,
         chunk_size: int,
         checkpoint_bytes: int = CHECKPOINT_BYTES,
+        checkpoint_seconds: float | None = None,
     ) -> None:
         key.check()
         if not 0 < size <= MAX_SIZE:
@@ -111,6 +114,11 @@ class StageFileReceiver:
         self.size = size
         self.chunk_size = chunk_size
         self.checkpoint_bytes = max(chunk_size, checkpoint_bytes - checkpoint_bytes % chunk_size)
+        # Also by time: an agent killed with its connection (sshd's session
+        # ends, PR_SET_PDEATHSIG) never reaches close(); what it resumes from
+        # is the last checkpoint.
+        self.checkpoint_seconds = checkpoint_seconds
+        self._checkpointed_at = time.monotonic()
         self.directory = private_cache_dir(cache_dir)
         self.target = self.directory / key.file_name
         self.partial = self.directory / (key.file_name + PARTIAL_SUFFIX)
@@ -274,7 +282,13 @@ class StageFileReceiver:
             raise
         self._digest.add_leaves(leaves)
         self.received += length
-        if self.received - self._durable >= self.checkpoint_bytes and self.received < self.size:
+        if self.received < self.size and (
+            self.received - self._durable >= self.checkpoint_bytes
+            or (
+                self.checkpoint_seconds is not None
+                and time.monotonic() - self._checkpointed_at >= self.checkpoint_seconds
+            )
+        ):
             self.checkpoint()
 
     def checkpoint(self) -> None:
@@ -293,6 +307,7 @@ class StageFileReceiver:
         }
         write_small_file(self.record, json.dumps(record, sort_keys=True).encode())
         self._durable = self.received
+        self._checkpointed_at = time.monotonic()
 
     def finish(self, digest: str) -> Path:
         """The entry, once every byte is here and the whole file matches

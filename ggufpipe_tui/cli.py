@@ -19,6 +19,17 @@ Without --prompt it opens the terminal UI; with --prompt it runs headless;
 with --plan it prints the plan (each stage's layers and the memory it needs
 and has on its host) and exits without loading anything.
 
+ggufpipe-tui cache INVENTORY [list | remove NAME... | remove --all | verify]
+lists, removes or verifies the stage files cached on the inventory's hosts
+(see ggufpipe-tui cache --help).
+
+The model reaches the hosts in one of three ways: each host holds its own
+copy at model.path (the default; every copy is checked to be stage 0's
+model before anything loads), a shared file system gives every host the
+same path, or model: {path: P, send: true} reads P on this machine and sends
+each host only its stage file over its SSH connection (cached there, checked
+by digest, resumed after an interruption, nothing sent when it is there).
+
 Stages without layers in the inventory are split by memory: each gets blocks
 in proportion to the room its host has after the stage's fixed parts. A plan
 that does not fit is refused before any stage loads, saying what would fit.
@@ -90,7 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["cache"]:
+        from ggufpipe_tui.views.cachecmd import cache_main
+
+        return cache_main(given[1:])
+    args = build_parser().parse_args(given)
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, stream=sys.stderr)
     from ggufpipe_tui.core.inventory import load_inventory, with_run_options
 

@@ -26,15 +26,11 @@ from typing import Any
 from ggufpipe_agent.arch import check_architecture, check_plan
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.protocol import (
-    Inspect,
     Message,
     ModelFacts,
-    ModelInfo,
     Refused,
-    RequestFailed,
     Shutdown,
-    Tokenize,
-    Tokenized,
+    StageFileRef,
 )
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core import run_fsm as fsm
@@ -54,7 +50,9 @@ from ggufpipe_tui.core.placement import Placement, place_stages
 from ggufpipe_tui.core.plan import PlanError, RunPlan, build_plan, new_run_id, validate_plan
 from ggufpipe_tui.dataplane import DataPlane, DataPlaneEvents
 from ggufpipe_tui.dataplane.relay import RelayPlane
+from ggufpipe_tui.session.delivery import Delivered, deliver_stages, with_stage_files
 from ggufpipe_tui.session.driver import RunDriver
+from ggufpipe_tui.session.modelsource import LocalModel, ModelSource, model_source
 from ggufpipe_tui.session.runlog import RunLog
 from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
 from ggufpipe_tui.session.stages import PipelineError, StageHandle
@@ -97,6 +95,8 @@ class Pipeline:
         self.pieces: tuple[bytes, ...] = ()
         self.ranges: list[tuple[int, int]] = []
         self.placement: Placement | None = None  # what each stage needs and each host has
+        self.model: ModelSource | None = None  # where the model is read and prompts tokenized
+        self.delivered: list[Delivered] = []  # model send: true: each stage's file, sent or found
         self.driver: RunDriver | None = None
         self.broken = ""  # why the pipeline cannot carry another run
         self.closing = False
@@ -170,6 +170,7 @@ class Pipeline:
             self.tasks.spawn(stage.read_control(), f"control reader of stage {stage.index}")
         try:
             await self._inspect()
+            await self._deliver()
             events = DataPlaneEvents(lost=self._lost_at, fault=self._edge_fault, log=self._log_at)
             self.data = self.data_plane_factory(self.stages, self.tasks, events)
             await self.data.open(timeout)
@@ -189,33 +190,31 @@ class Pipeline:
         self.emit(AgentConnected(stage.index, stage.host.name, stage.host.where, hello))
 
     async def _inspect(self) -> None:
-        stage = self.stages[0]
-        path = self.inventory.model_path_for(stage.host)
-        reply = await stage.request(
-            lambda rid: Inspect(rid, path, True), max(60.0, self.inventory.timeouts.connect)
-        )
-        if isinstance(reply, RequestFailed):
-            where = self.inventory.where(self.inventory.model_line)
-            raise PipelineError(f"model on {stage.host.name}: {reply.reason} (model.path at {where})")
-        assert isinstance(reply, ModelInfo)
-        facts = reply.facts
-        where = f"{facts.path} on {stage.host.name}"
+        # Through the hosts' copies (every copy checked to be stage 0's model),
+        # or on this machine with model send: true (session/modelsource.py).
+        self.model = model_source(self.inventory, self.stages)
+        model = await self.model.read(max(60.0, self.inventory.timeouts.connect))
+        facts, where = model.facts, model.where
         check_architecture(facts.architecture, where)
         # Ranges and memory from what each host has; refuses a plan that does not fit.
         self.placement = place_stages(self.inventory, facts, [link.hello for link in self.links])
         self.ranges = list(self.placement.ranges)
         check_plan(facts, self.ranges, where)
-        self.facts, self.pieces = facts, reply.pieces
+        self.facts, self.pieces = facts, model.pieces
         self.emit(ModelInspected(facts))
 
+    async def _deliver(self) -> None:
+        """model send: true: each host gets its stage file now, once the ranges
+        are known and before any run (docs/architecture.md, "Model delivery")."""
+        if isinstance(self.model, LocalModel) and self.model.files is not None:
+            self.delivered = await deliver_stages(
+                self.stages, self.model.files, self.ranges, self.emit, self.inventory.timeouts
+            )
+
     async def tokenize(self, text: str, chat: bool) -> tuple[list[int], str]:
-        stage = self.stages[0]
-        path = self.inventory.model_path_for(stage.host)
-        reply = await stage.request(lambda rid: Tokenize(rid, path, text, chat), 60.0)
-        if isinstance(reply, RequestFailed):
-            raise PipelineError(f"tokenizing on {stage.host.name}: {reply.reason}")
-        assert isinstance(reply, Tokenized)
-        return list(reply.tokens), reply.rendered
+        if self.model is None:
+            raise PipelineError("the pipeline is not running")
+        return await self.model.tokenize(text, chat)
 
     # --------------------------------------------------------------- runs
 
@@ -238,7 +237,9 @@ class Pipeline:
 
     def make_plan(self) -> RunPlan:
         assert self.facts is not None
-        return build_plan(self.inventory, self.facts, self.ranges, new_run_id(), placement=self.placement)
+        plan = build_plan(self.inventory, self.facts, self.ranges, new_run_id(), placement=self.placement)
+        files: dict[int, StageFileRef] = {done.stage: done.ref for done in self.delivered}
+        return with_stage_files(plan, files)
 
     async def prepare_run(self) -> RunDriver:
         """Plan, provision and load a run that waits for its prompt."""

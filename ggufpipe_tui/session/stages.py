@@ -17,12 +17,12 @@ from typing import Protocol
 
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter
-from ggufpipe_agent.protocol import Hello, Message, ModelInfo, RequestFailed, Tokenized
+from ggufpipe_agent.protocol import CacheReport, Hello, Message, ModelInfo, RequestFailed, Tokenized
 from ggufpipe_tui.core.inventory import HostSpec
 from ggufpipe_tui.transports.link import AgentLink, TransportError
 
 #: Replies that answer a request by its request_id.
-REPLIES = (ModelInfo, Tokenized, RequestFailed)
+REPLIES = (ModelInfo, Tokenized, RequestFailed, CacheReport)
 
 
 class PipelineError(GgufpipeError):
