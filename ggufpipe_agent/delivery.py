@@ -84,7 +84,12 @@ def cache_directory(cache_dir: Path | None) -> Path:
 def _open_receiver(directory: Path, offer: ReceiveStage) -> tuple[StageFileReceiver, ReceiveStatus]:
     stage = offer.offer
     receiver = StageFileReceiver(
-        directory, stage.key, stage.size, stage.chunk_size, checkpoint_seconds=CHECKPOINT_SECONDS
+        directory,
+        stage.key,
+        stage.size,
+        stage.chunk_size,
+        checkpoint_seconds=CHECKPOINT_SECONDS,
+        background_checkpoints=True,
     )
     if offer.replace:
         remove_entry(receiver.target, "the sender has another file under this name")
@@ -130,9 +135,15 @@ async def serve_delivery(
             elif isinstance(message, StageData):
                 if receiver is None:
                     raise TransferError(f"chunk {message.index} arrived without an open offer")
+                if not 0 < message.size <= receiver.chunk_size:
+                    raise TransferError(
+                        f"chunk {message.index} of {message.size} bytes; chunks are {receiver.chunk_size}"
+                    )
+                data = await _read_exactly(frames, message.size, f"chunk {message.index}")
                 if pending is not None:
                     await pending  # in order; at most one chunk written while the next is read
-                pending = run(receiver.accept, message.index, message.data, message.digest)
+                pending = run(receiver.accept, message.index, data, message.digest)
+                del data
             elif isinstance(message, StageDataEnd):
                 if receiver is None:
                     raise TransferError("the end of a file arrived without an open offer")
@@ -158,6 +169,14 @@ async def serve_delivery(
         log.warning("delivery connection lost: %s", error)
     finally:
         await _close(run, executor, pending, receiver)
+
+
+async def _read_exactly(frames: FrameReader, count: int, what: str) -> bytes:
+    """The raw bytes that follow a StageData frame."""
+    try:
+        return bytes(await asyncio.wait_for(frames.stream.readexactly(count), FRAME_TIMEOUT))
+    except asyncio.IncompleteReadError:
+        raise TruncatedFrame(f"{frames.what} ended inside {what}") from None
 
 
 async def _close(

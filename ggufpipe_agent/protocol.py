@@ -430,11 +430,13 @@ class ReceiveAnswer(Message):
 @dataclass(frozen=True, slots=True)
 class StageData(Message):
     """Chunk ``index`` of the offered file (``offer.chunk_size`` bytes, the
-    last one shorter) and its digest (ggufpipe_agent.digest)."""
+    last one shorter) and its digest (ggufpipe_agent.digest). The frame is
+    followed on the stream by the chunk's ``size`` raw bytes: megabytes are
+    never copied through msgpack, and control frames stay small."""
 
     index: int
     digest: str
-    data: bytes
+    size: int
 
 
 @dataclass(frozen=True, slots=True)

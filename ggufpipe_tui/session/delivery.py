@@ -132,12 +132,12 @@ class _Progress:
         )
 
 
-def _next_frame(chunks: Iterator[StageChunk]) -> tuple[bytes, int] | None:
-    """On the stage's thread: the next chunk read, hashed and framed."""
+def _next_frame(chunks: Iterator[StageChunk]) -> tuple[bytes, bytes] | None:
+    """On the stage's thread: the next chunk read and hashed, and its frame."""
     chunk = next(chunks, None)
     if chunk is None:
         return None
-    return encode_message(StageData(chunk.index, chunk.digest, chunk.data)), len(chunk.data)
+    return encode_message(StageData(chunk.index, chunk.digest, len(chunk.data))), chunk.data
 
 
 def _disk_seconds(size: int) -> float:
@@ -275,16 +275,17 @@ async def _send(
     """Chunks from ``first`` on, then the end; the host's StageStored."""
     chunks = sender.chunks(first)
     reply: asyncio.Future[Message | None] = asyncio.ensure_future(frames.message())
-    fetch: asyncio.Future[tuple[bytes, int] | None] = run(_next_frame, chunks)
+    fetch: asyncio.Future[tuple[bytes, bytes] | None] = run(_next_frame, chunks)
     try:
         while True:
             item = await fetch
             if item is None:
                 break
-            frame, length = item
+            frame, data = item
+            length = len(data)
             fetch = run(_next_frame, chunks)  # read and hash the next while this one goes
-            writing = asyncio.ensure_future(writer.write(frame))
-            del item, frame  # the write holds the one reference: two chunks in memory, not three
+            writing = asyncio.ensure_future(writer.write(frame, data))
+            del item, data  # the write holds the one reference: two chunks in memory, not three
             waiting: set[asyncio.Future[Any]] = {writing, reply}
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if reply in done and not writing.done():
