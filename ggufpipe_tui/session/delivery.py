@@ -276,6 +276,7 @@ async def _send(
     chunks = sender.chunks(first)
     reply: asyncio.Future[Message | None] = asyncio.ensure_future(frames.message())
     fetch: asyncio.Future[tuple[bytes, bytes] | None] = run(_next_frame, chunks)
+    writing: asyncio.Future[None] | None = None
     try:
         while True:
             item = await fetch
@@ -311,10 +312,15 @@ async def _send(
             ) from None
         return _stored(stage, message)
     finally:
-        if not reply.done():
-            reply.cancel()
-        with contextlib.suppress(BaseException):
-            await fetch  # the thread must not be left reading
+        pending: list[asyncio.Future[Any]] = [reply, fetch]
+        if writing is not None:
+            pending.append(writing)
+        for task in pending[0], *pending[2:]:
+            if not task.done():
+                task.cancel()
+        for task in pending:  # retrieved: a cancelled transfer leaves no stray error
+            with contextlib.suppress(BaseException):
+                await task  # (the fetch: the thread must not be left reading)
 
 
 async def _reason_first(stage: StageHandle, reply: asyncio.Future[Message | None]) -> None:
