@@ -102,7 +102,7 @@ def delivery_line(event: StageDelivery) -> str:
             text += f", {format_rate(event.rate)}"
         eta = event.eta
         if eta is not None:
-            text += f", ETA {format_seconds(eta) if eta >= 1 else '<1 s'}"
+            text += f", ETA {'<1 s' if eta < 1 else f'{eta:.0f} s' if eta < 60 else format_seconds(eta)}"
         return text
     if event.outcome == "cached":
         return f"on the host already ({format_bytes(event.size)}), nothing sent"
