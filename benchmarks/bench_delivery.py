@@ -31,11 +31,13 @@ import asyncio
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,13 @@ sys.path.insert(0, str(REPO))
 
 BLOCKS = 16
 HIDDEN = 4096
+ROWS = {
+    "openssh": "`ssh host 'cat > file'` (OpenSSH)",
+    "synced": "`ssh host 'cat > file && sync file'`",
+    "gcm": "`ssh -c aes128-gcm@openssh.com host 'cat > file'`",
+    "asyncssh": "asyncssh exec `cat > file`, 8 MiB writes",
+    "ggufpipe": "**ggufpipe delivery** (send: true)",
+}
 
 
 def write_big_model(path: Path, total_bytes: int) -> Path:
@@ -105,6 +114,83 @@ def reset_peak(pid: int | str) -> None:
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux 4.0+)
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int | str) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+class HostCpu:
+    """CPU seconds of what runs on the "host" side of the loopback sshd while
+    a transfer goes: sshd's processes of this server (decryption), and what
+    its sessions run (agent, bridge, cat), polled from /proc every 50 ms."""
+
+    def __init__(self, sshd_pid: int, port: int) -> None:
+        self.sshd_pid, self.port = sshd_pid, str(port).encode()
+        self.first: dict[int, tuple[str, float]] = {}
+        self.last: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._poll(baseline=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _kind(self, pid: int) -> str:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if command.startswith(b"sshd:"):
+            ancestor = pid
+            while ancestor > 1:
+                ancestor = int(Path(f"/proc/{ancestor}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+                if ancestor == self.sshd_pid:
+                    return "sshd"
+            return ""
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        if not any(v.startswith(b"SSH_CONNECTION=") and v.split()[-1] == self.port for v in environ.split(b"\0")):
+            return ""
+        if b" bridge " in command.replace(b"\0", b" "):
+            return "bridge"
+        return "agent" if b"ggufpipe_agent" in command else command.split(b"\0")[0].rsplit(b"/", 1)[-1].decode()
+
+    def _poll(self, baseline: bool = False) -> None:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            try:
+                if pid not in self.first:
+                    kind = self._kind(pid)
+                    if not kind:
+                        continue
+                    self.first[pid] = (kind, cpu_seconds(pid) if baseline else 0.0)
+                self.last[pid] = cpu_seconds(pid)
+            except (OSError, IndexError, ValueError):
+                continue
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self._poll()
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+        used: dict[str, float] = {}
+        for pid, (kind, start) in self.first.items():
+            used[kind] = used.get(kind, 0.0) + self.last.get(pid, start) - start
+        return used
+
+
+def own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def ssh_command(server: Any, cipher: str = "") -> list[str]:
     return [
         "ssh", "-p", str(server.port), "-i", str(server.client_key),
@@ -114,14 +200,18 @@ def ssh_command(server: Any, cipher: str = "") -> list[str]:
     ]
 
 
-def openssh_cat(server: Any, source: Path, target: Path, sync: bool, cipher: str = "") -> float:
+def openssh_cat(server: Any, source: Path, target: Path, sync: bool, cipher: str = "") -> tuple[float, dict[str, float]]:
+    """Seconds, and CPU seconds by process (the ssh client, sshd, cat)."""
     remote = f"cat > {target}" + (f" && sync {target}" if sync else "")
+    host = HostCpu(server.process.pid, server.port)
+    client = children_cpu()
     started = time.perf_counter()
     with source.open("rb") as stream:
         subprocess.run([*ssh_command(server, cipher), remote], stdin=stream, check=True)
     seconds = time.perf_counter() - started
+    cpu = host.stop() | {"orchestrator": children_cpu() - client}
     target.unlink()
-    return seconds
+    return seconds, cpu
 
 
 async def asyncssh_cat(server: Any, source: Path, target: Path) -> tuple[float, str]:
@@ -180,10 +270,14 @@ async def deliver_once(args: argparse.Namespace) -> dict[str, Any]:
         reset_peak(hello.pid)
         before = rss_kib("self", "VmRSS")
         agent_before = rss_kib(hello.pid, "VmRSS")
+        host = HostCpu(args.sshd_pid, args.port)
+        mine = own_cpu()
         started = time.perf_counter()
         delivered = await deliver_stage(stage, files, (0, args.end), lambda event: None, Timeouts())
         seconds = time.perf_counter() - started
+        cpu = host.stop() | {"orchestrator": own_cpu() - mine}
         result = {
+            "cpu": cpu,
             "seconds": seconds, "outcome": delivered.outcome, "sent": delivered.sent, "size": delivered.ref.size,
             "rss_kib": before, "peak_kib": rss_kib("self", "VmHWM"),
             "agent_rss_kib": agent_before, "agent_peak_kib": rss_kib(hello.pid, "VmHWM"),
@@ -199,6 +293,7 @@ def run_child(server: Any, model: Path, end: int, cache: Path) -> dict[str, Any]
         sys.executable, __file__, "--deliver", "--model", str(model), "--end", str(end),
         "--port", str(server.port), "--user", server.user, "--key", str(server.client_key),
         "--known-hosts", str(server.known_hosts), "--cache-dir", str(cache),
+        "--sshd-pid", str(server.process.pid),
     ]
     done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -220,9 +315,12 @@ def main() -> int:
         parser.add_argument(name, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--end", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--sshd-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    from ggufpipe_agent import aio  # uvloop, as ggufpipe-tui runs
+
     if args.deliver:
-        print(json.dumps(asyncio.run(deliver_once(args))))
+        print(json.dumps(aio.run(deliver_once(args))))
         return 0
 
     from ggufpipe_agent.stagestream import open_stage_stream
@@ -245,20 +343,27 @@ def main() -> int:
         host_dir.mkdir(mode=0o700)
         cache = work / "host-cache"
         server = Sshd(work / "sshd").start()
-        openssh, synced, gcm, plain, ours, rows = [], [], [], [], [], []
+        times: dict[str, list[float]] = {name: [] for name in ROWS}
+        cpus: dict[str, list[dict[str, float]]] = {name: [] for name in ROWS}
+        rows = []
         cipher = ""
         for _ in range(args.repeats):
-            openssh.append(openssh_cat(server, payload, host_dir / "cat.out", sync=False))
-            gcm.append(openssh_cat(server, payload, host_dir / "cat.out", False, "aes128-gcm@openssh.com"))
-            seconds, cipher = asyncio.run(asyncssh_cat(server, payload, host_dir / "asyncssh.out"))
-            plain.append(seconds)
+            for name, sync, forced in (("openssh", False, ""), ("gcm", False, "aes128-gcm@openssh.com")):
+                seconds, cpu = openssh_cat(server, payload, host_dir / "cat.out", sync, forced)
+                times[name].append(seconds)
+                cpus[name].append(cpu)
+            seconds, cipher = aio.run(asyncssh_cat(server, payload, host_dir / "asyncssh.out"))
+            times["asyncssh"].append(seconds)
             if cache.exists():
                 clear(cache)
             row = run_child(server, model, end, cache)
             assert row["outcome"] == "sent" and row["sent"] == size, row
-            ours.append(row["seconds"])
+            times["ggufpipe"].append(row["seconds"])
+            cpus["ggufpipe"].append(row["cpu"])
             rows.append(row)
-            synced.append(openssh_cat(server, payload, host_dir / "cat.out", sync=True))
+            seconds, cpu = openssh_cat(server, payload, host_dir / "cat.out", True)
+            times["synced"].append(seconds)
+            cpus["synced"].append(cpu)
         again = run_child(server, model, end, cache)
         assert again["outcome"] == "cached" and again["sent"] == 0, again
         load = os.getloadavg()[0]
@@ -269,6 +374,12 @@ def main() -> int:
 
     def rate(seconds: list[float]) -> float:
         return size / statistics.median(seconds) / 1e6
+
+    def cpu_cell(name: str, *kinds: str) -> str:
+        samples = cpus[name]
+        if not samples:
+            return "-"
+        return f"{statistics.median(sum(sample.get(kind, 0.0) for kind in kinds) for sample in samples):.2f}"
 
     peak = max(row["peak_kib"] - row["rss_kib"] for row in rows) / 1024
     agent_peak = max(row["agent_peak_kib"] - row["agent_rss_kib"] for row in rows) / 1024
@@ -284,21 +395,29 @@ def main() -> int:
         f"are what a run compares). The orchestrator's cipher (asyncssh): {cipher}; OpenSSH's: its default "
         "(chacha20-poly1305@openssh.com) unless `-c` says otherwise.",
         "",
-        "| what | median s | MB/s | vs `ssh 'cat > file'` |",
-        "|---|---:|---:|---:|",
+        "| what | median s | MB/s | vs `ssh 'cat > file'` | CPU s, sending side | CPU s, host side |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    base = rate(openssh)
-    for name, seconds in (
-        ("`ssh host 'cat > file'` (OpenSSH)", openssh),
-        ("`ssh host 'cat > file && sync file'`", synced),
-        ("`ssh -c aes128-gcm@openssh.com host 'cat > file'`", gcm),
-        ("asyncssh exec `cat > file`, 8 MiB writes", plain),
-        ("**ggufpipe delivery** (send: true)", ours),
-    ):
+    base = rate(times["openssh"])
+    for name, label in ROWS.items():
+        seconds = times[name]
+        host_kinds = ("sshd", "cat", "bridge", "agent", "sync")
         lines.append(
-            f"| {name} | {statistics.median(seconds):.2f} | {rate(seconds):.0f} | {rate(seconds) / base:.2f} |"
+            f"| {label} | {statistics.median(seconds):.2f} | {rate(seconds):.0f} | {rate(seconds) / base:.2f} "
+            f"| {cpu_cell(name, 'orchestrator')} | {cpu_cell(name, *host_kinds)} |"
         )
+    breakdown = ", ".join(
+        f"{kind} {statistics.median(sample.get(kind, 0.0) for sample in cpus['ggufpipe']):.2f}"
+        for kind in ("orchestrator", "sshd", "bridge", "agent")
+    )
     lines += [
+        "",
+        f"CPU seconds of ggufpipe's delivery by process (medians): {breakdown}; of OpenSSH's: "
+        + ", ".join(
+            f"{kind} {statistics.median(sample.get(kind, 0.0) for sample in cpus['openssh']):.2f}"
+            for kind in ("orchestrator", "sshd", "cat")
+        )
+        + " (its ssh client in the first column).",
         "",
         f"A second delivery of the same file (the host has it, same digest): {again['seconds']:.2f} s, "
         f"{again['sent']} bytes sent.",
@@ -306,10 +425,10 @@ def main() -> int:
         "Memory during the delivery (peak RSS above the process's RSS when it began, largest of the "
         f"repeats): the orchestrator +{peak:.0f} MiB (of {rows[-1]['rss_kib'] / 1024:.0f} MiB), the agent "
         f"+{agent_peak:.0f} MiB (of {rows[-1]['agent_rss_kib'] / 1024:.0f} MiB), for a "
-        f"{size / 2**30:.2f} GiB file: two 8 MiB chunks in flight on each side, whatever the size.",
+        f"{size / 2**30:.2f} GiB stage file of a {args.size_gib:g} GiB model.",
         "",
-        "Per repeat (s): OpenSSH " + ", ".join(f"{s:.2f}" for s in openssh)
-        + "; ggufpipe " + ", ".join(f"{s:.2f}" for s in ours) + ".",
+        "Per repeat (s): OpenSSH " + ", ".join(f"{s:.2f}" for s in times["openssh"])
+        + "; ggufpipe " + ", ".join(f"{s:.2f}" for s in times["ggufpipe"]) + ".",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -55,7 +55,7 @@ from ggufpipe_agent.protocol import (
     StageDataEnd,
     StageStored,
 )
-from ggufpipe_agent.receiver import ReceiveStatus, StageFileReceiver
+from ggufpipe_agent.receiver import MAX_CHUNK, ReceiveStatus, StageFileReceiver
 from ggufpipe_agent.stagecache import (
     default_cache_dir,
     free_bytes,
@@ -117,6 +117,7 @@ async def serve_delivery(
     def run(function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         return loop.run_in_executor(executor, function, *args)
 
+    _allow_whole_chunks(frames, first.offer.chunk_size)
     try:
         message: Message | None = first
         while message is not None:
@@ -169,6 +170,18 @@ async def serve_delivery(
         log.warning("delivery connection lost: %s", error)
     finally:
         await _close(run, executor, pending, receiver)
+
+
+def _allow_whole_chunks(frames: FrameReader, chunk_size: int) -> None:
+    """Let this connection's reader buffer two whole chunks. The data server's
+    readers pause their socket at twice its 1 MiB limit, so an 8 MiB chunk
+    cost a pause and a resume per 2 MiB: 47-51 MB/s over SSH against 63
+    with room for two chunks (same run, benchmarks/bench_delivery.py's
+    setup). Only this connection, which carries nothing but chunks."""
+    stream = frames.stream
+    if isinstance(stream, asyncio.StreamReader):
+        limit = getattr(stream, "_limit", 0)
+        setattr(stream, "_limit", max(limit, 2 * min(chunk_size, MAX_CHUNK)))  # noqa: B010
 
 
 async def _read_exactly(frames: FrameReader, count: int, what: str) -> bytes:
