@@ -99,7 +99,7 @@ def _open_receiver(directory: Path, offer: ReceiveStage) -> tuple[StageFileRecei
 def _failure(error: GgufpipeError) -> ReceiveFailed:
     if isinstance(error, DiskFull):
         return ReceiveFailed(str(error), "disk_full", error.path, error.needed, error.available)
-    if isinstance(error, TransferError):
+    if isinstance(error, TransferError | ProtocolError):
         return ReceiveFailed(str(error), "transfer")
     return ReceiveFailed(str(error), "cache")
 
