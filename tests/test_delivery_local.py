@@ -196,3 +196,34 @@ def test_inventory_send_is_read_and_checked(tmp_path):
         parse_inventory(text.replace("{address: 10.0.0.1}", "{address: 10.0.0.1, model_path: /m.gguf}"), tmp_path / "inv.yaml")
     with pytest.raises(InventoryError, match=r"inv.yaml:1: model.send: expected true or false"):
         parse_inventory(text.replace("send: true", "send: yes please"), tmp_path / "inv.yaml")
+
+
+def test_the_plan_sends_nothing(tmp_path, model_path, no_agent_left):
+    from tests.test_pipeline_local import run_cli
+
+    caches = [tmp_path / "c0", tmp_path / "c1"]
+    done = run_cli(str(send_inventory(tmp_path, model_path, caches)), "--plan")
+    assert done.returncode == 0, done.stderr
+    rows = [line.split()[:2] for line in done.stdout.splitlines() if line[:5].strip().isdigit()]
+    assert rows == [["0", "h0"], ["1", "h1"]], done.stdout  # the plan's stage table, one row a stage
+    assert not any(cache.exists() for cache in caches), "no cache was made: nothing was sent"
+
+
+@pytest.mark.slow
+async def test_the_tui_shows_the_stage_files_being_sent(tmp_path, model_path, no_agent_left):
+    from ggufpipe_tui.views.app import GgufpipeApp
+    from ggufpipe_tui.views.widgets import LogPane
+    from tests.test_app import READY_TIMEOUT, ready_for_prompt, wait_for
+
+    caches = [tmp_path / "c0", tmp_path / "c1"]
+    app = GgufpipeApp(load_inventory(send_inventory(tmp_path, model_path, caches)), log_dir=tmp_path / "runs")
+    async with app.run_test(size=(120, 30)) as pilot:
+        await wait_for(pilot, lambda: ready_for_prompt(app), READY_TIMEOUT, "the stages to load")
+        for row in app.rows:
+            assert row.delivery is not None and (row.delivery.state, row.delivery.outcome) == ("done", "sent")
+        logged = [line.plain for _, line in app.query_one(LogPane).entries]
+        for stage in (0, 1):
+            steps = [line for line in logged if line.startswith(f"[{stage}] stage {stage}: ") and ".gguf: " in line]
+            assert [line.split(".gguf: ")[1].split(" ")[0] for line in steps] == ["checking", "sending", "sent"], steps
+        await pilot.press("ctrl+q")
+        await wait_for(pilot, lambda: app.return_code is not None, 60, "the app to quit")

@@ -85,6 +85,7 @@ class Pipeline:
         *,
         prepare_ahead: bool = False,
         data_plane: DataPlaneFactory = RelayPlane,
+        deliver: bool = True,
     ) -> None:
         self.inventory = inventory
         self.link_factory = link_factory
@@ -97,6 +98,7 @@ class Pipeline:
         self.placement: Placement | None = None  # what each stage needs and each host has
         self.model: ModelSource | None = None  # where the model is read and prompts tokenized
         self.delivered: list[Delivered] = []  # model send: true: each stage's file, sent or found
+        self.deliver = deliver  # False (--plan): send no stage file, even with send: true
         self.driver: RunDriver | None = None
         self.broken = ""  # why the pipeline cannot carry another run
         self.closing = False
@@ -206,7 +208,7 @@ class Pipeline:
     async def _deliver(self) -> None:
         """model send: true: each host gets its stage file now, once the ranges
         are known and before any run (docs/architecture.md, "Model delivery")."""
-        if isinstance(self.model, LocalModel) and self.model.files is not None:
+        if self.deliver and isinstance(self.model, LocalModel) and self.model.files is not None:
             self.delivered = await deliver_stages(
                 self.stages, self.model.files, self.ranges, self.emit, self.inventory.timeouts
             )
