@@ -58,8 +58,12 @@ class HostCopies:
         replies = await asyncio.gather(*(inspect(stage) for stage in asking))
         for stage, reply in zip(asking, replies, strict=True):
             if isinstance(reply, RequestFailed):
-                where = inventory.where(inventory.model_line)
-                raise PipelineError(f"model on {stage.host.name}: {reply.reason} (model.path at {where})")
+                host = stage.host
+                if host.model_path:
+                    where = f"hosts.{host.name}.model_path at {inventory.where(host.line)}"
+                else:
+                    where = f"model.path at {inventory.where(inventory.model_line)}"
+                raise PipelineError(f"model on {host.name}: {reply.reason} ({where})")
         infos = [reply for reply in replies if isinstance(reply, ModelInfo)]
         reference, reference_stage = infos[0], asking[0]
         for stage, info in zip(asking[1:], infos[1:], strict=True):
