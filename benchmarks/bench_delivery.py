@@ -18,7 +18,9 @@ and each repeat times, interleaved:
   a child process so its peak RSS during the delivery is its own; the agent's
   is read from /proc (VmHWM, reset before the transfer).
 
-Then a second delivery of the same file (the host has it: nothing is sent).
+Then a second delivery of the same file (the host has it: nothing is sent),
+and one killed halfway (the orchestrator's process SIGKILLed once the host's
+progress record vouches for half the bytes) followed by one that resumes.
 Medians of ``--repeats``; the ratio is ggufpipe's rate over OpenSSH's. The
 model and every copy are deleted at the end. Results go to
 docs/bench-delivery.md.
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -288,15 +292,59 @@ async def deliver_once(args: argparse.Namespace) -> dict[str, Any]:
         await link.close(3)
 
 
-def run_child(server: Any, model: Path, end: int, cache: Path) -> dict[str, Any]:
-    command = [
+def child_command(server: Any, model: Path, end: int, cache: Path) -> list[str]:
+    return [
         sys.executable, __file__, "--deliver", "--model", str(model), "--end", str(end),
         "--port", str(server.port), "--user", server.user, "--key", str(server.client_key),
         "--known-hosts", str(server.known_hosts), "--cache-dir", str(cache),
         "--sshd-pid", str(server.process.pid),
     ]
-    done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO)
+
+
+def run_child(server: Any, model: Path, end: int, cache: Path) -> dict[str, Any]:
+    done = subprocess.run(child_command(server, model, end, cache), check=True, capture_output=True, text=True, cwd=REPO)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def interrupt_halfway(server: Any, model: Path, end: int, cache: Path, size: int) -> tuple[int, int]:
+    """A delivery whose orchestrator is SIGKILLed once the host's progress
+    record vouches for half the stage file (its SSH connection dies with it,
+    as a lost link would). Returns (verified bytes recorded when killed,
+    verified bytes the host kept for a resume: its record once the agent let
+    go of the file; the partial file is fallocated whole, so its size says
+    nothing)."""
+    if cache.exists():
+        clear(cache)
+    child = subprocess.Popen(
+        child_command(server, model, end, cache), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO
+    )
+    deadline = time.monotonic() + 600
+    written = 0
+    try:
+        while True:
+            partials = list(cache.glob("*.partial")) if cache.exists() else []
+            with contextlib.suppress(OSError, ValueError, KeyError, IndexError):  # absent, or being replaced
+                written = int(json.loads(Path(f"{partials[0]}.json").read_text())["verified"])
+            if written >= size // 2:
+                break
+            if child.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the delivery ended before it could be interrupted halfway")
+            time.sleep(0.02)
+    finally:
+        child.kill()
+        child.wait()
+    # The receiving agent sees its connection end, writes its last record and
+    # closes the partial file, which releases its flock.
+    with partials[0].open("rb") as stream:
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(stream, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                time.sleep(0.05)
+        fcntl.flock(stream, fcntl.LOCK_UN)
+    record = json.loads(Path(f"{partials[0]}.json").read_text())
+    return written, int(record["verified"])
 
 
 def clear(directory: Path) -> None:
@@ -366,6 +414,9 @@ def main() -> int:
             cpus["synced"].append(cpu)
         again = run_child(server, model, end, cache)
         assert again["outcome"] == "cached" and again["sent"] == 0, again
+        written, kept = interrupt_halfway(server, model, end, cache, size)
+        resumed = run_child(server, model, end, cache)
+        assert resumed["outcome"] == "resumed" and resumed["sent"] == size - kept, (resumed, kept, size)
         load = os.getloadavg()[0]
     finally:
         if server is not None:
@@ -421,6 +472,11 @@ def main() -> int:
         "",
         f"A second delivery of the same file (the host has it, same digest): {again['seconds']:.2f} s, "
         f"{again['sent']} bytes sent.",
+        "",
+        f"Interrupted halfway (the orchestrator SIGKILLed, its SSH connection gone, once the host's "
+        f"progress record vouched for {written / 2**20:.0f} MiB): the host kept {kept / 2**20:.0f} MiB verified; "
+        f"the next delivery resumed there and sent {resumed['sent'] / 2**20:.0f} MiB of "
+        f"{size / 2**20:.0f} in {resumed['seconds']:.2f} s (the kept prefix re-hashed on the host first).",
         "",
         "Memory during the delivery (peak RSS above the process's RSS when it began, largest of the "
         f"repeats): the orchestrator +{peak:.0f} MiB (of {rows[-1]['rss_kib'] / 1024:.0f} MiB), the agent "
