@@ -33,6 +33,16 @@ from typing import Any, TypeVar
 
 from ggufpipe_agent.arch import check_architecture
 from ggufpipe_agent.cacheadmin import list_entries, remove_entries
+from ggufpipe_agent.deliverywire import (
+    CacheReport,
+    CacheRequest,
+    ReceiveAnswer,
+    ReceiveFailed,
+    ReceiveStage,
+    StageData,
+    StageDataEnd,
+    StageStored,
+)
 from ggufpipe_agent.errors import (
     CacheError,
     DiskFull,
@@ -43,18 +53,7 @@ from ggufpipe_agent.errors import (
 )
 from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
 from ggufpipe_agent.modelfiles import read_model_files
-from ggufpipe_agent.protocol import (
-    CacheReport,
-    CacheRequest,
-    Message,
-    ProvisionStage,
-    ReceiveAnswer,
-    ReceiveFailed,
-    ReceiveStage,
-    StageData,
-    StageDataEnd,
-    StageStored,
-)
+from ggufpipe_agent.protocol import Message, ProvisionStage
 from ggufpipe_agent.receiver import MAX_CHUNK, ReceiveStatus, StageFileReceiver
 from ggufpipe_agent.stagecache import (
     default_cache_dir,
@@ -118,6 +117,7 @@ async def serve_delivery(
         return loop.run_in_executor(executor, function, *args)
 
     _allow_whole_chunks(frames, first.offer.chunk_size)
+    writer.drain_timeout = FRAME_TIMEOUT  # an orchestrator that reads no answer is gone
     try:
         message: Message | None = first
         while message is not None:

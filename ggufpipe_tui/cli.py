@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from ggufpipe_agent import __version__
@@ -16,8 +17,10 @@ Reads INVENTORY (model, hosts, stages), starts one ggufpipe-agent per stage
 llama.cpp, and streams the generated text.
 
 Without --prompt it opens the terminal UI; with --prompt it runs headless;
-with --plan it prints the plan (each stage's layers and the memory it needs
-and has on its host) and exits without loading anything.
+with --serve HOST:PORT it serves the OpenAI API (chat completions and
+completions, streamed or not) until SIGTERM; with --plan it prints the plan
+(each stage's layers and the memory it needs and has on its host) and exits
+without loading anything.
 
 ggufpipe-tui cache INVENTORY [list | remove NAME... | remove --all | verify]
 lists, removes or verifies the stage files cached on the inventory's hosts
@@ -37,9 +40,15 @@ A host's memory: key caps the RAM the plan may use there (12GiB, 16GB,
 512MiB or bytes; stages on one host share it). See docs/planning.md."""
 
 EPILOG = """\
-in the UI: Enter runs the prompt, esc stops the generation (it keeps what it
-has), ctrl+f filters the log by stage, ctrl+r starts the pipeline again,
-ctrl+q stops every stage and quits.
+in the UI: Enter runs the prompt (the next turn of the conversation), esc stops
+the generation (it keeps what it has), ctrl+n starts a new conversation, ctrl+f
+filters the log by stage, ctrl+r starts the pipeline again, ctrl+q stops every
+stage and quits.
+
+--serve: POST /v1/chat/completions, POST /v1/completions, GET /v1/models and
+GET /health on HOST:PORT (127.0.0.1 unless told otherwise; port 0 picks one);
+requests run one at a time in order. SIGTERM finishes or stops the running
+request, tears every stage down and exits 0; a fault of the pipeline exits 1.
 
 exit status (headless): 0 the run completed, 1 the run faulted (the output so
 far is printed, the reason is the last line on stderr), 2 the pipeline could
@@ -65,6 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the plan (stages, hosts, layers, memory needed / available) and exit; "
         "connects the agents and reads the model, loads nothing",
+    )
+    serve = parser.add_argument_group("server")
+    serve.add_argument(
+        "--serve", metavar="HOST:PORT", help="serve the OpenAI API on HOST:PORT (e.g. 127.0.0.1:8080)"
+    )
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get("GGUFPIPE_API_KEY", ""),
+        help="require 'Authorization: Bearer KEY' (default: $GGUFPIPE_API_KEY; none: no key)",
+    )
+    serve.add_argument(
+        "--queue",
+        type=int,
+        default=16,
+        metavar="N",
+        help="waiting requests allowed behind the running one (16)",
     )
     group = parser.add_argument_group("run options (override the inventory's run: section)")
     group.add_argument("--max-tokens", type=int, metavar="N", help="stop after N generated tokens")
@@ -95,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "-v", "--verbose", action="store_true", help="agent logs and every state change on stderr"
     )
-    out.add_argument("--log-dir", metavar="DIR", help="where run event logs go")
+    out.add_argument(
+        "--log-dir", metavar="DIR", help="where run event logs go (0600 each; the newest 256 are kept)"
+    )
     parser.add_argument("--version", action="version", version=f"ggufpipe {__version__}")
     return parser
 
@@ -106,7 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         from ggufpipe_tui.views.cachecmd import cache_main
 
         return cache_main(given[1:])
-    args = build_parser().parse_args(given)
+    parser = build_parser()
+    args = parser.parse_args(given)
+    if args.serve is not None and args.prompt is not None:
+        parser.error("--serve and --prompt: one or the other")
+    if args.queue < 0:
+        parser.error("--queue: must not be negative")
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, stream=sys.stderr)
     from ggufpipe_tui.core.inventory import load_inventory, with_run_options
 
@@ -145,6 +178,21 @@ def main(argv: list[str] | None = None) -> int:
                 inventory,
                 args.prompt,
                 as_json=args.json,
+                verbose=args.verbose,
+                quiet=args.quiet,
+                log_dir=args.log_dir,
+            )
+        )
+    if args.serve is not None:
+        from ggufpipe_agent import aio
+        from ggufpipe_tui.views.server import run_server
+
+        return aio.run(
+            run_server(
+                inventory,
+                args.serve,
+                api_key=args.api_key,
+                queue=args.queue,
                 verbose=args.verbose,
                 quiet=args.quiet,
                 log_dir=args.log_dir,

@@ -227,3 +227,28 @@ async def test_the_tui_shows_the_stage_files_being_sent(tmp_path, model_path, no
             assert [line.split(".gguf: ")[1].split(" ")[0] for line in steps] == ["checking", "sending", "sent"], steps
         await pilot.press("ctrl+q")
         await wait_for(pilot, lambda: app.return_code is not None, 60, "the app to quit")
+
+
+async def test_a_conversation_is_tokenized_here_as_stage_0_would(tmp_path, model_path, no_agent_left):
+    """With send: true prompts are tokenized on this machine: a whole
+    conversation (Tokenize.messages, the TUI's turns and the server's chat
+    requests) renders and tokenizes exactly as stage 0's agent does it from
+    its own copy."""
+    from ggufpipe_agent.protocol import ChatMessage
+
+    turns = (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"), ChatMessage("assistant", "Hello!"),
+             ChatMessage("user", "What is 2+2?"))
+    sent = send_inventory(tmp_path, model_path, [tmp_path / "c0"])
+    own = tmp_path / "own.yaml"
+    own.write_text(sent.read_text().replace(", send: true}", "}"))
+    answers = []
+    for path in (sent, own):
+        pipeline = Pipeline(load_inventory(path), lambda event: None)
+        try:
+            await pipeline.start()
+            answers.append(await pipeline.tokenize("", True, turns))
+        finally:
+            await pipeline.close()
+    assert answers[0] == answers[1]
+    tokens, rendered = answers[0]
+    assert "What is 2+2?" in rendered and len(tokens) > 10

@@ -9,8 +9,7 @@ import io
 import pytest
 
 from ggufpipe_agent.cacheadmin import CacheEntry
-from ggufpipe_agent.identity import model_identity
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.deliverywire import (
     CacheReport,
     CacheRequest,
     ReceiveAnswer,
@@ -18,11 +17,10 @@ from ggufpipe_agent.protocol import (
     ReceiveStage,
     StageData,
     StageDataEnd,
-    StageFileRef,
     StageStored,
-    decode_message,
-    encode_message,
 )
+from ggufpipe_agent.identity import model_identity
+from ggufpipe_agent.protocol import StageFileRef, decode_message, encode_message
 from ggufpipe_agent.receiver import ReceiveStatus
 from ggufpipe_agent.sender import StageOffer
 from ggufpipe_agent.stagecache import StageKey

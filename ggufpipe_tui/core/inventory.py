@@ -40,6 +40,7 @@ class HostSpec:
     agent: str = "ggufpipe-agent"
     model_path: str = ""
     listen: str = ""
+    listen_key: str = ""  # the hand-started agent's key file on the host ("": its default)
     threads: int = 0
     gpu_layers: int = -1
     cache_dir: str = ""
@@ -78,12 +79,16 @@ class RunOptions:
 @dataclass(frozen=True, slots=True)
 class Timeouts:
     """Seconds. ``step`` bounds one decode step; a prefill gets ``step`` per
-    ubatch of prompt."""
+    ubatch of prompt. ``heartbeat``: a stage that sends nothing for that long
+    (the agents beat every heartbeat/5 s) is lost, an agent that hears
+    nothing from its orchestrator for that long ends, and no send to a stage
+    waits longer."""
 
     connect: float = 15.0
     ready: float = 600.0
     step: float = 120.0
     teardown: float = 15.0
+    heartbeat: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +256,8 @@ def _host(reader: _Reader, name: str, node: yaml.Node) -> HostSpec:
             parse_endpoint(host.listen)
         except ValueError as error:
             raise reader.fail(node, f"{key}.listen", str(error)) from None
+    elif host.listen_key:
+        raise reader.fail(node, f"{key}.listen_key", "goes with listen: (a hand-started agent)")
     if host.insecure_no_host_key_check and host.known_hosts:
         raise reader.fail(node, key, "known_hosts and insecure_no_host_key_check exclude each other")
     return host
@@ -340,7 +347,7 @@ def parse_inventory(text: str, path: Path) -> Inventory:
         send=send,
     )
     check_run_options(inventory.run, lambda key, message: _run_error(top.get("run"), reader, key, message))
-    for name in ("connect", "ready", "step", "teardown"):
+    for name in ("connect", "ready", "step", "teardown", "heartbeat"):
         if getattr(timeouts, name) <= 0:
             node = top.get("timeouts")
             raise reader.fail(node, f"timeouts.{name}", "must be positive")

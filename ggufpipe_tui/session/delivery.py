@@ -40,20 +40,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from ggufpipe_agent.errors import GgufpipeError, ProtocolError
-from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
-from ggufpipe_agent.modelfiles import ModelFiles
-from ggufpipe_agent.protocol import (
-    Message,
+from ggufpipe_agent.deliverywire import (
     ReceiveAnswer,
     ReceiveFailed,
     ReceiveStage,
     StageData,
     StageDataEnd,
-    StageFileRef,
     StageStored,
-    encode_message,
 )
+from ggufpipe_agent.errors import GgufpipeError, ProtocolError
+from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
+from ggufpipe_agent.modelfiles import ModelFiles
+from ggufpipe_agent.protocol import Message, StageFileRef, encode_message
 from ggufpipe_agent.sender import StageChunk, StageSender
 from ggufpipe_tui.core.events import Emit, StageDelivery
 from ggufpipe_tui.core.inventory import Timeouts

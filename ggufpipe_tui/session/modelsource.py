@@ -19,9 +19,18 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.identity import ModelIdentity, describe_difference, model_identity
 from ggufpipe_agent.modelfiles import ModelFiles, read_model_files
-from ggufpipe_agent.protocol import Inspect, ModelFacts, ModelInfo, RequestFailed, Tokenize, Tokenized
+from ggufpipe_agent.protocol import (
+    ChatMessage,
+    Inspect,
+    ModelFacts,
+    ModelInfo,
+    RequestFailed,
+    Tokenize,
+    Tokenized,
+)
 from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.session.stages import PipelineError, StageHandle
 
@@ -86,10 +95,12 @@ class HostCopies:
                 "the same model file, or let ggufpipe send each host its stage (model: {send: true})"
             )
 
-    async def tokenize(self, text: str, chat: bool) -> tuple[list[int], str]:
+    async def tokenize(
+        self, text: str, chat: bool, messages: tuple[ChatMessage, ...] = ()
+    ) -> tuple[list[int], str]:
         stage = self.stages[0]
         path = self.inventory.model_path_for(stage.host)
-        reply = await stage.request(lambda rid: Tokenize(rid, path, text, chat), 60.0)
+        reply = await stage.request(lambda rid: Tokenize(rid, path, text, chat, messages), 60.0)
         if isinstance(reply, RequestFailed):
             raise PipelineError(f"tokenizing on {stage.host.name}: {reply.reason}")
         assert isinstance(reply, Tokenized)
@@ -109,10 +120,12 @@ def _read_local(path: str) -> tuple[ModelRead, ModelFiles]:
     return read, files
 
 
-def _tokenize_local(path: str, template: str, text: str, chat: bool) -> tuple[list[int], str]:
+def _tokenize_local(
+    path: str, template: str, text: str, chat: bool, messages: tuple[ChatMessage, ...]
+) -> tuple[list[int], str]:
     from ggufpipe_agent.vocab import vocabulary
 
-    tokens, rendered = vocabulary(path).prompt_tokens(template, text, chat)
+    tokens, rendered = vocabulary(path).prompt_tokens(template, text, chat, messages)
     return list(tokens), rendered
 
 
@@ -126,8 +139,6 @@ class LocalModel:
         self.facts: ModelFacts | None = None
 
     async def read(self, timeout: float) -> ModelRead:
-        from ggufpipe_agent.errors import GgufpipeError
-
         try:
             read, self.files = await asyncio.to_thread(_read_local, self.path)
         except GgufpipeError as error:
@@ -136,10 +147,17 @@ class LocalModel:
         self.facts = read.facts
         return read
 
-    async def tokenize(self, text: str, chat: bool) -> tuple[list[int], str]:
+    async def tokenize(
+        self, text: str, chat: bool, messages: tuple[ChatMessage, ...] = ()
+    ) -> tuple[list[int], str]:
         assert self.facts is not None, "read the model first"
         facts = self.facts
-        return await asyncio.to_thread(_tokenize_local, facts.path, facts.chat_template, text, chat)
+        try:
+            return await asyncio.to_thread(
+                _tokenize_local, facts.path, facts.chat_template, text, chat, messages
+            )
+        except GgufpipeError as error:  # a template that fails, a conversation without one
+            raise PipelineError(f"tokenizing on this machine: {error}") from None
 
 
 ModelSource = HostCopies | LocalModel

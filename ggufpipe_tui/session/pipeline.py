@@ -21,11 +21,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ggufpipe_agent.arch import check_architecture, check_plan
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.protocol import (
+    ChatMessage,
     Message,
     ModelFacts,
     Refused,
@@ -45,7 +47,7 @@ from ggufpipe_tui.core.events import (
     RunFinished,
     RunResult,
 )
-from ggufpipe_tui.core.inventory import HostSpec, Inventory
+from ggufpipe_tui.core.inventory import HostSpec, Inventory, RunOptions
 from ggufpipe_tui.core.placement import Placement, place_stages
 from ggufpipe_tui.core.plan import PlanError, RunPlan, build_plan, new_run_id, validate_plan
 from ggufpipe_tui.dataplane import DataPlane, DataPlaneEvents
@@ -169,6 +171,7 @@ class Pipeline:
                 raise first
             raise PipelineError(f"starting the agents failed: {first!r}") from first
         for stage in self.stages:
+            stage.start_heartbeat(self.tasks, inventory.timeouts.heartbeat)
             self.tasks.spawn(stage.read_control(), f"control reader of stage {stage.index}")
         try:
             await self._inspect()
@@ -213,10 +216,16 @@ class Pipeline:
                 self.stages, self.model.files, self.ranges, self.emit, self.inventory.timeouts
             )
 
-    async def tokenize(self, text: str, chat: bool) -> tuple[list[int], str]:
+    async def tokenize(
+        self, text: str, chat: bool, messages: Sequence[ChatMessage] = ()
+    ) -> tuple[list[int], str]:
+        """A prompt's tokens and the text they came from: ``text`` (through the
+        chat template when ``chat``) or a whole conversation (``messages``,
+        through the chat template); by stage 0's agent, or here with
+        ``send: true`` (session/modelsource.py)."""
         if self.model is None:
             raise PipelineError("the pipeline is not running")
-        return await self.model.tokenize(text, chat)
+        return await self.model.tokenize(text, chat, tuple(messages))
 
     # --------------------------------------------------------------- runs
 
@@ -237,19 +246,21 @@ class Pipeline:
         """Until the session serves no more prompts; returns why (a fault)."""
         return await self.queue.wait_stopped()
 
-    def make_plan(self) -> RunPlan:
+    def make_plan(self, options: RunOptions | None = None) -> RunPlan:
+        """A new run's plan; ``options``: run options other than the inventory's."""
         assert self.facts is not None
-        plan = build_plan(self.inventory, self.facts, self.ranges, new_run_id(), placement=self.placement)
+        inventory = self.inventory if options is None else replace(self.inventory, run=options)
+        plan = build_plan(inventory, self.facts, self.ranges, new_run_id(), placement=self.placement)
         files: dict[int, StageFileRef] = {done.stage: done.ref for done in self.delivered}
         return with_stage_files(plan, files)
 
-    async def prepare_run(self) -> RunDriver:
+    async def prepare_run(self, options: RunOptions | None = None) -> RunDriver:
         """Plan, provision and load a run that waits for its prompt."""
         if self.closing or self.data is None:
             raise PipelineError("the pipeline is not running")
         if self.driver is not None and not self.driver.done.is_set():
             raise PipelineError("a run is already active")
-        plan = self.make_plan()
+        plan = self.make_plan(options)
         driver = RunDriver(
             plan,
             self.stages,
@@ -279,8 +290,11 @@ class Pipeline:
         """From now on the run's events also go to ``handle``."""
         self._handles[driver.plan.run_id] = handle
 
-    async def run_prompt(self, driver: RunDriver, tokens: list[int], submitted: float) -> RunResult:
-        """Give a prepared run its prompt and wait for its end."""
+    async def run_prompt(
+        self, driver: RunDriver, tokens: list[int], submitted: float, max_tokens: int = 0
+    ) -> RunResult:
+        """Give a prepared run its prompt and wait for its end; ``max_tokens``
+        > 0: this prompt's limit instead of the plan's."""
         limit = driver.plan.model.max_seq_len
         if len(tokens) >= limit:
             driver.stop("prompt too long")
@@ -289,7 +303,7 @@ class Pipeline:
                 f"the prompt is {len(tokens)} tokens, the context holds {limit} "
                 "(raise run.context or --context)"
             )
-        driver.give_prompt(tokens, submitted)
+        driver.give_prompt(tokens, submitted, max_tokens)
         await driver.done.wait()
         assert driver.result is not None
         return driver.result
@@ -308,7 +322,10 @@ class Pipeline:
             ):
                 # The stage will never become ready: say why now, not at the readiness timeout.
                 reason = f"{stage.label} refused {message.what}: {message.reason}"
-                driver.feed(fsm.StageFaultEvent(stage.index, reason))
+                if message.what == "ProvisionStage":
+                    driver.provision_refused(stage.index, reason)
+                else:
+                    driver.feed(fsm.StageFaultEvent(stage.index, reason))
             return
         run_id = getattr(message, "run_id", None)
         if driver is None or run_id != driver.plan.run_id:
@@ -334,8 +351,11 @@ class Pipeline:
             self.broken = reason
         self.emit(Notice("error", reason))
         stage.fail_requests(reason)
-        if self.driver is not None:
+        if self.driver is not None and not self.driver.done.is_set():
             self.driver.feed(fsm.StageLost(stage.index, reason))
+        else:
+            # Between runs (no run to fault): the session can serve no more.
+            self.queue.stop(reason)
 
     def _edge_fault(self, reason: str) -> None:
         if not self.broken:

@@ -4,7 +4,8 @@ closed when its last stage releases it).
 
 Host keys are checked against known_hosts unless the inventory says
 ``insecure_no_host_key_check: true``; ~/.ssh/config and ssh-agent apply as
-they do for ``ssh``.
+they do for ``ssh``, except that ``UserKnownHostsFile none`` there (which
+asyncssh takes as "check nothing") is refused instead of obeyed.
 """
 
 from __future__ import annotations
@@ -174,8 +175,28 @@ def _check_files(host: HostSpec) -> None:
                 )
 
 
-def _known_hosts_name(host: HostSpec) -> str:
-    return ", ".join(host.known_hosts) if host.known_hosts else "~/.ssh/known_hosts"
+def known_hosts_in_use(host: HostSpec, options: dict[str, Any]) -> list[str] | None:
+    """The known_hosts files asyncssh will check this host's key against, as
+    its own option parsing decides (the inventory, else ~/.ssh/config's
+    UserKnownHostsFile and GlobalKnownHostsFile, else ~/.ssh/known_hosts);
+    None when it will check nothing."""
+    settings = {key: options[key] for key in ("port", "username", "known_hosts") if key in options}
+    parsed = asyncssh.SSHClientConnectionOptions(config=(), host=host.address, **settings)
+    known: Any = parsed.known_hosts  # here: None, or file names from the inventory or the config
+    if known is None:
+        return None
+    names = [known] if isinstance(known, str) else list(known)
+    files = [os.path.expanduser(str(name)) for name in names]
+    return files or [os.path.expanduser("~/.ssh/known_hosts")]
+
+
+def _refuse_unchecked(host: HostSpec, where: str) -> None:
+    raise TransportError(
+        f"{where}: ~/.ssh/config says UserKnownHostsFile none for it, which turns host key checking "
+        "off: anyone on the network path could pose as the host and read prompts and outputs. "
+        "Remove that line (or give known_hosts: in the host entry); to connect without checking "
+        f"anyway, say insecure_no_host_key_check: true for {host.name} in the inventory"
+    )
 
 
 async def _connect(host: HostSpec, timeout: float, entry: PooledConnection) -> asyncssh.SSHClientConnection:
@@ -188,15 +209,20 @@ async def _connect(host: HostSpec, timeout: float, entry: PooledConnection) -> a
             "anyone on the network path can impersonate it and see prompts and outputs",
             where,
         )
+    options = connect_options(host, timeout)
     try:
-        connecting = asyncssh.connect(
-            host.address, client_factory=lambda: _Client(entry), **connect_options(host, timeout)
-        )
+        known_hosts = known_hosts_in_use(host, options)
+    except (ValueError, OSError, asyncssh.Error) as error:
+        raise TransportError(f"{where}: cannot read the SSH settings for it: {error}") from None
+    if known_hosts is None and not host.insecure_no_host_key_check:
+        _refuse_unchecked(host, where)
+    try:
+        connecting = asyncssh.connect(host.address, client_factory=lambda: _Client(entry), **options)
         return await asyncio.wait_for(connecting, timeout)
     except asyncssh.HostKeyNotVerifiable as error:
         raise TransportError(
             f"{where}: host key verification failed ({error.reason}); its key is missing from or "
-            f"does not match {_known_hosts_name(host)}. Check the host's key fingerprint out of band "
+            f"does not match {', '.join(known_hosts or ())}. Check the host's key fingerprint out of band "
             "and add it there (or set known_hosts: in the host entry); a changed key can mean "
             "someone is impersonating the host"
         ) from None

@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass
 from typing import IO
 
 from ggufpipe_agent.cacheadmin import CacheEntry
+from ggufpipe_agent.deliverywire import CacheReport, CacheRequest
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.protocol import CacheReport, CacheRequest, RequestFailed, Shutdown
+from ggufpipe_agent.protocol import RequestFailed, Shutdown
 from ggufpipe_tui.core.inventory import HostSpec, Inventory
 from ggufpipe_tui.views.format import format_bytes
 

@@ -49,6 +49,13 @@ STAGE_STYLES = {
     "Stopped": "grey58",
     "Lost": "bold white on red3",  # not an FSM state: the agent process is gone
 }
+#: What a long session keeps: the newest exchanges in the transcript (older
+#: ones scroll out, their widgets unmounted), run records, and each stage's
+#: state history. The log pane keeps its own last lines (widgets.LogPane).
+MAX_EXCHANGES = 200
+MAX_RUNS = 200
+MAX_HISTORY = 64
+
 PHASE_STYLES = {
     "Connecting": "bold black on yellow",
     "Planning": "bold black on yellow",
@@ -146,13 +153,15 @@ class ViewState:
         self.exchanges: dict[int, ExchangeView] = {}  # by run id
         self.tickets: dict[int, ExchangeView] = {}  # submitted, by the session's ticket
         self.runs: dict[int, RunStats] = {}
-        self.results: list[RunResult] = []
+        self.results: deque[RunResult] = deque(maxlen=MAX_RUNS)
+        self.shown: deque[ExchangeView] = deque()  # in the transcript, oldest first
         self.latest: RunStats | None = None
         self.agent_pids: dict[int, int] = {}
         self._load_detail: dict[int, str] = {}
         # What the screen has to catch up with (drained by the app).
         self.log: deque[tuple[int | None, Text]] = deque()
         self.mount: list[ExchangeView] = []
+        self.unmount: list[ExchangeView] = []  # scrolled out of a long session
         self.touched: dict[int, ExchangeView] = {}
         self.dirty = True  # the stage table and the status line
         self._handlers: dict[type, Callable[[Any, float], None]] = {
@@ -208,7 +217,7 @@ class ViewState:
         row = self.rows[stage]
         if row.connected and row.state != "Lost":
             row.state, row.fault = "Lost", f"agent gone {status}".strip()
-            row.history.append("Lost")
+            self._record(row, "Lost")
             self.dirty = True
 
     def submitted(self, text: str) -> ExchangeView:
@@ -223,6 +232,35 @@ class ViewState:
         if not view.shown:
             view.shown = True
             self.mount.append(view)
+            self.shown.append(view)
+            self._scroll_out()
+
+    def _scroll_out(self) -> None:
+        """Past MAX_EXCHANGES, the oldest finished exchanges leave the
+        transcript (and the state): a long session stays the same size."""
+        excess = len(self.shown) - MAX_EXCHANGES
+        if excess <= 0:
+            return
+        kept: deque[ExchangeView] = deque()
+        for old in self.shown:
+            if excess <= 0 or not old.finished:  # one still running (or waiting) stays
+                kept.append(old)
+                continue
+            excess -= 1
+            if old.run_id is not None and self.exchanges.get(old.run_id) is old:
+                del self.exchanges[old.run_id]
+            self.touched.pop(id(old), None)
+            if old in self.mount:
+                self.mount.remove(old)  # never drawn: nothing to unmount
+            else:
+                self.unmount.append(old)
+        self.shown = kept
+
+    @staticmethod
+    def _record(row: StageRow, state: str) -> None:
+        row.history.append(state)
+        if len(row.history) > MAX_HISTORY:
+            del row.history[: len(row.history) - MAX_HISTORY]
 
     # ------------------------------------------------------------- events
 
@@ -274,6 +312,8 @@ class ViewState:
         if event.phase == "Running":
             stats = RunStats(event.run_id, started=now)
             self.runs[event.run_id] = self.latest = stats
+            while len(self.runs) > MAX_RUNS:
+                del self.runs[next(iter(self.runs))]
             for row in self.rows:
                 row.counters, row.activity = None, 0
         line = Text(f"run {event.run_id:016x} → ")
@@ -286,7 +326,7 @@ class ViewState:
     def _stage_state(self, event: StageStateChanged, now: float) -> None:
         row = self.rows[event.stage]
         row.state = event.state
-        row.history.append(event.state)
+        self._record(row, event.state)
         if event.state == "Preparing":
             row.load_fraction, row.fault = None, ""
             self._load_detail.pop(event.stage, None)
@@ -352,6 +392,7 @@ class ViewState:
         if view is not None:
             view.finished, view.summary = True, summary
             self.touched[id(view)] = view
+            self._scroll_out()
         line = Text(f"run {result.run_id:016x} {result.outcome}", style=style)
         self.note(None, line + Text(f": {result.failure}" if result.failure else f": {summary.plain}"))
         if result.log_path:
