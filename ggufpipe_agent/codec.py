@@ -1,7 +1,9 @@
 """What the control protocol's decoder builds messages with, apart from
-msgpack itself (which only :mod:`ggufpipe_agent.protocol` calls): frozen
-dataclasses to plain maps and lists and back, checked field by field, and
-the bounds each message type is decoded under."""
+msgpack itself (which only :mod:`ggufpipe_agent.protocol` calls): the
+:class:`Message` base and its registry of tags, frozen dataclasses to plain
+maps and lists and back, checked field by field, and the bounds each message
+type is decoded under. The base is here, below both modules that define
+messages (:mod:`ggufpipe_agent.protocol`, :mod:`ggufpipe_agent.deliverywire`)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,28 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from ggufpipe_agent.errors import ProtocolError
+
+#: Every control message type by its tag (its class name).
+REGISTRY: dict[str, type[Message]] = {}
+
+
+class Message:
+    """Base of every control message; subclasses register under their class name."""
+
+    __slots__ = ()
+    tag: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.tag = cls.__name__
+        existing = REGISTRY.get(cls.tag)
+        # dataclass(slots=True) builds the class a second time; that is no clash.
+        if existing is not None and existing.__qualname__ != cls.__qualname__:
+            raise TypeError(f"duplicate control message tag {cls.tag}")
+        REGISTRY[cls.tag] = cls
 
 
 def to_plain(value: Any, text_bytes: bool = False) -> Any:
@@ -108,7 +129,12 @@ class Bounds:
 #: pieces and a chat template (ModelInfo), a prompt's text, tokens and turns.
 SMALL = Bounds()
 BOUNDS: dict[str, Bounds] = {
-    "ModelInfo": Bounds(str_len=16 << 20, bin_len=1 << 16, array_len=1 << 21),
+    # The model identity (ModelInfo.identity) is a map per metadata key and a
+    # map and a shape list per tensor: 1 << 16 holds ~30,000 tensors (the
+    # largest models have ~2,000), and is ~4 MiB of dicts at most.
+    "ModelInfo": Bounds(str_len=16 << 20, bin_len=1 << 16, array_len=1 << 21, containers=1 << 16),
+    # A host's stage cache, one map per entry (ggufpipe-tui cache).
+    "CacheReport": Bounds(array_len=1 << 16, containers=(1 << 16) + 8),
     # A conversation: one map per message (a long chat or an API client's
     # history of thousands of turns is still far below 1 MiB per thousand).
     "Tokenize": Bounds(str_len=32 << 20, array_len=1 << 16, containers=(1 << 16) + 8),

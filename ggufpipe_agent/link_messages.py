@@ -1,13 +1,14 @@
 """The direct links' control messages (docs/rings.md, :mod:`ggufpipe_agent.links`):
 set up by the orchestrator over each stage's control stream, then the first
-frame on a link and its end. Import them from :mod:`ggufpipe_agent.protocol`,
-which registers them for every decoder."""
+frame on a link and its end: control messages like every other
+(:class:`ggufpipe_agent.codec.Message`, registered by class name, encoded and
+decoded only by :mod:`ggufpipe_agent.protocol`, which re-exports them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ggufpipe_agent.protocol import Message
+from ggufpipe_agent.codec import Message
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,20 +16,48 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, ClassVar
 
 import msgpack
 
 from ggufpipe_agent.codec import (  # noqa: F401 - to_plain, Bounds, BOUNDS are this module's API too
     BOUNDS,
     HEAD_LIMITS,
+    REGISTRY,
     SMALL,
     Bounds,
     ContainerCount,
+    Message,
     build,
     to_plain,
 )
+
+# The messages of model delivery and of the stage cache are defined in their
+# own module (to keep this one readable); they are this module's names too.
+from ggufpipe_agent.deliverywire import (  # noqa: F401
+    CacheReport,
+    CacheRequest,
+    ReceiveAnswer,
+    ReceiveFailed,
+    ReceiveStage,
+    StageData,
+    StageDataEnd,
+    StageStored,
+)
 from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.identity import ModelIdentity
+
+# The direct links' messages likewise (docs/rings.md).
+from ggufpipe_agent.link_messages import (  # noqa: F401
+    LinkAttach,
+    LinkConnect,
+    LinkConnected,
+    LinkCredentials,
+    LinkDown,
+    LinkEdge,
+    LinkListen,
+    LinkListening,
+)
+from ggufpipe_agent.stagecache import StageKey
 
 CONTROL_MAGIC = b"GPCM"
 _PREFIX = struct.Struct("<4sI")
@@ -38,23 +66,7 @@ CONTROL_PREFIX_SIZE = _PREFIX.size
 #: a few hundred thousand pieces. Anything bigger is a broken or hostile peer.
 MAX_CONTROL_BYTES = 64 * 1024 * 1024
 
-_REGISTRY: dict[str, type[Message]] = {}
-
-
-class Message:
-    """Base of every control message; subclasses register under their class name."""
-
-    __slots__ = ()
-    tag: ClassVar[str]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.tag = cls.__name__
-        existing = _REGISTRY.get(cls.tag)
-        # dataclass(slots=True) builds the class a second time; that is no clash.
-        if existing is not None and existing.__qualname__ != cls.__qualname__:
-            raise TypeError(f"duplicate control message tag {cls.tag}")
-        _REGISTRY[cls.tag] = cls
+_REGISTRY = REGISTRY  # every message type by its tag, wherever it is defined
 
 
 # --------------------------------------------------------------------------- #
@@ -239,6 +251,17 @@ class StepCounters:
         return self.total_ms / self.steps if self.steps else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class StageFileRef:
+    """A stage file the orchestrator delivered to the host's cache: found there
+    by its key (never by a path from the wire) and used only when its sidecar
+    says it holds exactly ``size`` bytes of digest ``digest``."""
+
+    key: StageKey
+    size: int
+    digest: str
+
+
 # --------------------------------------------------------------------------- #
 # Agent -> orchestrator
 
@@ -267,6 +290,7 @@ class ModelInfo(Message):
     request_id: int
     facts: ModelFacts
     pieces: tuple[bytes, ...]  # token id -> bytes, empty unless asked
+    identity: ModelIdentity | None = None  # what hosts compare (docs/model-delivery.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,6 +400,9 @@ class ProvisionStage(Message):
     engine: EngineOptions
     sampling: SamplingParams
     ring: TokenRingProvision | None = None  # None: the orchestrator feeds tokens back
+    # Set when the orchestrator sent the stage file (model send: true): the
+    # stage loads that cache entry and never reads gguf_source.
+    stage_file: StageFileRef | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -526,17 +553,3 @@ def decode_message(frame: bytes) -> Message:
     if len(frame) != CONTROL_PREFIX_SIZE + length:
         raise ProtocolError(f"control frame says {length} bytes, has {len(frame) - CONTROL_PREFIX_SIZE}")
     return decode_payload(frame[CONTROL_PREFIX_SIZE:])
-
-
-# The direct links' messages live in their own module (this one would grow
-# past its size); importing them here registers them for every decoder.
-from ggufpipe_agent.link_messages import (  # noqa: E402, F401 - this module's API too
-    LinkAttach,
-    LinkConnect,
-    LinkConnected,
-    LinkCredentials,
-    LinkDown,
-    LinkEdge,
-    LinkListen,
-    LinkListening,
-)

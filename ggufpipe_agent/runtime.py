@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufpipe_agent import objects
+from ggufpipe_agent.deliverywire import CacheRequest, ReceiveStage
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
 from ggufpipe_agent.heartbeat import Silence
@@ -285,7 +286,7 @@ class Session:
             await self.provision(message)
         elif isinstance(message, StopRun):
             await self.stop_run(message)
-        elif isinstance(message, Inspect | Tokenize):
+        elif isinstance(message, Inspect | Tokenize | CacheRequest):
             self.tasks.spawn(self.answer(message), f"answer to {message.tag}")
         elif isinstance(message, LinkListen | LinkConnect):
             self.tasks.spawn(self.link_request(message), f"answer to {message.tag}")
@@ -300,10 +301,10 @@ class Session:
         else:
             self.refuse(message.tag, "not a message an orchestrator sends to an agent")
 
-    async def answer(self, request: Inspect | Tokenize) -> None:
+    async def answer(self, request: Inspect | Tokenize | CacheRequest) -> None:
         loop = asyncio.get_running_loop()
         try:
-            reply = await loop.run_in_executor(self.agent.helper, _answer, request)
+            reply = await loop.run_in_executor(self.agent.helper, _answer, request, self.agent.cache_dir)
         except GgufpipeError as error:
             reply = RequestFailed(request.request_id, str(error))
         except Exception as error:  # noqa: BLE001 - a boundary: report, don't crash
@@ -415,6 +416,12 @@ class Session:
                 return "it was closed"
             if isinstance(frame, OpenEdge):
                 await self.open_edge(frame, outbound, from_link=peer >= 0)
+            elif isinstance(frame, ReceiveStage) and peer < 0:
+                # A delivery connection (model send: true): a stage file, not edges.
+                from ggufpipe_agent.delivery import serve_delivery
+
+                await serve_delivery(frame, frames, outbound, self.agent.cache_dir)
+                return "the stage file was delivered"
             elif isinstance(frame, Message):
                 self.refuse(frame.tag, f"not a message for the {what}")
             else:
@@ -504,19 +511,26 @@ class Session:
         return f"unknown run id {run_id:016x}"
 
 
-def _answer(request: Inspect | Tokenize) -> Message:
-    """Inspect and Tokenize, in a helper thread (vocabulary loads take a moment)."""
+def _answer(request: Inspect | Tokenize | CacheRequest, cache_dir: Path | None) -> Message:
+    """Inspect, Tokenize and CacheRequest, in a helper thread (vocabulary
+    loads take a moment)."""
     from ggufpipe_agent.model import read_model_facts
     from ggufpipe_agent.vocab import vocabulary
 
+    if isinstance(request, CacheRequest):
+        from ggufpipe_agent.delivery import answer_cache_request
+
+        return answer_cache_request(cache_dir, request)
     facts = read_model_facts(request.path)
     if isinstance(request, Inspect):
+        from ggufpipe_agent.identity import model_identity
+
         pieces: tuple[bytes, ...] = ()
         if request.vocabulary:
             vocab = vocabulary(facts.path)
             pieces = vocab.pieces()
             facts = replace(facts, eog_token_ids=vocab.eog_tokens())
-        return ModelInfo(request.request_id, facts, pieces)
+        return ModelInfo(request.request_id, facts, pieces, model_identity(facts.path))
     vocab = vocabulary(facts.path)
     tokens, rendered = vocab.prompt_tokens(facts.chat_template, request.text, request.chat, request.messages)
     return Tokenized(request.request_id, tuple(tokens), rendered)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from ggufpipe_agent import objects
+from ggufpipe_agent.errors import CacheError
 from ggufpipe_agent.protocol import ProvisionStage
 
 #: Bounds on what a provision may ask for: far above any real model, far
@@ -75,6 +76,13 @@ def _field_problem(p: ProvisionStage) -> str:
         return f"top_p {sampling.top_p} is not a finite number"
     if not 0 <= sampling.top_k < 1 << 31:
         return f"top_k {sampling.top_k} is out of range"
+    if p.stage_file is not None:  # model send: true (the entry itself is checked as it loads)
+        try:
+            p.stage_file.key.check()
+        except CacheError as error:
+            return str(error)
+        if not 0 < p.stage_file.size < 1 << 62:
+            return f"stage file size {p.stage_file.size} is out of range"
     return ""
 
 

@@ -110,14 +110,27 @@ class Inventory:
     stages: tuple[StageSpec, ...]
     run: RunOptions = field(default_factory=RunOptions)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    # model.send: the model lies on this machine (model_path, relative to the
+    # inventory's folder) and each stage host is sent its stage file.
+    send: bool = False
 
     def where(self, line: int) -> str:
         return f"{self.path}:{line}"
 
+    def local_model_path(self) -> str:
+        """The model path on this machine (``send: true``), relative to the
+        inventory's folder when relative."""
+        expanded = os.path.expanduser(self.model_path)
+        if not os.path.isabs(expanded):
+            expanded = str((self.path.parent / expanded).resolve())
+        return expanded
+
     def model_path_for(self, host: HostSpec) -> str:
         """The model path as seen on ``host``. A relative path on a local host
         is relative to the inventory's folder; on an SSH host, to the login
-        directory there."""
+        directory there. With ``send: true`` the one path is this machine's."""
+        if self.send:
+            return self.local_model_path()
         chosen = host.model_path or self.model_path
         if host.local:
             expanded = os.path.expanduser(chosen)
@@ -301,10 +314,11 @@ def parse_inventory(text: str, path: Path) -> Inventory:
         if required not in top:
             raise reader.fail(root, required, "missing")
 
-    model = reader.mapping(top["model"], "model", ("path",))
+    model = reader.mapping(top["model"], "model", ("path", "send"))
     if "path" not in model:
         raise reader.fail(top["model"], "model.path", "missing")
     model_path = reader.scalar(model["path"], "model.path", str)
+    send = reader.scalar(model["send"], "model.send", bool) if "send" in model else False
 
     host_nodes = reader.mapping(top["hosts"], "hosts", tuple(_names(top["hosts"])))
     if not host_nodes:
@@ -314,6 +328,15 @@ def parse_inventory(text: str, path: Path) -> Inventory:
     if data not in DATA_MODES:
         raise reader.fail(top["data"], "data", f"must be one of {', '.join(DATA_MODES)}")
     hosts = {name: replace(host, data=host.data or data) for name, host in hosts.items()}
+    if send:
+        for name, node in host_nodes.items():
+            if hosts[name].model_path:
+                raise reader.fail(
+                    node,
+                    f"hosts.{name}.model_path",
+                    "has no use with model.send: true (the model is read on this machine and each "
+                    "host is sent its stage file); remove one of the two",
+                )
 
     stage_root = top["stages"]
     if not isinstance(stage_root, yaml.SequenceNode) or not stage_root.value:
@@ -337,6 +360,7 @@ def parse_inventory(text: str, path: Path) -> Inventory:
         stages=stages,
         run=run,
         timeouts=timeouts,
+        send=send,
     )
     check_run_options(inventory.run, lambda key, message: _run_error(top.get("run"), reader, key, message))
     for name in ("connect", "ready", "step", "teardown", "heartbeat"):

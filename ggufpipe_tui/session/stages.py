@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ggufpipe_agent.deliverywire import CacheReport
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter
 from ggufpipe_agent.heartbeat import Silence
@@ -33,7 +34,7 @@ from ggufpipe_tui.core.inventory import HostSpec
 from ggufpipe_tui.transports.link import AgentLink, TransportError
 
 #: Replies that answer a request by its request_id.
-REPLIES = (ModelInfo, Tokenized, RequestFailed, LinkListening, LinkConnected)
+REPLIES = (ModelInfo, Tokenized, RequestFailed, CacheReport, LinkListening, LinkConnected)
 #: How long a control message may take to be written before heartbeats
 #: (and timeouts.heartbeat) apply.
 DEFAULT_SEND_TIMEOUT = 30.0

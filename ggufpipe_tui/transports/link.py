@@ -65,6 +65,8 @@ class AgentLink:
 
     @property
     def label(self) -> str:
+        if self.stage < 0:  # an agent for something else than a stage (ggufpipe-tui cache)
+            return f"agent on {self.host.name} ({self.host.where})"
         return f"stage {self.stage} on {self.host.name} ({self.host.where})"
 
     def _task_failed(self, name: str, error: BaseException) -> None:

@@ -31,6 +31,7 @@ from ggufpipe_tui.core.events import (
     RunFinished,
     RunPhaseChanged,
     RunResult,
+    StageDelivery,
     StageLoadProgress,
     StageStateChanged,
     StageStats,
@@ -87,6 +88,7 @@ class StageRow:
     load_detail: str = ""
     load_fraction: float | None = None
     counters: StepCounters | None = None
+    delivery: StageDelivery | None = None  # sending its stage file (model send: true)
     activity: int = 0  # StageStats received while the run is running
     history: list[str] = field(default_factory=list)  # every state it passed through
 
@@ -172,6 +174,7 @@ class ViewState:
             RunPhaseChanged: self._phase,
             StageStateChanged: self._stage_state,
             StageLoadProgress: self._load,
+            StageDelivery: self._delivery,
             StageStats: self._stats,
             RunFinished: self._finished,
             Notice: self._notice,
@@ -198,7 +201,7 @@ class ViewState:
         self.run_id, self.run_phase = None, None
         for row in self.rows:
             row.state, row.connected, row.fault, row.load_fraction = "Unprovisioned", False, "", None
-            row.counters, row.activity = None, 0
+            row.counters, row.activity, row.delivery = None, 0, None
             row.history.clear()
         self.agent_pids.clear()
         self.dirty = True
@@ -350,6 +353,15 @@ class ViewState:
             self.note(event.stage, Text(f"stage {event.stage}: {event.detail}", style="grey70"))
         self.dirty = True
 
+    def _delivery(self, event: StageDelivery, now: float) -> None:
+        row = self.rows[event.stage]
+        before = row.delivery
+        row.delivery = event
+        if before is None or before.state != event.state:  # the log gets each step, not each update
+            line = f"stage {event.stage}: {event.name}: {fmt.delivery_line(event)}"
+            self.note(event.stage, Text(line, style="bold" if event.state == "done" else "grey70"))
+        self.dirty = True
+
     def _stats(self, event: StageStats, now: float) -> None:
         row = self.rows[event.stage]
         row.counters = event.counters
@@ -401,6 +413,10 @@ class ViewState:
     def hint(self, now: float) -> str:
         n = len(self.rows)
         if self.session_phase == "Connecting":
+            sending = [row.delivery for row in self.rows if row.delivery is not None]
+            if sending and any(d.state != "done" for d in sending):
+                done, size = sum(d.done for d in sending), sum(d.size for d in sending)
+                return f"sending stage files · {fmt.format_bytes(done)} of {fmt.format_bytes(size)}"
             connected = sum(row.connected for row in self.rows)
             return f"{connected}/{n} agents up · {fmt.format_seconds(now - self.session_started)}"
         if self.session_phase == "Closing":
