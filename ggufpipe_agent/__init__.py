@@ -10,4 +10,5 @@ __version__ = "0.1.0"
 
 #: Bumped whenever a control message or the object record layout changes in a
 #: way an older peer cannot read. The orchestrator refuses a mismatched agent.
-PROTOCOL_VERSION = 1
+#: 2: positions in the object header, prefix reuse in ProvisionStage and StageReady.
+PROTOCOL_VERSION = 2

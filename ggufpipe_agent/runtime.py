@@ -411,6 +411,9 @@ def validate_provision(message: ProvisionStage) -> str:
         return f"layers [{p.layer_start}, {p.layer_end_exclusive}) is empty or reversed"
     if p.engine.n_ctx < p.model.max_seq_len:
         return f"context {p.engine.n_ctx} is shorter than max_seq_len {p.model.max_seq_len}"
+    offer = p.reuse
+    if offer.run_id < 0 or offer.run_id == p.run_id or not 0 <= offer.positions <= p.model.max_seq_len:
+        return f"a prefix offer of {offer.positions} positions of run {offer.run_id:x} is out of bounds"
     return ""
 
 

@@ -5,12 +5,14 @@ part by feeding their messages back. No processes, no llama.cpp."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 from ggufpipe_agent.protocol import (
     Message,
     ModelFacts,
+    PrefixHeld,
     ProvisionStage,
     StageProgress,
     StageReady,
@@ -22,6 +24,7 @@ from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core.events import Event
 from ggufpipe_tui.core.inventory import Inventory, Timeouts, parse_inventory
 from ggufpipe_tui.core.plan import RunPlan, build_plan
+from ggufpipe_tui.core.reuse import ReuseSource
 from ggufpipe_tui.session.driver import RunDriver
 
 FACTS = ModelFacts(
@@ -99,15 +102,17 @@ class FakeEdges:
     def __init__(self) -> None:
         self.opened: list[int] = []
         self.written: list[tuple[int, list[int]]] = []
+        self.positions: list[int] = []  # where each written object starts
         self.fail_writes = False
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None:
         self.opened.append(stage)
 
-    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int]) -> None:
+    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None:
         if self.fail_writes:
             raise BrokenPipeError("token-in gone")
         self.written.append((sequence, list(tokens)))
+        self.positions.append(position)
 
 
 class Rig:
@@ -120,9 +125,12 @@ class Rig:
         step: float = 30.0,
         run_id: int = 0x101,
         emit: Callable[[Event], None] | None = None,
+        source: ReuseSource | None = None,
     ) -> None:
         self.inventory = inventory(stages, max_tokens, step)
         self.plan = plan_for(self.inventory, run_id)
+        if source is not None:
+            self.plan = dataclasses.replace(self.plan, reuse=source.offer())
         self.stages = [FakeStage(i) for i in range(stages)]
         self.edges = FakeEdges()
         self.events: list[Event] = []
@@ -134,7 +142,9 @@ class Rig:
             if emit is not None:
                 emit(event)
 
-        self.driver = RunDriver(self.plan, self.stages, self.edges, timeouts, self.tasks, record, PIECES)
+        self.driver = RunDriver(
+            self.plan, self.stages, self.edges, timeouts, self.tasks, record, PIECES, source=source
+        )
 
     def start(self, problem: str = "") -> asyncio.Task[None]:
         return self.tasks.spawn(self.driver.drive(problem), "drive")
@@ -147,11 +157,13 @@ class Rig:
         assert sent, f"stage {stage} was not provisioned"
         return sent[-1]
 
-    def make_ready(self) -> None:
+    def make_ready(self, held: list[PrefixHeld] | None = None) -> None:
+        """Every stage takes its provision and is ready, holding ``held[i]``
+        of the offered run."""
         run_id = self.plan.run_id
         for index in range(len(self.stages)):
             self.agent_says(index, StageProgress(run_id, index, "Preparing", "", -1.0))
-            self.agent_says(index, StageReady(run_id, index, "a"))
+            self.agent_says(index, StageReady(run_id, index, "a", held[index] if held else PrefixHeld()))
 
     def answer_stops(self) -> None:
         """Every stage that got StopRun says it stopped."""
@@ -186,8 +198,8 @@ class Autopilot:
             stage.send = send  # type: ignore[method-assign]
         write = rig.edges.write_tokens
 
-        async def write_tokens(plan: RunPlan, sequence: int, tokens: list[int]) -> None:
-            await write(plan, sequence, tokens)
+        async def write_tokens(plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None:
+            await write(plan, sequence, tokens, position)
             loop.call_soon(self._token, sequence)
 
         rig.edges.write_tokens = write_tokens  # type: ignore[method-assign]

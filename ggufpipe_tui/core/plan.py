@@ -20,6 +20,7 @@ from ggufpipe_agent.protocol import (
     ModelFacts,
     ObjectSpec,
     OutboundEdgeProvision,
+    PrefixOffer,
     ProvisionStage,
     RingSpec,
     SamplingParams,
@@ -97,6 +98,7 @@ class RunPlan:
     max_tokens: int
     engine: EngineOptions
     sampling: SamplingParams
+    reuse: PrefixOffer = PrefixOffer()  # what the stages may keep of the previous run
 
     def edge(self, edge_id: int) -> EdgePlan:
         for edge in self.edges:
@@ -312,4 +314,5 @@ def provision_message(plan: RunPlan, index: int) -> ProvisionStage:
         ),
         engine=stage.engine,
         sampling=plan.sampling,
+        reuse=plan.reuse,
     )

@@ -56,8 +56,10 @@ class RelayPlane:
             encode_message(OpenEdge(plan.run_id, entry.outbound_edge, "outbound")),
         )
 
-    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int]) -> None:
-        record = objects.tokens_record(plan.run_id, plan.stages[0].inbound_edge, sequence, tokens)
+    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None:
+        record = objects.tokens_record(
+            plan.run_id, plan.stages[0].inbound_edge, sequence, tokens, position=position
+        )
         await self._stream(0).writer.write(record)
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ from typing import Protocol
 from ggufpipe_agent.errors import TransitionError
 from ggufpipe_agent.protocol import (
     Message,
+    PrefixHeld,
     StageFault,
     StageProgress,
     StageReady,
@@ -44,6 +45,7 @@ from ggufpipe_tui.core.events import (
 )
 from ggufpipe_tui.core.inventory import Timeouts
 from ggufpipe_tui.core.plan import RunPlan, provision_message
+from ggufpipe_tui.core.reuse import ReuseSource, choose_kept
 from ggufpipe_tui.session.stages import StagePort
 
 #: How long a StopRun may take to be written to a stage.
@@ -55,7 +57,7 @@ class RunEdges(Protocol):
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None: ...
 
-    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int]) -> None: ...
+    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None: ...
 
 
 class Detokenizer:
@@ -85,6 +87,7 @@ class RunDriver:
         emit: Emit,
         pieces: tuple[bytes, ...] = (),
         log_path: Callable[[], str] = lambda: "",
+        source: ReuseSource | None = None,
     ) -> None:
         self.plan = plan
         self.stages = stages
@@ -100,6 +103,13 @@ class RunDriver:
         self.result: RunResult | None = None
         self.prompt: list[int] = []
         self.tokens: list[int] = []
+        # Prefix reuse: the run the provision offered (plan.reuse), what each
+        # stage holds of it, what this run kept, and what it fed the stages.
+        self.source = source
+        self.holds: dict[int, PrefixHeld] = {}
+        self.kept = 0
+        self.fed: list[int] = []
+        self.injected = False
         self.text: list[str] = []
         self.detokenizer = Detokenizer(pieces)
         self.counters: dict[int, StepCounters] = {}
@@ -139,6 +149,7 @@ class RunDriver:
             else:
                 self.emit(StageLoadProgress(run_id, stage, message.detail, message.fraction))
         elif isinstance(message, StageReady):
+            self.holds[stage] = message.held
             self.feed(fsm.StageReadyEvent(stage))
         elif isinstance(message, StageFault):
             self.feed(fsm.StageFaultEvent(stage, f"{self.stages[stage].label}: {message.reason}"))
@@ -210,9 +221,11 @@ class RunDriver:
                 timer.cancel()
         elif isinstance(effect, fsm.InjectPrompt):
             self._injected = time.perf_counter()
-            await self._write_tokens(0, self.prompt)
+            await self._inject_prompt()
         elif isinstance(effect, fsm.InjectToken):
-            await self._write_tokens(effect.sequence, [effect.token])
+            # Token k is fed at the position after the prompt and the tokens before it.
+            self.fed.append(effect.token)
+            await self._write_tokens(effect.sequence, [effect.token], len(self.prompt) + effect.sequence - 1)
         elif isinstance(effect, fsm.AcceptToken):
             self._accept(effect.sequence, effect.token)
         elif isinstance(effect, fsm.FinalizeOutput):
@@ -253,9 +266,39 @@ class RunDriver:
         loop = asyncio.get_running_loop()
         self._timers[kind] = loop.call_later(seconds, self.feed, fsm.Timeout(kind))
 
-    async def _write_tokens(self, sequence: int, tokens: list[int]) -> None:
+    async def _inject_prompt(self) -> None:
+        """The prompt object: what the stages do not keep of the last run, at
+        the position where the kept prefix ends (every stage keeps as much)."""
+        holds = [self.holds.get(index, PrefixHeld()) for index in range(len(self.plan.stages))]
+        source = self.source if self.plan.reuse.run_id else None
+        reuse = choose_kept(source, self.prompt, holds)
+        self.kept, self.fed, self.injected = reuse.kept, list(self.prompt), True
+        if source is not None:
+            why = f" ({reuse.reason})" if reuse.reason else ""
+            self.emit(
+                Notice(
+                    "info",
+                    f"run {self.plan.run_id:016x}: reused {reuse.kept} of {len(self.prompt)} prompt tokens "
+                    f"from run {source.run_id:016x}{why}",
+                )
+            )
+        await self._write_tokens(0, self.prompt[reuse.kept :], reuse.kept)
+
+    def next_source(self) -> ReuseSource | None:
+        """What the stages hold once this run is done, for the next run's
+        offer: this run's fed tokens; what the run was offered when it never
+        wrote to the stages; nothing after a fault."""
+        if not self.injected:
+            # Nothing written: the stages hold what they held, unless they
+            # were offered nothing and emptied their caches.
+            return self.source if self.plan.reuse.run_id else None
+        if self.run.outcome == "faulted":
+            return None
+        return ReuseSource(self.plan.run_id, tuple(self.fed))
+
+    async def _write_tokens(self, sequence: int, tokens: list[int], position: int) -> None:
         try:
-            await self.edges.write_tokens(self.plan, sequence, tokens)
+            await self.edges.write_tokens(self.plan, sequence, tokens, position)
         except (ConnectionError, OSError) as error:
             self.stages[0].report_lost(f"token-in edge: {error}")
 
@@ -298,6 +341,7 @@ class RunDriver:
             model=self.plan.model.model_id,
             log_path=self.log_path(),
             notes=run.notes,
+            prompt_reused=self.kept,
         )
         self.emit(RunFinished(self.result))
         self.done.set()
