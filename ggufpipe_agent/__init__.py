@@ -10,5 +10,6 @@ __version__ = "0.1.0"
 
 #: Bumped whenever a control message or the object record layout changes in a
 #: way an older peer cannot read. The orchestrator refuses a mismatched agent.
-#: 2: positions in the object header, prefix reuse in ProvisionStage and StageReady.
-PROTOCOL_VERSION = 2
+#: 2: ModelFacts.memory; 3: Tokenize.messages; 4: positions in the object header,
+#: prefix reuse in ProvisionStage (reuse) and StageReady (held).
+PROTOCOL_VERSION = 4

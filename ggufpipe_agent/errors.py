@@ -37,3 +37,24 @@ class ContextOverflow(EngineError):
 
 class TransitionError(GgufpipeError):
     """An event that the state machine does not accept in its current state."""
+
+
+class CacheError(GgufpipeError):
+    """The stage-file cache cannot be trusted or written: its directory, an
+    entry, a full disk."""
+
+
+class DiskFull(CacheError):
+    """Not enough space for a stage file: ``path``, bytes ``needed`` and
+    ``available`` say where and how much."""
+
+    def __init__(self, message: str, path: str, needed: int, available: int) -> None:
+        super().__init__(message)
+        self.path = path
+        self.needed = needed
+        self.available = available
+
+
+class TransferError(GgufpipeError):
+    """A stage-file transfer that does not verify: a chunk out of order or
+    with a wrong digest, a file whose digest or size is not the one announced."""

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from ggufpipe_agent.protocol import Device
 
-GGML_DEVICE_TYPE_CPU = 0
+# enum ggml_backend_dev_type: CPU, GPU, IGPU (integrated, host memory), ACCEL (BLAS, AMX)
+GGML_DEVICE_TYPE_GPU = 1
+GGML_DEVICE_TYPE_IGPU = 2
 
 
 class _Ggml:
@@ -63,17 +65,20 @@ def ggml() -> _Ggml:
 
 
 def list_devices() -> list[Device]:
-    """Every non-CPU backend device llama.cpp sees, with its memory."""
+    """The devices llama.cpp offloads layers to, with their memory: every GPU,
+    or the integrated GPUs when there is none (llama_model_load's choice; the
+    CPU and accelerators such as BLAS hold no layers)."""
     lib = ggml()
-    devices = []
+    found: dict[int, list[Device]] = {GGML_DEVICE_TYPE_GPU: [], GGML_DEVICE_TYPE_IGPU: []}
     for index in range(lib.dev_count()):
         dev = lib.dev_get(index)
-        if lib.dev_type(dev) == GGML_DEVICE_TYPE_CPU:
+        kind = lib.dev_type(dev)
+        if kind not in found:
             continue
         free = ctypes.c_size_t(0)
         total = ctypes.c_size_t(0)
         lib.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-        devices.append(
+        found[kind].append(
             Device(
                 name=(lib.dev_name(dev) or b"").decode(errors="replace"),
                 description=(lib.dev_description(dev) or b"").decode(errors="replace"),
@@ -81,4 +86,4 @@ def list_devices() -> list[Device]:
                 memory_free=int(free.value),
             )
         )
-    return devices
+    return found[GGML_DEVICE_TYPE_GPU] or found[GGML_DEVICE_TYPE_IGPU]

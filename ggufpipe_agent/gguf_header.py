@@ -1,9 +1,12 @@
 """A fast reader of a GGUF file's metadata and tensor table.
 
 ``gguf.GGUFReader`` builds a Python object per array element, which takes
-seconds for a 150k-token vocabulary. Facts and cache look-ups need only the
-scalars, the array lengths and the tensor table, so this reader walks the
-header of the memory-mapped file and keeps small arrays only.
+seconds for a 150k-token vocabulary. Facts, identities, cache look-ups and the
+stage-file producer need only the scalars, the array lengths, the tensor table
+and where each metadata entry lies in the file, so this reader walks the
+header of the memory-mapped file, keeps small arrays only, and records each
+entry's byte span: the stage-file producer copies untouched entries as raw
+bytes and the model identity hashes them, neither building Python lists.
 """
 
 from __future__ import annotations
@@ -32,16 +35,21 @@ _SCALARS = {
     _INT64: "<q",
     _FLOAT64: "<d",
 }
+SCALAR_FORMATS = dict(_SCALARS)
+STRING, ARRAY = _STRING, _ARRAY
 #: Arrays longer than this are kept as their length only (vocabularies, merges).
 SMALL_ARRAY = 4096
+#: ``general.alignment`` when the file does not set it (GGUF_DEFAULT_ALIGNMENT).
+DEFAULT_ALIGNMENT = 32
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # ggml order (ne[0] first), as the file stores it
     ggml_type: int
-    offset: int
+    offset: int  # from the start of the file's tensor data section
     nbytes: int
 
 
@@ -57,11 +65,29 @@ class LongArray:
 
 
 @dataclass(frozen=True, slots=True)
+class KeyValueSpan:
+    """Where one metadata entry lies in the file: ``[start, end)`` is the whole
+    entry (key, value type, value) exactly as a GGUF writer encodes it;
+    ``value`` is the offset of its value type."""
+
+    start: int
+    value: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
 class GgufHeader:
     path: Path
     version: int
     metadata: dict[str, Any]
     tensors: tuple[TensorEntry, ...]
+    #: Byte span of every metadata entry, in file order (the order of ``metadata``).
+    spans: dict[str, KeyValueSpan]
+    value_types: dict[str, int]
+    alignment: int
+    #: Offset of the tensor data section (the end of the tensor table, aligned).
+    data_offset: int
+    file_size: int
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -80,10 +106,13 @@ class _Cursor:
         self.offset = 0
         self.where = where
 
+    def truncated(self) -> ModelError:
+        return ModelError(f"{self.where}: corrupt or truncated GGUF header")
+
     def take(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
         if self.offset + size > len(self.data):
-            raise ModelError(f"{self.where}: corrupt or truncated GGUF header")
+            raise self.truncated()
         (value,) = struct.unpack_from(fmt, self.data, self.offset)
         self.offset += size
         return value
@@ -92,14 +121,22 @@ class _Cursor:
         length = self.take("<Q")
         end = self.offset + length
         if end > len(self.data):
-            raise ModelError(f"{self.where}: corrupt or truncated GGUF header")
+            raise self.truncated()
         raw = self.data[self.offset : end]
         self.offset = end
         return raw.decode("utf-8", errors="replace")
 
-    def skip_string(self) -> None:
-        length = self.take("<Q")
-        self.offset += length
+    def skip_strings(self, count: int) -> None:
+        # The hot loop of a big vocabulary (262k strings for Gemma 3): locals only.
+        data, offset, unpack = self.data, self.offset, _U64.unpack_from
+        limit = len(data)
+        for _ in range(count):
+            if offset + 8 > limit:
+                raise self.truncated()
+            offset += 8 + unpack(data, offset)[0]
+        if offset > limit:
+            raise self.truncated()
+        self.offset = offset
 
     def value(self, value_type: int) -> Any:
         if value_type in _SCALARS:
@@ -112,14 +149,21 @@ class _Cursor:
             if length > SMALL_ARRAY:
                 if item_type in _SCALARS:
                     self.offset += struct.calcsize(_SCALARS[item_type]) * length
+                    if self.offset > len(self.data):
+                        raise self.truncated()
                 elif item_type == _STRING:
-                    for _ in range(length):
-                        self.skip_string()
+                    self.skip_strings(length)
                 else:
                     raise ModelError(f"{self.where}: nested GGUF arrays are not supported")
                 return LongArray(item_type, length)
+            if item_type == _ARRAY:
+                raise ModelError(f"{self.where}: nested GGUF arrays are not supported")
             return [self.value(item_type) for _ in range(length)]
         raise ModelError(f"{self.where}: unknown GGUF value type {value_type}")
+
+
+def align(offset: int, alignment: int) -> int:
+    return offset + (-offset % alignment)
 
 
 def read_header(path: Path) -> GgufHeader:
@@ -137,9 +181,16 @@ def read_header(path: Path) -> GgufHeader:
             tensor_count = cursor.take("<Q")
             kv_count = cursor.take("<Q")
             metadata: dict[str, Any] = {}
+            spans: dict[str, KeyValueSpan] = {}
+            value_types: dict[str, int] = {}
             for _ in range(kv_count):
+                start = cursor.offset
                 key = cursor.string()
-                metadata[key] = cursor.value(cursor.take("<I"))
+                value_start = cursor.offset
+                value_type = cursor.take("<I")
+                metadata[key] = cursor.value(value_type)
+                spans[key] = KeyValueSpan(start, value_start, cursor.offset)
+                value_types[key] = value_type
             entries = []
             for _ in range(tensor_count):
                 name = cursor.string()
@@ -155,6 +206,20 @@ def read_header(path: Path) -> GgufHeader:
                 for dim in shape:
                     elements *= dim
                 entries.append(TensorEntry(name, shape, ggml_type, offset, elements * type_size // block))
+            file_size = len(data)
+            alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+            if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+                # gguf_init_from_file refuses the same
+                raise ModelError(f"{path}: general.alignment {alignment!r} is not a power of two")
+            data_offset = align(cursor.offset, alignment)
     except (OSError, ValueError) as error:
         raise ModelError(f"{path}: cannot read GGUF ({error})") from None
-    return GgufHeader(path, version, metadata, tuple(entries))
+    for entry in entries:
+        if data_offset + entry.offset + entry.nbytes > file_size:
+            raise ModelError(
+                f"{path}: corrupt or truncated GGUF (tensor {entry.name} ends at byte "
+                f"{data_offset + entry.offset + entry.nbytes}, the file has {file_size} bytes)"
+            )
+    return GgufHeader(
+        path, version, metadata, tuple(entries), spans, value_types, alignment, data_offset, file_size
+    )

@@ -1,9 +1,9 @@
-"""Model facts read lazily from a GGUF file (no tensor data is loaded).
+"""Model facts read lazily from a GGUF model (no tensor data is loaded).
 
 :mod:`ggufpipe_agent.gguf_header` walks only the memory-mapped header (the
-metadata and the tensor table), so this is cheap even for a file of tens of
-GB; the results are cached per file identity. ``gguf.GGUFReader`` is used only
-where tensors are copied (stage files).
+metadata and the tensor table), so this is cheap even for tens of GB; a split
+set (:mod:`ggufpipe_agent.modelfiles`) is read whole from any of its parts.
+The results are cached per identity of every file of the model.
 """
 
 from __future__ import annotations
@@ -11,48 +11,27 @@ from __future__ import annotations
 import functools
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 from ggufpipe_agent.errors import ModelError
-from ggufpipe_agent.gguf_header import GgufHeader, read_header
+from ggufpipe_agent.memory import memory_facts
+from ggufpipe_agent.modelfiles import (
+    GGUF_MAGIC,
+    ModelFiles,
+    check_gguf_path,
+    read_gguf_header,
+    read_model_files,
+)
 from ggufpipe_agent.protocol import ModelFacts
 
-GGUF_MAGIC = b"GGUF"
+__all__ = [
+    "GGUF_MAGIC",
+    "check_gguf_path",
+    "read_gguf_header",
+    "read_model_facts",
+]
+
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
-
-
-def check_gguf_path(path: str | os.PathLike[str]) -> Path:
-    """The path, after checking that it exists and starts like a GGUF file."""
-    target = Path(os.path.expandvars(os.path.expanduser(os.fspath(path))))
-    if not target.exists():
-        raise ModelError(f"{target}: no such file")
-    if not target.is_file():
-        raise ModelError(f"{target}: not a regular file")
-    try:
-        with target.open("rb") as handle:
-            magic = handle.read(4)
-    except OSError as error:
-        raise ModelError(f"{target}: cannot read ({error.strerror})") from None
-    if magic != GGUF_MAGIC:
-        raise ModelError(f"{target}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
-    return target
-
-
-def open_reader(path: str | os.PathLike[str]) -> Any:
-    """A full ``gguf.GGUFReader`` (slow on big vocabularies: only for copying
-    tensors); parse errors become ModelError."""
-    import gguf
-
-    target = check_gguf_path(path)
-    try:
-        return gguf.GGUFReader(target, "r")
-    except (ValueError, OSError, IndexError, KeyError) as error:
-        raise ModelError(f"{target}: corrupt or truncated GGUF ({error})") from None
-
-
-def read_gguf_header(path: str | os.PathLike[str]) -> GgufHeader:
-    return read_header(check_gguf_path(path))
 
 
 def _scalar(value: Any) -> int:
@@ -63,17 +42,19 @@ def _scalar(value: Any) -> int:
 
 
 def read_model_facts(path: str | os.PathLike[str]) -> ModelFacts:
-    """The facts of a GGUF file, parsed once per file identity (path, size,
-    mtime): every prompt's Tokenize and every run's preparation ask again."""
-    target = check_gguf_path(path)
-    stat = target.stat()
-    return _facts(str(target), stat.st_size, stat.st_mtime_ns)
+    """The facts of a GGUF model, given its file or any part of its split set.
+
+    ``path`` in the facts is the file to give llama.cpp (a set's first part);
+    ``file_size`` is the whole set's. Parsed once per identity of the model's
+    files: every prompt's Tokenize and every run's preparation ask again."""
+    files = read_model_files(path)
+    return _facts(files)
 
 
 @functools.lru_cache(maxsize=8)
-def _facts(path: str, _size: int, _mtime_ns: int) -> ModelFacts:
-    header = read_header(Path(path))
-    source = header.path
+def _facts(files: ModelFiles) -> ModelFacts:
+    header = files.header
+    source = files.first
     arch = header.architecture
 
     def need(key: str) -> Any:
@@ -99,7 +80,8 @@ def _facts(path: str, _size: int, _mtime_ns: int) -> ModelFacts:
     block_bytes = [0] * block_count
     embedding_bytes = 0
     output_bytes = 0
-    for tensor in header.tensors:
+    for located in files.tensors:
+        tensor = located.entry
         match = _BLOCK_TENSOR.match(tensor.name)
         if match:
             index = int(match.group(1))
@@ -116,7 +98,7 @@ def _facts(path: str, _size: int, _mtime_ns: int) -> ModelFacts:
         name=str(header.get("general.name", "") or ""),
         architecture=arch,
         file_type=_file_type_name(header.get("general.file_type")),
-        file_size=source.stat().st_size,
+        file_size=files.file_size,
         block_count=block_count,
         hidden_dim=hidden,
         context_length=int(header.get(f"{arch}.context_length", 0) or 0),
@@ -133,6 +115,7 @@ def _facts(path: str, _size: int, _mtime_ns: int) -> ModelFacts:
         block_bytes=tuple(block_bytes),
         embedding_bytes=embedding_bytes,
         output_bytes=output_bytes,
+        memory=memory_facts(header, [located.entry for located in files.tensors]),
     )
 
 
@@ -147,15 +130,3 @@ def _file_type_name(value: Any) -> str:
         return f"type {value}"
     return name.removeprefix("MOSTLY_")
 
-
-def kv_bytes_per_token(facts: ModelFacts, blocks: int) -> int:
-    """KV cache bytes per context position for ``blocks`` blocks (f16 K and V)."""
-    return blocks * facts.head_count_kv * (facts.key_length + facts.value_length) * 2
-
-
-def estimate_stage_bytes(facts: ModelFacts, start: int, end: int, n_ctx: int, last: bool) -> int:
-    """Rough resident memory of a stage: its weights, embeddings, KV cache."""
-    weights = sum(facts.block_bytes[start:end]) + facts.embedding_bytes
-    if last:
-        weights += facts.output_bytes
-    return weights + kv_bytes_per_token(facts, end - start) * n_ctx

@@ -135,11 +135,39 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One turn of a conversation, as the model's chat template takes it."""
+
+    role: str  # "system", "user" or "assistant"
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
 class Device:
     name: str
     description: str
     memory_total: int
     memory_free: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryFacts:
+    """What llama.cpp's memory for a layer range depends on, read from the GGUF
+    header where the model lives (:func:`ggufpipe_agent.memory.memory_facts`);
+    :mod:`ggufpipe_agent.memory` sizes a stage from it (docs/planning.md)."""
+
+    block_bytes: tuple[int, ...]  # tensor bytes of each block
+    token_embd_bytes: int
+    output_norm_bytes: int
+    output_bytes: int  # output.weight; 0 when the projection is tied to token_embd
+    global_bytes: int  # other tensors outside the blocks (rope_freqs, rope factors, ...)
+    kv_widths: tuple[int, ...]  # per block: K + V elements per cache cell
+    swa_blocks: tuple[bool, ...]  # per block: a sliding-window block
+    sliding_window: int  # 0 when the model has none
+    n_embd: int
+    n_vocab: int
+    n_ff: int  # feed-forward width per token (n_ff_exp * n_expert_used for experts)
+    q_width: int  # n_head * key_length
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +195,7 @@ class ModelFacts:
     block_bytes: tuple[int, ...]  # tensor bytes of each block
     embedding_bytes: int  # token_embd.weight
     output_bytes: int  # output_norm.weight and output.weight when present
+    memory: MemoryFacts | None = None  # None: a hand-made record (tests); see memory.memory_facts_of
 
     @property
     def stem(self) -> str:
@@ -329,10 +358,16 @@ class Inspect(Message):
 
 @dataclass(frozen=True, slots=True)
 class Tokenize(Message):
+    """Tokenize ``text``, or with ``messages`` a whole conversation, which the
+    model's chat template renders ready for the next assistant turn (``chat``
+    must be True then). An agent that predates ``messages`` refuses the field
+    by name."""
+
     request_id: int
     path: str
     text: str
     chat: bool  # apply the model's chat template first
+    messages: tuple[ChatMessage, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

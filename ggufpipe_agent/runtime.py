@@ -59,29 +59,18 @@ from ggufpipe_agent.tasks import TaskOwner
 log = logging.getLogger("ggufpipe.agent")
 
 
-def _meminfo() -> tuple[int, int]:
-    total = available = 0
-    with contextlib.suppress(OSError), open("/proc/meminfo") as handle:
-        for line in handle:
-            key, _, rest = line.partition(":")
-            if key == "MemTotal":
-                total = int(rest.split()[0]) * 1024
-            elif key == "MemAvailable":
-                available = int(rest.split()[0]) * 1024
-    return total, available
-
-
 def make_hello(data_endpoint: str, data_token: str) -> Hello:
     import llama_cpp
 
     from ggufpipe_agent.engine import gpu_offload_supported
     from ggufpipe_agent.ggml import list_devices
+    from ggufpipe_agent.memory import system_memory
 
     devices = tuple(list_devices())
     backend = "cpu"
     if devices:
         backend = devices[0].name.rstrip("0123456789").lower() or "gpu"
-    total, available = _meminfo()
+    total, available = system_memory()  # bounded by a container's cgroup limit
     return Hello(
         protocol=PROTOCOL_VERSION,
         version=__version__,
@@ -431,7 +420,7 @@ def _answer(request: Inspect | Tokenize) -> Message:
             facts = replace(facts, eog_token_ids=vocab.eog_tokens())
         return ModelInfo(request.request_id, facts, pieces)
     vocab = vocabulary(facts.path)
-    tokens, rendered = vocab.prompt_tokens(facts.chat_template, request.text, request.chat)
+    tokens, rendered = vocab.prompt_tokens(facts.chat_template, request.text, request.chat, request.messages)
     return Tokenized(request.request_id, tuple(tokens), rendered)
 
 

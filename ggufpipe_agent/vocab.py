@@ -2,7 +2,11 @@
 
 The orchestrator holds no weights, so it asks a stage host for what needs the
 tokenizer. llama.cpp loads a GGUF with ``vocab_only`` in a fraction of a
-second and no tensor data.
+second and no tensor data. Even so, llama.cpp's loader opens every part of a
+split set and must be given the first one (``llama_model_loader`` reads the
+parts' headers before it looks at ``vocab_only``), so the whole set is
+checked first (:func:`ggufpipe_agent.modelfiles.read_model_files`) and its
+first part is what llama.cpp gets.
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ import contextlib
 import ctypes
 import functools
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from ggufpipe_agent.errors import ModelError
-from ggufpipe_agent.model import check_gguf_path
+from ggufpipe_agent.modelfiles import read_model_files
+from ggufpipe_agent.protocol import ChatMessage
 
 
 class Vocabulary:
@@ -25,7 +31,7 @@ class Vocabulary:
 
         _init_backend()
         self._lib = llama_cpp
-        self.path = str(check_gguf_path(path))
+        self.path = str(read_model_files(path).first)
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
         self._model = llama_cpp.llama_model_load_from_file(self.path.encode(), params)
@@ -70,8 +76,9 @@ class Vocabulary:
                 capacity = -count
         raise ModelError(f"{self.path}: tokenization failed")
 
-    def render_chat(self, template: str, text: str) -> str:
-        """The user's message in the model's chat template, ready to generate."""
+    def render_chat(self, template: str, messages: Sequence[ChatMessage]) -> str:
+        """A conversation in the model's chat template, ready for the next
+        assistant turn: the template sees every turn as it was said."""
         formatter = self._formatters.get(template)
         if formatter is None:  # compiling the Jinja template once per model
             from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -85,13 +92,29 @@ class Vocabulary:
                 add_generation_prompt=True,
             )
             self._formatters[template] = formatter
+        # llama-cpp-python types the messages as its request TypedDicts; these are plain.
+        turns: Any = [{"role": message.role, "content": message.content} for message in messages]
         try:
-            return formatter(messages=[{"role": "user", "content": text}]).prompt
+            return formatter(messages=turns).prompt
         except Exception as error:  # noqa: BLE001 - jinja2 raises many kinds
             raise ModelError(f"{self.path}: the chat template failed: {error}") from None
 
-    def prompt_tokens(self, template: str, text: str, chat: bool) -> tuple[list[int], str]:
-        rendered = self.render_chat(template, text) if chat and template else text
+    def prompt_tokens(
+        self, template: str, text: str, chat: bool, messages: Sequence[ChatMessage] = ()
+    ) -> tuple[list[int], str]:
+        """The prompt's tokens and the text they came from. ``messages``: a
+        whole conversation (it needs the chat template); else ``text`` as the
+        one user message (``chat``) or as is."""
+        if messages:
+            if not chat:
+                raise ModelError("a conversation (messages) needs the chat template: chat must be on")
+            if not template:
+                raise ModelError(f"{self.path}: the model has no chat template to render a conversation with")
+            rendered = self.render_chat(template, messages)
+        elif chat and template:
+            rendered = self.render_chat(template, [ChatMessage("user", text)])
+        else:
+            rendered = text
         bos = self._lib.llama_vocab_bos(self._vocab)
         # A template that writes the BOS text itself must not get a second BOS.
         add_special = not (bos >= 0 and rendered.startswith(self.token_text(bos)) and chat)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from ggufpipe_agent import __version__
@@ -15,16 +16,34 @@ Reads INVENTORY (model, hosts, stages), starts one ggufpipe-agent per stage
 (as a local process or over SSH), loads each stage's layer range with
 llama.cpp, and streams the generated text.
 
-Without --prompt it opens the terminal UI; with --prompt it runs headless."""
+Without --prompt it opens the terminal UI; with --prompt it runs headless;
+with --serve HOST:PORT it serves the OpenAI API (chat completions and
+completions, streamed or not) until SIGTERM; with --plan it prints the plan
+(each stage's layers and the memory it needs and has on its host) and exits
+without loading anything.
+
+Stages without layers in the inventory are split by memory: each gets blocks
+in proportion to the room its host has after the stage's fixed parts. A plan
+that does not fit is refused before any stage loads, saying what would fit.
+A host's memory: key caps the RAM the plan may use there (12GiB, 16GB,
+512MiB or bytes; stages on one host share it). See docs/planning.md."""
 
 EPILOG = """\
-in the UI: Enter runs the prompt, esc stops the generation (it keeps what it
-has), ctrl+f filters the log by stage, ctrl+r starts the pipeline again,
-ctrl+q stops every stage and quits.
+in the UI: Enter runs the prompt (the next turn of the conversation), esc stops
+the generation (it keeps what it has), ctrl+n starts a new conversation, ctrl+f
+filters the log by stage, ctrl+r starts the pipeline again, ctrl+q stops every
+stage and quits.
+
+--serve: POST /v1/chat/completions, POST /v1/completions, GET /v1/models and
+GET /health on HOST:PORT (127.0.0.1 unless told otherwise; port 0 picks one);
+requests run one at a time in order. SIGTERM finishes or stops the running
+request, tears every stage down and exits 0; a fault of the pipeline exits 1.
 
 exit status (headless): 0 the run completed, 1 the run faulted (the output so
 far is printed, the reason is the last line on stderr), 2 the pipeline could
-not be set up (bad inventory, unreachable host, missing model, ...).
+not be set up (bad inventory, unreachable host, missing model, a plan that
+does not fit in memory, ...). --plan: 0 the plan fits, 2 it does not (the
+plan is printed all the same) or could not be made.
 
 Each run writes a JSON Lines event log; its path is printed at the end
 (directory: --log-dir, $GGUFPIPE_LOG_DIR or ~/.local/state/ggufpipe/runs)."""
@@ -39,6 +58,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("inventory", metavar="INVENTORY", help="inventory YAML file")
     parser.add_argument("--prompt", metavar="TEXT", help="run this prompt headless and exit")
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the plan (stages, hosts, layers, memory needed / available) and exit; "
+        "connects the agents and reads the model, loads nothing",
+    )
+    serve = parser.add_argument_group("server")
+    serve.add_argument(
+        "--serve", metavar="HOST:PORT", help="serve the OpenAI API on HOST:PORT (e.g. 127.0.0.1:8080)"
+    )
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get("GGUFPIPE_API_KEY", ""),
+        help="require 'Authorization: Bearer KEY' (default: $GGUFPIPE_API_KEY; none: no key)",
+    )
+    serve.add_argument(
+        "--queue",
+        type=int,
+        default=16,
+        metavar="N",
+        help="waiting requests allowed behind the running one (16)",
+    )
     group = parser.add_argument_group("run options (override the inventory's run: section)")
     group.add_argument("--max-tokens", type=int, metavar="N", help="stop after N generated tokens")
     group.add_argument("--temperature", type=float, metavar="T", help="0 is greedy (the default)")
@@ -59,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out = parser.add_argument_group("output")
     out.add_argument(
-        "--json", action="store_true", help="print one JSON object with tokens, text and timings at the end"
+        "--json",
+        action="store_true",
+        help="print one JSON object with tokens, text and timings at the end (with --plan: the plan, "
+        "each stage's layers as [start, end])",
     )
     out.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     out.add_argument(
@@ -71,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.serve is not None and args.prompt is not None:
+        parser.error("--serve and --prompt: one or the other")
+    if args.queue < 0:
+        parser.error("--queue: must not be negative")
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, stream=sys.stderr)
     from ggufpipe_tui.core.inventory import load_inventory, with_run_options
 
@@ -92,6 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     except GgufpipeError as error:
         print(f"ggufpipe: error: {error}", file=sys.stderr)
         return 2
+    if args.plan:
+        from ggufpipe_agent import aio
+        from ggufpipe_tui.views.planview import run_plan
+
+        return aio.run(
+            run_plan(
+                inventory, as_json=args.json, quiet=args.quiet, verbose=args.verbose, log_dir=args.log_dir
+            )
+        )
     if args.prompt is not None:
         from ggufpipe_agent import aio
         from ggufpipe_tui.views.headless import run_headless
@@ -101,6 +160,21 @@ def main(argv: list[str] | None = None) -> int:
                 inventory,
                 args.prompt,
                 as_json=args.json,
+                verbose=args.verbose,
+                quiet=args.quiet,
+                log_dir=args.log_dir,
+            )
+        )
+    if args.serve is not None:
+        from ggufpipe_agent import aio
+        from ggufpipe_tui.views.server import run_server
+
+        return aio.run(
+            run_server(
+                inventory,
+                args.serve,
+                api_key=args.api_key,
+                queue=args.queue,
                 verbose=args.verbose,
                 quiet=args.quiet,
                 log_dir=args.log_dir,

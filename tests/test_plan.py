@@ -171,8 +171,13 @@ def test_plan_shape():
     assert plan.edges[1].object_spec.max_extent == 2048 * 576 * 2
     assert plan.stages[1].gguf_source == "/data/m.gguf"
     kv_per_block = 3 * (64 + 64) * 2 * 2048  # heads_kv * (k + v) * f16 * context
-    assert plan.stages[0].estimated_bytes == 12 * 1000 + 500 + 12 * kv_per_block
-    assert plan.stages[2].estimated_bytes == 10 * 1000 + 500 + 10 + 10 * kv_per_block
+    first, last = (plan.stages[i].memory for i in (0, 2))
+    assert first is not None and last is not None
+    # Every stage carries token_embd and the output norm (the hand-made facts
+    # count output_norm as output_bytes); without a placement: the CPU estimate.
+    assert (first.host.weights, first.host.kv) == (12 * 1000 + 500 + 10, 12 * kv_per_block)
+    assert (last.host.weights, last.host.kv) == (10 * 1000 + 500 + 10, 10 * kv_per_block)
+    assert plan.stages[0].estimated_bytes == first.total and plan.stages[0].available_bytes == 0
     message = provision_message(plan, 1)
     assert (message.inbound.edge_id, message.outbound.edge_id) == (1001, 1002)
     assert message.outbound.consumer_node_id == "here" and message.model.max_seq_len == 2048

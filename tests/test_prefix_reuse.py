@@ -33,7 +33,6 @@ from ggufpipe_tui.session.pipeline import Pipeline
 from tests.agent_client import AgentClient, provision
 from tests.chain import Chain
 from tests.conftest import LONG_PROMPT, whole_model_greedy
-from tests.test_architectures import gemma3_path  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.model
 
@@ -143,7 +142,7 @@ async def test_a_reloaded_stage_makes_the_run_prefill_everything(tmp_path, model
     assert list(second.tokens) == cold
 
 
-async def test_gemma3_keeps_only_what_a_cold_run_computes_alike(tmp_path, gemma3_path, no_agent_left):  # noqa: F811
+async def test_gemma3_keeps_only_what_a_cold_run_computes_alike(tmp_path, gemma3_path, no_agent_left):
     """Gemma 3 270M's CPU kernels give a decode step other bits than a prefill
     (the stages' batch-invariance probe finds it), so a stage keeps only the
     positions prefilled in whole ubatches, and the run keeps a multiple of

@@ -17,6 +17,7 @@ from ggufpipe_agent.framing import read_message
 from ggufpipe_agent.protocol import (
     CONTROL_MAGIC,
     MAX_CONTROL_BYTES,
+    ChatMessage,
     Device,
     EngineOptions,
     Hello,
@@ -36,6 +37,7 @@ from ggufpipe_agent.protocol import (
     StageStopped,
     StepCounters,
     StopRun,
+    Tokenize,
     decode_message,
     encode_message,
 )
@@ -81,6 +83,7 @@ SAMPLES = [
     StageFault(5, 0, "here", "oom"),
     StageStopped(5, 2, "here", StepCounters(3, 1.5, 4.5, 10, 20, 2.5, 30, 96)),
     ModelInfo(9, FACTS, (b"a", b"\xe2\x82", b"")),
+    Tokenize(3, "/m.gguf", "", True, (ChatMessage("user", "Hi"), ChatMessage("assistant", " Hello! "))),
 ]
 
 

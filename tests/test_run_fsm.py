@@ -144,6 +144,16 @@ def test_a_whole_run_to_max_tokens():
     assert run.phase is P.DONE and f.Finish() in effects
 
 
+def test_the_prompt_sets_its_own_max_tokens():
+    """A run prepared ahead with the inventory's limit stops at its prompt's."""
+    run, _ = drive(Run(max_tokens=9), f.PlanValidated(1), f.ProvisionsSent(), f.StageReadyEvent(0))
+    run, _ = drive(run, f.PromptGiven(max_tokens=2))
+    assert run.max_tokens == 2
+    run, _ = drive(run, f.TokenConsumed(0, 5), f.TokenConsumed(1, 6))
+    assert run.outcome == "completed" and run.stop_reason == "max_tokens"
+    assert drive(Run(max_tokens=9), f.PromptGiven())[0].max_tokens == 9, "0 keeps the plan's"
+
+
 def test_no_prompt_before_every_stage_is_ready():
     run, _ = drive(Run(max_tokens=3), f.PromptGiven(), f.PlanValidated(3), f.ProvisionsSent())
     for stage in (2, 0):

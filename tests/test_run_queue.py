@@ -5,12 +5,23 @@ prompt never runs; a fault stops the queue and fails what waits."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 
+from ggufpipe_agent.protocol import ChatMessage
 from ggufpipe_tui.core.events import Event, PromptAssigned, RunFinished, TokenStreamed
+from ggufpipe_tui.core.inventory import RunOptions
 from ggufpipe_tui.session.driver import RunDriver
-from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
+from ggufpipe_tui.session.runs import (
+    REFUSE,
+    SHORTEN,
+    ContextOverflow,
+    Prompt,
+    RunHandle,
+    RunOverrides,
+    RunQueue,
+)
 from ggufpipe_tui.session.stages import PipelineError
 from tests.fakes import Autopilot, Rig, inventory
 
@@ -27,7 +38,7 @@ class FakePipeline:
         self.queue = RunQueue(self, prepare_ahead)
         self.handles: dict[int, RunHandle] = {}
 
-    async def prepare_run(self) -> RunDriver:
+    async def prepare_run(self, options: RunOptions | None = None) -> RunDriver:
         number = len(self.rigs)
         run_id = 0x100 + number + 1
 
@@ -37,7 +48,7 @@ class FakePipeline:
             if handle is not None:
                 handle.push(event)
 
-        rig = Rig(max_tokens=3, run_id=run_id, emit=emit)
+        rig = Rig(max_tokens=3, run_id=run_id, emit=emit, run=options)
         Autopilot(rig, self.fault_at.get(number))
         self.rigs.append(rig)
         rig.start()
@@ -46,17 +57,17 @@ class FakePipeline:
     def route(self, driver: RunDriver, handle: RunHandle) -> None:
         self.handles[driver.plan.run_id] = handle
 
-    async def tokenize(self, text: str, chat: bool) -> tuple[list[int], str]:
+    async def tokenize(self, text: str, chat: bool, messages: Sequence[ChatMessage] = ()) -> tuple[list[int], str]:
         if text == "unreadable":
             raise PipelineError("tokenizing on a: the chat template failed")
         return [len(text)] * (40 if text == "long" else 1), text
 
-    async def run_prompt(self, driver: RunDriver, tokens: list[int], submitted: float):
+    async def run_prompt(self, driver: RunDriver, tokens: list[int], submitted: float, max_tokens: int = 0):
         if len(tokens) >= driver.plan.model.max_seq_len:
             driver.stop("prompt too long")
             await driver.done.wait()
             raise PipelineError("the prompt is too long")
-        driver.give_prompt(tokens, submitted)
+        driver.give_prompt(tokens, submitted, max_tokens)
         await driver.done.wait()
         return driver.result
 
@@ -116,11 +127,14 @@ async def test_a_prompt_that_cannot_run_fails_alone():
     bad = pipeline.queue.submit(Prompt(text="long"))
     unreadable = pipeline.queue.submit(Prompt(text="unreadable"))
     good = pipeline.queue.submit(Prompt(text="fine"))
-    with pytest.raises(PipelineError, match="too long"):
+    with pytest.raises(PipelineError, match="the prompt is 40 tokens, the context holds 32"):
         await asyncio.wait_for(bad.result(), 5)
     with pytest.raises(PipelineError, match="chat template"):
         await asyncio.wait_for(unreadable.result(), 5)
     assert (await asyncio.wait_for(good.result(), 5)).ok
+    assert len(pipeline.rigs) == 1, "the run prepared for a prompt that could not run waits for the next"
+    assigned = [e.text for e in pipeline.events if isinstance(e, PromptAssigned)]
+    assert assigned == ["fine"], "a prompt that cannot run is never given a run"
     pipeline.queue.stop("done")
     await asyncio.wait_for(serving, 2)
 
@@ -148,5 +162,59 @@ async def test_a_handle_streams_its_runs_events():
     seen = [event async for event in handle.events()]
     assert isinstance(seen[0], PromptAssigned) and isinstance(seen[-1], RunFinished)
     assert [e.text for e in seen if isinstance(e, TokenStreamed)] == ["<9>", "<10>", "<11>"]
+    pipeline.queue.stop("done")
+    await asyncio.wait_for(serving, 2)
+
+
+async def test_a_prompt_with_other_sampling_gets_a_run_of_its_own():
+    pipeline = FakePipeline(prepare_ahead=True)
+    serving = await served(pipeline)
+    await asyncio.sleep(0.05)
+    greedy = pipeline.rigs[0]
+    hot = pipeline.queue.submit(Prompt(text="hot", options=RunOverrides(temperature=0.7, seed=5)))
+    result = await asyncio.wait_for(hot.result(), 5)
+    assert result.ok and result.run_id == 0x102
+    assert greedy.driver.result is not None and greedy.driver.result.outcome == "torn down"
+    assert pipeline.rigs[1].plan.sampling.temperature == 0.7 and pipeline.rigs[1].plan.sampling.seed == 5
+    await asyncio.sleep(0.05)
+    assert pipeline.rigs[2].plan.sampling.temperature == 0.7, "prepared ahead as the last prompt sampled"
+    again = pipeline.queue.submit(Prompt(text="hot", options=RunOverrides(temperature=0.7, seed=5)))
+    assert (await asyncio.wait_for(again.result(), 5)).run_id == 0x103, "the prepared run serves it"
+    cold = pipeline.queue.submit(Prompt(text="cold"))
+    assert (await asyncio.wait_for(cold.result(), 5)).run_id == 0x105, "greedy: prepared anew"
+    await asyncio.sleep(0.05)
+    # Greedy with other top_p is still greedy: the prepared run serves it.
+    same = pipeline.queue.submit(Prompt(text="cold", options=RunOverrides(temperature=0.0, top_p=0.5)))
+    assert (await asyncio.wait_for(same.result(), 5)).run_id == 0x106
+    pipeline.queue.stop("done")
+    await asyncio.wait_for(serving, 2)
+
+
+async def test_a_prompt_sets_its_max_tokens_and_bad_options_fail_alone():
+    pipeline = FakePipeline(prepare_ahead=True)
+    serving = await served(pipeline)
+    short = pipeline.queue.submit(Prompt(text="a", options=RunOverrides(max_tokens=1)))
+    bad = pipeline.queue.submit(Prompt(text="b", options=RunOverrides(temperature=-1.0)))
+    after = pipeline.queue.submit(Prompt(text="c"))
+    assert (await asyncio.wait_for(short.result(), 5)).tokens == (9,)
+    with pytest.raises(PipelineError, match="temperature: must not be negative"):
+        await asyncio.wait_for(bad.result(), 5)
+    assert (await asyncio.wait_for(after.result(), 5)).tokens == (9, 10, 11)
+    pipeline.queue.stop("done")
+    await asyncio.wait_for(serving, 2)
+
+
+async def test_a_reply_that_cannot_fit_is_refused_before_or_shortened():
+    pipeline = FakePipeline()  # a context of 32, max_tokens 3
+    serving = await served(pipeline)
+    refused = pipeline.queue.submit(Prompt(tokens=(1,) * 30, overflow=REFUSE))
+    shortened = pipeline.queue.submit(Prompt(tokens=(1,) * 30, overflow=SHORTEN))
+    fits = pipeline.queue.submit(Prompt(tokens=(1,) * 29, overflow=REFUSE))
+    with pytest.raises(ContextOverflow, match="30 tokens and the reply may take 3 more") as caught:
+        await asyncio.wait_for(refused.result(), 5)
+    assert (caught.value.prompt_tokens, caught.value.max_tokens, caught.value.context) == (30, 3, 32)
+    assert (await asyncio.wait_for(shortened.result(), 5)).tokens == (9, 10)
+    assert (await asyncio.wait_for(fits.result(), 5)).tokens == (9, 10, 11)
+    assert [e.ticket for e in pipeline.events if isinstance(e, PromptAssigned)] == [2, 3], "it never ran"
     pipeline.queue.stop("done")
     await asyncio.wait_for(serving, 2)

@@ -8,6 +8,7 @@ names the file, the line and the key, e.g.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -42,6 +43,7 @@ class HostSpec:
     threads: int = 0
     gpu_layers: int = -1
     cache_dir: str = ""
+    memory: int = 0  # bytes of RAM the plan may use there; 0: what the agent reports
 
     @property
     def where(self) -> str:
@@ -174,9 +176,39 @@ def _field_type(f: Any) -> type:
     return {"int": int, "float": float, "str": str, "bool": bool}[text]
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``12GiB``, ``12 GB``, ``512MiB``, ``1.5T`` or a plain integer.
+    GiB/MiB/KiB/TiB are powers of 1024; GB/MB/KB/TB (and G/M/K/T) of 1000, as
+    written on the box. Raises ValueError."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a size (e.g. 12GiB, 16GB, 512MiB or bytes)")
+    number, unit = match.group(1), (match.group(2) or "").lower()
+    binary = "i" in unit
+    scale = 1024 ** "bkmgt".index(unit[0]) if binary else _UNITS[unit[:1]]
+    value = float(number) * scale
+    if value < 1:
+        raise ValueError(f"{text!r} is less than one byte")
+    return int(value)
+
+
+def _size(reader: _Reader, node: yaml.Node, key: str) -> int:
+    if not isinstance(node, yaml.ScalarNode):
+        raise reader.fail(node, key, "expected a size such as 12GiB")
+    try:
+        return parse_size(node.value)
+    except ValueError as error:
+        raise reader.fail(node, key, str(error)) from None
+
+
 _HOST_CONVERTERS: dict[str, Callable[[_Reader, yaml.Node, str], Any]] = {
     "identity": lambda r, n, k: tuple(os.path.expanduser(p) for p in r.strings(n, k)),
     "known_hosts": lambda r, n, k: tuple(os.path.expanduser(p) for p in r.strings(n, k)),
+    "memory": _size,
 }
 
 
@@ -349,7 +381,9 @@ def with_run_options(inventory: Inventory, **overrides: Any) -> Inventory:
 
 def assign_layers(inventory: Inventory, block_count: int) -> list[tuple[int, int]]:
     """Each stage's [start, end): as given (checked: no overlap, no gap, the
-    model's end reached) or split evenly when no stage gives layers."""
+    model's end reached) or split evenly by block count when no stage gives
+    layers. Runs split by memory instead (core.placement), which checks given
+    ranges here."""
     stages = inventory.stages
     if stages[0].layers is None:
         if len(stages) > block_count:

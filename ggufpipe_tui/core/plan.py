@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.model import estimate_stage_bytes
+from ggufpipe_agent.memory import StageMemory, estimate_stage, memory_facts_of
 from ggufpipe_agent.objects import HEADER_SIZE
 from ggufpipe_agent.protocol import (
     EngineOptions,
@@ -26,7 +27,10 @@ from ggufpipe_agent.protocol import (
     SamplingParams,
     StageModelFacts,
 )
-from ggufpipe_tui.core.inventory import Inventory
+from ggufpipe_tui.core.inventory import Inventory, RunOptions
+
+if TYPE_CHECKING:
+    from ggufpipe_tui.core.placement import Placement
 
 ORCHESTRATOR = "orchestrator"
 #: Slots per edge ring. The MVP keeps one object in flight per edge, so two
@@ -85,8 +89,10 @@ class StagePlan:
     layer_end_exclusive: int
     inbound_edge: int
     outbound_edge: int
-    estimated_bytes: int
+    estimated_bytes: int  # what the stage needs where its layers go (RAM, or its GPUs)
     engine: EngineOptions  # the run's sizes with this stage's host's threads and GPU layers
+    available_bytes: int = 0  # what the plan may use there (shared by the host's stages); 0: unknown
+    memory: StageMemory | None = None  # the breakdown (docs/planning.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,13 +117,24 @@ def new_run_id() -> int:
     return secrets.randbits(63) | 1
 
 
+def engine_options(run: RunOptions, facts: ModelFacts) -> EngineOptions:
+    """The llama.cpp sizes every stage of a run gets (before a host's own
+    threads and GPU layers)."""
+    length = min(run.context, facts.context_length or run.context)
+    return EngineOptions(n_ctx=length, n_batch=min(length, 2048), n_ubatch=min(run.ubatch, length))
+
+
 def build_plan(
     inventory: Inventory,
     facts: ModelFacts,
     ranges: list[tuple[int, int]],
     run_id: int,
     edge_base: int | None = None,
+    placement: Placement | None = None,
 ) -> RunPlan:
+    """The run plan. ``placement`` (:func:`ggufpipe_tui.core.placement.place_stages`)
+    gives each stage its memory figures where its layers go; without it they
+    are the CPU estimate and the available figure is unknown."""
     options = inventory.run
     n = len(inventory.stages)
     max_seq_len = min(options.context, facts.context_length or options.context)
@@ -179,11 +196,17 @@ def build_plan(
             ring(tokens_out),
         )
     )
-    engine = EngineOptions(
-        n_ctx=max_seq_len,
-        n_batch=min(max_seq_len, 2048),
-        n_ubatch=min(options.ubatch, max_seq_len),
-    )
+    engine = engine_options(options, facts)
+    memory = memory_facts_of(facts)
+
+    def figures(i: int) -> tuple[int, int, StageMemory]:
+        if placement is not None and placement.stages[i].layers == ranges[i]:
+            placed = placement.stages[i]
+            return placed.needed, placed.available, placed.memory
+        estimate = estimate_stage(memory, ranges[i][0], ranges[i][1], engine)
+        return estimate.total, 0, estimate
+
+    sized = [figures(i) for i in range(n)]
     stages = tuple(
         StagePlan(
             run_id=run_id,
@@ -195,12 +218,14 @@ def build_plan(
             layer_end_exclusive=ranges[i][1],
             inbound_edge=base + i,
             outbound_edge=base + i + 1,
-            estimated_bytes=estimate_stage_bytes(facts, ranges[i][0], ranges[i][1], max_seq_len, i == n - 1),
+            estimated_bytes=sized[i][0],
             engine=replace(
                 engine,
                 threads=inventory.hosts[node[i]].threads,
                 gpu_layers=inventory.hosts[node[i]].gpu_layers,
             ),
+            available_bytes=sized[i][1],
+            memory=sized[i][2],
         )
         for i in range(n)
     )

@@ -60,7 +60,10 @@ class ProvisionFailed:
 
 @dataclass(frozen=True, slots=True)
 class PromptGiven:
-    pass
+    """The prompt is there; ``max_tokens`` (when > 0) is this prompt's limit,
+    so a run prepared before its prompt was known still stops where it must."""
+
+    max_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +281,7 @@ def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
     if isinstance(event, PromptGiven) and phase in (P.PLANNING, P.PROVISIONING, P.WAITING_READY):
         if run.prompt_given:
             raise _reject(run, event)
-        run = replace(run, prompt_given=True)
+        run = replace(run, prompt_given=True, max_tokens=event.max_tokens or run.max_tokens)
         return _maybe_start(run, became_ready=False) if phase is P.WAITING_READY else (run, [])
 
     if phase is P.PLANNING:

@@ -125,10 +125,11 @@ class RunDriver:
     def feed(self, event: fsm.RunEvent) -> None:
         self.queue.put_nowait(event)
 
-    def give_prompt(self, tokens: list[int], submitted: float | None = None) -> None:
+    def give_prompt(self, tokens: list[int], submitted: float | None = None, max_tokens: int = 0) -> None:
+        """The run's prompt; ``max_tokens`` > 0 overrides the plan's limit."""
         self.prompt = list(tokens)
         self._submitted = submitted or time.perf_counter()
-        self.feed(fsm.PromptGiven())
+        self.feed(fsm.PromptGiven(max_tokens))
 
     def stop(self, reason: str = "stopped by the user") -> None:
         self.feed(fsm.StopRequested(reason))

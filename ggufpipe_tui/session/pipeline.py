@@ -27,6 +27,7 @@ from typing import Any
 from ggufpipe_agent.arch import check_architecture, check_plan
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.protocol import (
+    ChatMessage,
     Inspect,
     Message,
     ModelFacts,
@@ -50,7 +51,8 @@ from ggufpipe_tui.core.events import (
     RunFinished,
     RunResult,
 )
-from ggufpipe_tui.core.inventory import HostSpec, Inventory, assign_layers
+from ggufpipe_tui.core.inventory import HostSpec, Inventory, RunOptions
+from ggufpipe_tui.core.placement import Placement, place_stages
 from ggufpipe_tui.core.plan import PlanError, RunPlan, build_plan, new_run_id, validate_plan
 from ggufpipe_tui.dataplane import DataPlane, DataPlaneEvents
 from ggufpipe_tui.dataplane.relay import RelayPlane
@@ -97,6 +99,7 @@ class Pipeline:
         self.facts: ModelFacts | None = None
         self.pieces: tuple[bytes, ...] = ()
         self.ranges: list[tuple[int, int]] = []
+        self.placement: Placement | None = None  # what each stage needs and each host has
         self.driver: RunDriver | None = None
         self.broken = ""  # why the pipeline cannot carry another run
         self.closing = False
@@ -205,15 +208,23 @@ class Pipeline:
         facts = reply.facts
         where = f"{facts.path} on {stage.host.name}"
         check_architecture(facts.architecture, where)
-        self.ranges = assign_layers(self.inventory, facts.block_count)
+        # Ranges and memory from what each host has; refuses a plan that does not fit.
+        self.placement = place_stages(self.inventory, facts, [link.hello for link in self.links])
+        self.ranges = list(self.placement.ranges)
         check_plan(facts, self.ranges, where)
         self.facts, self.pieces = facts, reply.pieces
         self.emit(ModelInspected(facts))
 
-    async def tokenize(self, text: str, chat: bool) -> tuple[list[int], str]:
+    async def tokenize(
+        self, text: str, chat: bool, messages: Sequence[ChatMessage] = ()
+    ) -> tuple[list[int], str]:
+        """A prompt's tokens and the text they came from, from stage 0's
+        agent: ``text`` (through the chat template when ``chat``) or a whole
+        conversation (``messages``, through the chat template)."""
         stage = self.stages[0]
         path = self.inventory.model_path_for(stage.host)
-        reply = await stage.request(lambda rid: Tokenize(rid, path, text, chat), 60.0)
+        turns = tuple(messages)
+        reply = await stage.request(lambda rid: Tokenize(rid, path, text, chat, turns), 60.0)
         if isinstance(reply, RequestFailed):
             raise PipelineError(f"tokenizing on {stage.host.name}: {reply.reason}")
         assert isinstance(reply, Tokenized)
@@ -238,11 +249,13 @@ class Pipeline:
         """Until the session serves no more prompts; returns why (a fault)."""
         return await self.queue.wait_stopped()
 
-    def make_plan(self) -> RunPlan:
+    def make_plan(self, options: RunOptions | None = None) -> RunPlan:
+        """A new run's plan; ``options``: run options other than the inventory's."""
         assert self.facts is not None
-        return build_plan(self.inventory, self.facts, self.ranges, new_run_id())
+        inventory = self.inventory if options is None else replace(self.inventory, run=options)
+        return build_plan(inventory, self.facts, self.ranges, new_run_id(), placement=self.placement)
 
-    async def prepare_run(self) -> RunDriver:
+    async def prepare_run(self, options: RunOptions | None = None) -> RunDriver:
         """Plan, provision and load a run that waits for its prompt."""
         if self.closing or self.data is None:
             raise PipelineError("the pipeline is not running")
@@ -250,7 +263,7 @@ class Pipeline:
             raise PipelineError("a run is already active")
         previous = self.driver
         source = previous.next_source() if previous is not None and self.prefix_reuse else None
-        plan = self.make_plan()
+        plan = self.make_plan(options)
         if source is not None:
             plan = replace(plan, reuse=source.offer())
         driver = RunDriver(
@@ -283,8 +296,11 @@ class Pipeline:
         """From now on the run's events also go to ``handle``."""
         self._handles[driver.plan.run_id] = handle
 
-    async def run_prompt(self, driver: RunDriver, tokens: list[int], submitted: float) -> RunResult:
-        """Give a prepared run its prompt and wait for its end."""
+    async def run_prompt(
+        self, driver: RunDriver, tokens: list[int], submitted: float, max_tokens: int = 0
+    ) -> RunResult:
+        """Give a prepared run its prompt and wait for its end; ``max_tokens``
+        > 0: this prompt's limit instead of the plan's."""
         limit = driver.plan.model.max_seq_len
         if len(tokens) >= limit:
             driver.stop("prompt too long")
@@ -293,7 +309,7 @@ class Pipeline:
                 f"the prompt is {len(tokens)} tokens, the context holds {limit} "
                 "(raise run.context or --context)"
             )
-        driver.give_prompt(tokens, submitted)
+        driver.give_prompt(tokens, submitted, max_tokens)
         await driver.done.wait()
         assert driver.result is not None
         return driver.result

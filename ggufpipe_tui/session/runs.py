@@ -8,6 +8,15 @@ with ``prepare_ahead`` (the interactive views) it keeps the next run
 provisioned and loaded so a prompt starts the moment it is given. A run that
 faults stops the queue: the pipeline cannot carry another run, and every
 prompt still waiting is failed with the reason.
+
+A prompt may carry run options of its own (:class:`RunOverrides`: an HTTP
+request's temperature, seed, max_tokens). The sampling is part of each
+stage's provision, so a run prepared ahead with other sampling is torn down
+and one is prepared with the prompt's (the next run is prepared ahead as the
+last prompt sampled); max_tokens is the orchestrator's alone and is given
+with the prompt. Each prompt's tokens are its whole context (a
+conversation's every turn so far), and runs go in submission order, so
+whatever a run leaves in the stages is what the next one starts from.
 """
 
 from __future__ import annotations
@@ -17,11 +26,14 @@ import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_agent.protocol import ChatMessage, SamplingParams
 from ggufpipe_tui.core.events import Event, PromptAssigned, RunResult
+from ggufpipe_tui.core.inventory import RunOptions, check_run_options
+from ggufpipe_tui.core.plan import RunPlan
 from ggufpipe_tui.session.driver import RunDriver
 from ggufpipe_tui.session.stages import PipelineError
 
@@ -29,15 +41,93 @@ if TYPE_CHECKING:
     from ggufpipe_tui.session.pipeline import Pipeline
 
 
+#: What a prompt whose tokens and max_tokens do not fit the context gets.
+RUN_ANYWAY = "run"  # it runs; it may fault when the context fills (headless)
+REFUSE = "refuse"  # refused before it runs: ContextOverflow (the TUI, an explicit max_tokens)
+SHORTEN = "shorten"  # it runs with max_tokens cut to the room left (a server default)
+OVERFLOW_POLICIES = (RUN_ANYWAY, REFUSE, SHORTEN)
+
+
+@dataclass(frozen=True, slots=True)
+class RunOverrides:
+    """One prompt's run options over the inventory's ``run:`` (None: the
+    inventory's). Checked like the inventory's when the prompt's turn comes."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """What to run: text (through the model's chat template unless ``chat``
-    is False; None means the inventory's ``run.chat``) or token ids as is."""
+    is False; None means the inventory's ``run.chat``), a conversation
+    (``messages``, rendered whole by the chat template; ``text`` is then only
+    what views show of it), or token ids as is (``tokens`` wins over both)."""
 
     text: str = ""
     tokens: tuple[int, ...] | None = None
     chat: bool | None = None
+    messages: tuple[ChatMessage, ...] = ()
+    options: RunOverrides = field(default_factory=RunOverrides)
+    overflow: str = RUN_ANYWAY  # one of OVERFLOW_POLICIES
     submitted: float = field(default_factory=time.perf_counter)  # for the time to first token
+
+
+class ContextOverflow(PipelineError):
+    """The prompt and the reply it may take do not fit the context; said
+    before the run starts, never found out in the middle of it."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, context: int) -> None:
+        self.prompt_tokens, self.max_tokens, self.context = prompt_tokens, max_tokens, context
+        if prompt_tokens >= context:
+            said = (
+                f"the prompt is {prompt_tokens} tokens, the context holds {context} "
+                "(raise run.context or --context)"
+            )
+        else:
+            said = (
+                f"the prompt is {prompt_tokens} tokens and the reply may take {max_tokens} more: "
+                f"{prompt_tokens + max_tokens} do not fit the context of {context} tokens"
+            )
+        super().__init__(said)
+
+
+def run_options(base: RunOptions, overrides: RunOverrides) -> RunOptions:
+    """The inventory's run options with a prompt's overrides, range-checked
+    as the inventory's are."""
+    given = {f.name: getattr(overrides, f.name) for f in fields(overrides)}
+    options = replace(base, **{name: value for name, value in given.items() if value is not None})
+
+    def fail(key: str, message: str) -> PipelineError:
+        return PipelineError(f"{key}: {message}")
+
+    check_run_options(options, fail)
+    return options
+
+
+def serves(plan: RunPlan, options: RunOptions) -> bool:
+    """Whether a run prepared with ``plan`` samples as ``options`` ask. Greedy
+    is greedy whatever the other sampling parameters say."""
+    wanted = SamplingParams(options.temperature, options.top_k, options.top_p, options.seed)
+    return plan.sampling == wanted or (plan.sampling.temperature <= 0 and wanted.temperature <= 0)
+
+
+def reply_limit(prompt: Prompt, prompt_tokens: int, options: RunOptions, context: int) -> int:
+    """The most tokens the prompt's reply may take, by its overflow policy.
+    A prompt of P tokens and a reply of M fit when P + M <= context."""
+    if prompt.overflow not in OVERFLOW_POLICIES:
+        raise PipelineError(f"unknown overflow policy {prompt.overflow!r}")
+    if prompt_tokens >= context:
+        raise ContextOverflow(prompt_tokens, options.max_tokens, context)
+    room = context - prompt_tokens
+    if prompt.overflow == REFUSE and options.max_tokens > room:
+        raise ContextOverflow(prompt_tokens, options.max_tokens, context)
+    if prompt.overflow == SHORTEN:
+        return min(options.max_tokens, room)
+    return options.max_tokens
 
 
 class RunHandle:
@@ -120,6 +210,8 @@ class RunQueue:
         self._tickets = itertools.count(1)
         self.stopped = ""  # why the queue serves no more prompts
         self._stopped = asyncio.Event()
+        self.taking: RunHandle | None = None  # taken from the queue, not finished yet
+        self.last_options: RunOptions | None = None  # the last run's (None: the inventory's)
 
     @property
     def queued(self) -> int:
@@ -155,21 +247,57 @@ class RunQueue:
         try:
             while not self.stopped:
                 if self.prepare_ahead and prepared is None:
-                    prepared = await pipeline.prepare_run()
-                handle = await self._next(prepared)
+                    # Sampled as the last prompt asked: a client that keeps its
+                    # settings finds its next run ready.
+                    prepared = await pipeline.prepare_run(self.last_options)
+                handle = self.taking = await self._next(prepared)
                 if handle is None:
                     if prepared is not None and prepared.done.is_set():
                         # The run ended before its prompt: it faulted while preparing or waiting.
                         reason = prepared.result.failure if prepared.result else ""
                         break
                     continue
-                driver, prepared = prepared or await pipeline.prepare_run(), None
-                result = await self._run(handle, driver)
-                if pipeline.broken or (result is not None and result.outcome == "faulted"):
-                    reason = (result.failure if result is not None else "") or pipeline.broken
+                try:
+                    options = run_options(pipeline.inventory.run, handle.prompt.options)
+                except PipelineError as error:
+                    handle.fail(error)
+                    continue
+                if prepared is not None and not serves(prepared.plan, options):
+                    # Prepared with other sampling: the stages must be provisioned again.
+                    prepared.stop("the next prompt asks for other sampling")
+                    await prepared.done.wait()
+                    prepared = None
+                    if pipeline.broken:
+                        break
+                driver, prepared = prepared or await pipeline.prepare_run(options), None
+                try:
+                    tokens, limit = await self._tokens(handle.prompt, options, driver.plan)
+                except GgufpipeError as error:
+                    # Not run (tokenizing failed, too long for the context): the
+                    # prompt fails alone and the prepared run waits for the next.
+                    handle.fail(error if isinstance(error, PipelineError) else PipelineError(str(error)))
+                    prepared = driver
+                    continue
+                if handle.done:  # withdrawn while it was tokenized
+                    prepared = driver
+                    continue
+                self.last_options = options
+                result = await self._run(handle, driver, tokens, limit)
+                if pipeline.broken or result.outcome == "faulted":
+                    reason = result.failure or pipeline.broken
                     break
         except GgufpipeError as error:
             reason = str(error)
+        finally:
+            # Cancelled (the pipeline closing) or stopped: the prompt taken
+            # from the queue must not be left waiting for its result.
+            taken, self.taking = self.taking, None
+            if taken is not None and not taken.done:
+                running = taken.driver
+                if running is not None and running.result is not None:
+                    taken.finish(running.result)
+                else:
+                    taken.fail(PipelineError(f"not run: {self.stopped or reason or 'the pipeline closed'}"))
         if prepared is not None and not prepared.done.is_set():
             prepared.stop("the session is stopping")
         self.stop(reason or pipeline.broken or "the pipeline closed")
@@ -194,28 +322,29 @@ class RunQueue:
                 return None
         return None
 
-    async def _run(self, handle: RunHandle, driver: RunDriver) -> RunResult | None:
+    async def _tokens(self, prompt: Prompt, options: RunOptions, plan: RunPlan) -> tuple[list[int], int]:
+        """The prompt's tokens and the most its reply may take; raises when it cannot run."""
+        if prompt.tokens is not None:
+            tokens = list(prompt.tokens)
+        else:
+            chat = self.pipeline.inventory.run.chat if prompt.chat is None else prompt.chat
+            tokens, _ = await self.pipeline.tokenize(prompt.text, chat, prompt.messages)
+        return tokens, reply_limit(prompt, len(tokens), options, plan.model.max_seq_len)
+
+    async def _run(self, handle: RunHandle, driver: RunDriver, tokens: list[int], limit: int) -> RunResult:
         pipeline = self.pipeline
         prompt = handle.prompt
         handle.driver, handle.run_id = driver, driver.plan.run_id
         pipeline.route(driver, handle)
         driver.emit(PromptAssigned(driver.plan.run_id, prompt.text, handle.ticket))
         try:
-            if prompt.tokens is not None:
-                tokens = list(prompt.tokens)
-            else:
-                chat = pipeline.inventory.run.chat if prompt.chat is None else prompt.chat
-                tokens, _ = await pipeline.tokenize(prompt.text, chat)
-            await pipeline.run_prompt(driver, tokens, prompt.submitted)
-        except GgufpipeError as error:
-            # Not run (tokenizing failed, too long for the context): the
-            # prepared run is torn down and the queue goes on.
+            result = await pipeline.run_prompt(driver, tokens, prompt.submitted, limit)
+        except GgufpipeError as error:  # refused at the last moment: the run is torn down
             if not driver.done.is_set():
                 driver.stop(f"no prompt: {error}")
             await driver.done.wait()
+            assert driver.result is not None
             handle.fail(error if isinstance(error, PipelineError) else PipelineError(str(error)))
-            return None
-        assert driver.result is not None
-        handle.finish(driver.result)
-        return driver.result
-
+            return driver.result
+        handle.finish(result)
+        return result

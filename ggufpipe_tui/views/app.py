@@ -14,6 +14,10 @@ what happens. A fault ends the session with its one reason on screen;
 ``ctrl+r`` closes the pipeline and starts a fresh one, and prompts that never
 ran are given to it.
 
+Prompts are the turns of a conversation (:mod:`ggufpipe_tui.views.turns`):
+each is sent with every kept turn before it, so a typed prompt is submitted
+when the one before has ended. ``ctrl+n`` starts a new conversation.
+
 For tests and screenshots the app also replays a scripted list of events
 instead of starting a pipeline (``script=``).
 """
@@ -40,7 +44,9 @@ from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_tui.core.events import (
     AgentLog,
     Event,
+    ModelInspected,
     Notice,
+    PlanMade,
     PromptAssigned,
     RunFinished,
     RunResult,
@@ -48,7 +54,9 @@ from ggufpipe_tui.core.events import (
 )
 from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.session.pipeline import Pipeline
-from ggufpipe_tui.session.runs import Prompt, RunHandle
+from ggufpipe_tui.session.runs import ContextOverflow, RunHandle
+from ggufpipe_tui.session.stages import PipelineError
+from ggufpipe_tui.views.turns import Turn, Turns
 from ggufpipe_tui.views.viewstate import ExchangeView, StageRow, ViewState
 from ggufpipe_tui.views.widgets import Exchange, LogPane, StageTable, StatusBar, StatusView, Transcript
 
@@ -80,6 +88,7 @@ class GgufpipeApp(App[int]):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
+        Binding("ctrl+n", "new_conversation", "New chat"),
         Binding("ctrl+f", "filter_log", "Log filter"),
         Binding("ctrl+r", "restart", "Restart"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
@@ -105,8 +114,7 @@ class GgufpipeApp(App[int]):
         self.state = ViewState(inventory)
         self.pipeline: Pipeline | None = None
         self.active: RunHandle | None = None  # the handle of the run the prompt went to
-        self.handles: dict[int, tuple[RunHandle, ExchangeView]] = {}  # submitted, not started
-        self.unrun: list[ExchangeView] = []  # prompts for the next session
+        self.turns = Turns(raw=not inventory.run.chat)  # typed prompts, as conversation turns
         self.quitting = False
         self._pipeline_closes: set[asyncio.Future[None]] = set()
         self._widgets: dict[int, Exchange] = {}
@@ -167,7 +175,11 @@ class GgufpipeApp(App[int]):
         self.query_one("#stages").border_title = "Stages"
         self.query_one("#transcript").border_title = "Output"
         self._title_log()
-        self.query_one("#prompt", Input).focus()
+        prompt = self.query_one("#prompt", Input)
+        prompt.focus()
+        # A scripted app is a screenshot: a blinking cursor would make it
+        # depend on the moment it is taken.
+        prompt.cursor_blink = self.script is None
         self.set_interval(0.25, self._tick)
         self.state.session_started = self.now()
         if self.script is not None:
@@ -201,8 +213,10 @@ class GgufpipeApp(App[int]):
         previous = next((w for w in self.workers if w.group == "session" and not w.is_finished), None)
         if previous is not None:
             previous.cancel()
-        self.unrun += [view for _, view in self.handles.values()]
-        self.handles.clear()
+        cut = self.turns.new_session()
+        if cut is not None and not cut.view.finished:
+            said = "stopped by the restart: this turn is left out of the conversation"
+            self._say(cut.view, Text(said, style="grey58"))
         self.active = None
         self.state.new_session(self.now())
         self._draw()
@@ -220,9 +234,6 @@ class GgufpipeApp(App[int]):
             self.inventory, self._subscriber(session), log_dir=self.log_dir, prepare_ahead=True
         )
         self.pipeline = pipeline
-        waiting, self.unrun = self.unrun, []
-        for view in waiting:  # prompts typed meanwhile, or left unrun by a fault
-            self._submit(pipeline, view)
         try:
             await pipeline.start()
         except GgufpipeError as error:
@@ -230,10 +241,40 @@ class GgufpipeApp(App[int]):
             return
         self._end_session(session, await pipeline.wait_stopped() or "the run ended unexpectedly")
 
-    def _submit(self, pipeline: Pipeline, view: ExchangeView) -> None:
-        handle = pipeline.submit(Prompt(text=view.prompt, submitted=view.submitted))
-        self.handles[handle.ticket] = (handle, view)
-        self.state.tickets[handle.ticket] = view
+    def _feed(self) -> None:
+        """Submit the next typed prompt if the one before has ended."""
+        turn = self.turns.feed(self.pipeline)
+        if turn is not None:
+            assert turn.handle is not None
+            self.state.tickets[turn.handle.ticket] = turn.view
+            self.run_worker(self._watch(turn), group="turns", exit_on_error=False)
+
+    async def _watch(self, turn: Turn) -> None:
+        """A prompt that fails without a run: refused (it would overflow the
+        context, or its template failed) or the session stopped first."""
+        assert turn.handle is not None
+        try:
+            await turn.handle.result()
+            return
+        except PipelineError as error:
+            said = self.turns.failed(turn, error)
+            if not turn.started:
+                self.state.tickets.pop(turn.handle.ticket, None)
+            if said is not None:
+                self._say(turn.view, said)
+                if isinstance(error, ContextOverflow):
+                    self.notify(said.plain.removeprefix("not run: "), severity="warning", timeout=8)
+                    prompt = self.query_one("#prompt", Input)
+                    if not prompt.value:
+                        prompt.value = turn.view.prompt
+        self._feed()
+        self._draw()
+
+    def _say(self, view: ExchangeView, summary: Text) -> None:
+        """End an exchange that got no RunFinished with ``summary``."""
+        view.finished, view.summary = True, summary
+        self.state.show(view)
+        self.state.touched[id(view)] = view
 
     def _end_session(self, session: int, reason: str, lost: bool = True) -> None:
         if session != self.state.session:
@@ -282,20 +323,16 @@ class GgufpipeApp(App[int]):
         if not text:
             return
         event.input.clear()
-        pipeline = self.pipeline
-        self.state.queued = pipeline.queue.queued if pipeline is not None else len(self.unrun)
+        self.state.queued = self.turns.waiting()
         view = self.state.submitted(text)
-        if pipeline is None or pipeline.queue.stopped:
-            self.unrun.append(view)  # for the next session
-        else:
-            self._submit(pipeline, view)
+        self.turns.add(view)
+        self._feed()
         if self.state.session_phase == "Faulted":
             self.notify(
                 "The pipeline faulted: ctrl+r starts a fresh one, then this prompt runs.", severity="warning"
             )
         elif not view.shown:
-            waiting = pipeline.queue.queued if pipeline is not None else len(self.unrun)
-            self.notify(f"Queued ({waiting} waiting): it runs when the current prompt is done.")
+            self.notify(f"Queued ({self.turns.waiting()} waiting): it runs when the current prompt is done.")
         self._draw()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -311,6 +348,17 @@ class GgufpipeApp(App[int]):
         self.state.note(None, Text("stop requested by the user", style="bold"))
         self._draw()
         handle.stop("stopped by the user")
+
+    def action_new_conversation(self) -> None:
+        conversation = self.turns.new_conversation()
+        self._draw()  # what is shown so far stays above the line
+        transcript = self.query_one(Transcript)
+        transcript.query(".welcome").remove()
+        line = f"── new conversation ({conversation.number}): the next prompt starts fresh ──"
+        transcript.mount(Static(Text(line, style="bold grey58"), classes="divider"))
+        transcript.follow()
+        self.state.note(None, Text(f"conversation {conversation.number}: new", style="bold"))
+        self._draw()
 
     def action_filter_log(self) -> None:
         log = self.query_one(LogPane)
@@ -350,14 +398,28 @@ class GgufpipeApp(App[int]):
                 self.state.apply(event, self.now())
                 self._draw_soon()
             return
-        if isinstance(event, PromptAssigned):
-            handle, _ = self.handles.pop(event.ticket, (None, None))
-            self.active = handle
+        turn = self.turns.in_flight
+        if isinstance(event, PromptAssigned) and turn is not None and turn.handle is not None:
+            if turn.handle.ticket == event.ticket:
+                self.active = turn.handle
+        elif isinstance(event, PlanMade):
+            self.turns.context = event.plan.model.max_seq_len
         self.state.apply(event, self.now())
         if isinstance(event, RunFinished):
             self.active = None
+            said = self.turns.ended(event.result)
+            view = self.state.exchanges.get(event.result.run_id)
+            if said and view is not None:
+                view.summary = (view.summary or Text("")) + Text(f" · {said}", style="grey58 italic")
+                self.state.touched[id(view)] = view
+            self._feed()
             if event.result.outcome == "faulted":
                 self._mark_lost()
+        elif isinstance(event, ModelInspected):
+            self.turns.facts = event.facts
+            if not self.turns.chat:
+                self.state.note(None, Text(self.turns.no_chat_reason(), style="yellow"))
+            self._feed()
         self.prompt_active = self.state.prompt_active
         if isinstance(event, TokenStreamed):
             self._draw_soon()
@@ -403,7 +465,7 @@ class GgufpipeApp(App[int]):
 
     def _tick(self) -> None:
         if self.pipeline is not None:
-            self.state.queued = self.pipeline.queue.queued
+            self.state.queued = self.turns.waiting()
         if self.state.run_phase == "Running" or self.state.session_phase in ("Connecting", "Closing"):
             self._draw_status()
 
@@ -417,6 +479,8 @@ class GgufpipeApp(App[int]):
             fault=state.fault,
         )
         view.hint = state.hint(now)
+        if view.hint == "ready for a prompt" and self.turns.hint():
+            view.hint += f" · {self.turns.hint()}"
         stats = state.latest
         if stats is not None:
             view.elapsed = stats.elapsed(now)

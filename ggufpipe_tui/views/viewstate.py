@@ -70,7 +70,8 @@ class StageRow:
     host: str
     where: str = ""
     layers: tuple[int, int] | None = None
-    estimated_bytes: int = 0
+    estimated_bytes: int = 0  # what the stage needs where its layers go (the plan's estimate)
+    available_bytes: int = 0  # what the plan may use there, shared by the host's stages; 0: unknown
     device: str = ""
     state: str = "Unprovisioned"
     connected: bool = False
@@ -260,6 +261,7 @@ class ViewState:
         for stage, row in zip(event.plan.stages, self.rows, strict=False):
             row.layers = (stage.layer_start, stage.layer_end_exclusive)
             row.estimated_bytes = stage.estimated_bytes
+            row.available_bytes = stage.available_bytes
             row.state, row.fault, row.load_fraction = "Unprovisioned", "", None
             self.note(row.index, Text(f"  {fmt.stage_plan_line(stage)}"))
         self.dirty = True

@@ -20,6 +20,7 @@ from textual.events import Resize
 from textual.widget import Widget
 from textual.widgets import RichLog, Static
 
+from ggufpipe_tui.core.placement import MARGIN
 from ggufpipe_tui.views.format import format_bytes, format_seconds
 from ggufpipe_tui.views.viewstate import PHASE_STYLES, STAGE_STYLES, ExchangeView, StageRow
 
@@ -40,6 +41,21 @@ def bar(fraction: float, width: int, style: str = "yellow") -> Text:
 
 
 # ----------------------------------------------------------------- stages
+
+
+def memory_cell(row: StageRow, compact: bool) -> Text:
+    """Needed / available, red when the need (with the plan's margin) is over;
+    ``~needed`` while what the host has is unknown."""
+    if not row.estimated_bytes:
+        return Text("?", style="grey50")
+    need = format_bytes(row.estimated_bytes, compact)
+    if not row.available_bytes:
+        return Text(f"~{need}")
+    over = row.estimated_bytes * (1 + MARGIN) > row.available_bytes
+    text = Text(need, style="bold red" if over else "")
+    text.append("/" if compact else " / ", style="grey50")
+    text.append(format_bytes(row.available_bytes, compact), style="grey70")
+    return text
 
 
 class StageTable(Static):
@@ -66,7 +82,7 @@ class StageTable(Static):
         if not compact:
             table.add_column("device", no_wrap=True, overflow="ellipsis", max_width=28)
         table.add_column("layers", no_wrap=True)
-        table.add_column("mem" if compact else "est. mem", justify="right", no_wrap=True)
+        table.add_column("mem" if compact else "mem need / has", justify="right", no_wrap=True)
         table.add_column("state", no_wrap=True)
         if compact:
             table.add_column("", ratio=1, min_width=10)  # load bar, activity or fault
@@ -85,7 +101,7 @@ class StageTable(Static):
     def _cells(self, row: StageRow, compact: bool) -> list[RenderableType]:
         host = row.host if compact or not row.where or row.where == row.host else f"{row.host} ({row.where})"
         layers = f"[{row.layers[0]},{row.layers[1]})" if row.layers else "auto"
-        mem = f"~{format_bytes(row.estimated_bytes, compact)}" if row.estimated_bytes else "?"
+        mem = memory_cell(row, compact)
         state = Text(row.state, style=STAGE_STYLES.get(row.state, ""))
         cells: list[RenderableType] = [str(row.index), host]
         if not compact:

@@ -1,0 +1,362 @@
+"""The receiving side of stage-file delivery: chunks in, a verified cache entry out.
+
+No wire protocol here: the agent runtime calls this library with what the
+orchestrator sent. The sender (:mod:`ggufpipe_agent.sender`) offers a stage
+file as a :class:`~ggufpipe_agent.sender.StageOffer` (a :class:`StageKey` derived
+from the model's identity, the range and the stage format; the total size;
+the chunk size). :meth:`StageFileReceiver.open` answers what this host
+already has (:class:`ReceiveStatus`): a complete entry and its digest, a
+partial file and how many verified bytes it holds, or nothing. Chunks then
+arrive in order, each with its own digest (a bad one is rejected, never
+written); the whole file's digest is checked before the file becomes an
+entry (fsync, atomic rename, sidecar).
+
+Resume: the partial file (``NAME.partial``) and its progress record
+(``NAME.partial.json``: key, size, chunk size, verified bytes, the digest of
+that prefix) survive a killed connection and a restarted agent. The record
+is written only after the bytes it counts are fsynced (every
+``checkpoint_bytes`` and on :meth:`close`), so it never claims more than the
+disk holds; a restart re-hashes the recorded prefix (at disk speed), which
+both checks it and restores the running digest, and the transfer continues
+from there. A partial file is written by one receiver at a time (``flock``):
+another agent of the same host asking for the same stage is told "busy" and
+can ask again; once the first one finishes, it finds the complete entry.
+
+A full disk, found before (free space, ``posix_fallocate`` of the rest) or
+while writing, is one :class:`~ggufpipe_agent.errors.DiskFull` naming the path
+and the space the file needs; the partial file is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import hmac
+import json
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from ggufpipe_agent.digest import LEAF, FileDigest, chunk_digest, leaf_digests
+from ggufpipe_agent.errors import CacheError, DiskFull, TransferError
+from ggufpipe_agent.stagecache import (
+    DIGEST_ALGORITHM,
+    PARTIAL_SUFFIX,
+    SIDECAR_SUFFIX,
+    Sidecar,
+    StageKey,
+    create_private,
+    disk_full,
+    free_bytes,
+    fsync_directory,
+    new_digest,
+    private_cache_dir,
+    read_private_json,
+    remove_entry,
+    remove_orphans,
+    reserve,
+    sidecar_path,
+    touch,
+    verify_entry,
+    write_all,
+    write_sidecar,
+    write_small_file,
+)
+
+log = logging.getLogger("ggufpipe.receiver")
+
+MIN_CHUNK = LEAF
+MAX_CHUNK = 64 << 20
+MAX_SIZE = 1 << 48  # 256 TiB: anything larger is not a stage file
+CHECKPOINT_BYTES = 256 << 20
+PROGRESS_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiveStatus:
+    """What this host holds of an offered stage file."""
+
+    state: str  # "complete", "partial", "empty" or "busy" (another receiver writes it)
+    name: str  # the entry's file name in the cache
+    digest: str = ""  # of the complete entry
+    verified_bytes: int = 0  # of a partial file: durable and verified; resume from here
+    verified_chunks: int = 0  # verified_bytes // chunk_size
+
+
+class StageFileReceiver:
+    """One stage file arriving in a host's cache. Use as a context manager,
+    or call :meth:`close` (keeps the partial for a resume) or :meth:`abort`
+    (removes it)."""
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str],
+        key: StageKey,
+        size: int,
+        chunk_size: int,
+        checkpoint_bytes: int = CHECKPOINT_BYTES,
+    ) -> None:
+        key.check()
+        if not 0 < size <= MAX_SIZE:
+            raise TransferError(f"stage file size {size} is not a size")
+        if not MIN_CHUNK <= chunk_size <= MAX_CHUNK or chunk_size % LEAF:
+            raise TransferError(
+                f"chunk size {chunk_size} is not a multiple of {LEAF} in [{MIN_CHUNK}, {MAX_CHUNK}]"
+            )
+        self.key = key
+        self.size = size
+        self.chunk_size = chunk_size
+        self.checkpoint_bytes = max(chunk_size, checkpoint_bytes - checkpoint_bytes % chunk_size)
+        self.directory = private_cache_dir(cache_dir)
+        self.target = self.directory / key.file_name
+        self.partial = self.directory / (key.file_name + PARTIAL_SUFFIX)
+        self.record = self.directory / (key.file_name + PARTIAL_SUFFIX + SIDECAR_SUFFIX)
+        self._fd = -1
+        self._digest = FileDigest()
+        self.received = 0  # bytes written and verified chunk by chunk
+        self._durable = 0  # bytes the progress record vouches for
+
+    def __enter__(self) -> StageFileReceiver:
+        return self
+
+    def __exit__(self, kind: object, *_: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- offer
+
+    def open(self) -> ReceiveStatus:
+        """What this host has; after a "partial" or "empty" answer the
+        receiver is ready for chunk ``verified_chunks``."""
+        name = self.target.name
+        if self._fd >= 0:  # asked again while receiving: where it stands
+            chunks = self.received // self.chunk_size
+            state = "partial" if self.received else "empty"
+            return ReceiveStatus(state, name, verified_bytes=self.received, verified_chunks=chunks)
+        complete = self._complete()
+        if complete:
+            self._drop_stale_partial()
+            return ReceiveStatus("complete", name, digest=complete)
+        remove_orphans(self.directory, self.partial.name)
+        try:
+            fd = self._open_partial()
+        except OSError as error:
+            raise CacheError(f"cannot open {self.partial}: {error.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return ReceiveStatus("busy", name)
+        self._fd = fd
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            self._drop()
+            raise CacheError(f"{self.partial} is not a regular file of this user; removed")
+        os.fchmod(fd, 0o600)
+        complete = self._complete()  # finished by another receiver just before we locked
+        if complete:
+            self._drop()  # a partial file of a complete entry is only space
+            return ReceiveStatus("complete", name, digest=complete)
+        self._resume(info.st_size)
+        needed = self.size - self.received
+        available = free_bytes(self.directory)
+        if available and available < needed:
+            self._drop()
+            raise disk_full(self.target, self.size)
+        try:
+            reserve(self._fd, self.target, self.received, needed, self.size)
+        except DiskFull:
+            self._drop()
+            raise
+        state = "partial" if self.received else "empty"
+        chunks = self.received // self.chunk_size
+        return ReceiveStatus(state, name, verified_bytes=self.received, verified_chunks=chunks)
+
+    def _drop_stale_partial(self) -> None:
+        """A partial file beside a complete entry is only space, unless another
+        receiver still holds it (then it is that one's to finish or drop)."""
+        try:
+            fd = os.open(self.partial, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return
+        self._fd = fd
+        self._drop()
+
+    def _open_partial(self) -> int:
+        """The partial file, opened or created; never through a symlink."""
+        for _ in range(3):  # another receiver may create it between our two calls
+            try:
+                return os.open(self.partial, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                pass
+            except OSError as error:
+                if error.errno != errno.ELOOP:
+                    raise
+                log.warning("%s is a symbolic link, not a partial file of ours; removed", self.partial)
+                self.partial.unlink()
+                self.record.unlink(missing_ok=True)
+            with contextlib.suppress(FileExistsError):
+                return create_private(self.partial)
+        raise CacheError(f"cannot open {self.partial}: it keeps appearing and vanishing")
+
+    def _complete(self) -> str:
+        """The digest of a trustworthy complete entry; a broken one is removed."""
+        sidecar = verify_entry(self.target)
+        if sidecar is not None and sidecar.key == self.key and sidecar.size == self.size:
+            touch(self.target)
+            return sidecar.digest
+        if os.path.lexists(self.target) or os.path.lexists(sidecar_path(self.target)):
+            remove_entry(self.target, "no valid sidecar, or contents that do not match it")
+        return ""
+
+    def _resume(self, length: int) -> None:
+        """Restore the verified prefix of a partial file, or start over."""
+        self._digest = new_digest()
+        self.received = self._durable = 0
+        record = read_private_json(self.record) or {}
+        verified = record.get("verified", 0)
+        expected = {
+            "version": PROGRESS_VERSION,
+            "algorithm": DIGEST_ALGORITHM,
+            "key": dataclasses.asdict(self.key),
+            "size": self.size,
+        }
+        usable = (
+            all(record.get(field) == value for field, value in expected.items())
+            and isinstance(verified, int)
+            and 0 < verified <= min(length, self.size)
+        )
+        if usable:
+            keep = verified - verified % self.chunk_size  # whole chunks of this offer
+            whole, kept = _hash_prefix(self._fd, verified, keep)
+            prefix = str(record.get("prefix", ""))
+            if whole is not None and kept is not None and hmac.compare_digest(whole.hexdigest(), prefix):
+                self._digest = kept
+                self.received = self._durable = keep
+                log.info("resuming %s at byte %d of %d", self.partial, keep, self.size)
+            else:
+                log.warning("%s does not match its progress record; starting over", self.partial)
+        if self.received == 0 and length:
+            os.ftruncate(self._fd, 0)
+        if not self.received:
+            self.record.unlink(missing_ok=True)
+
+    # -------------------------------------------------------------- chunks
+
+    def accept(self, index: int, data: bytes, digest: str) -> None:
+        """Chunk ``index`` (in order) with the digest the sender computed;
+        TransferError (and nothing written) when it is out of order, of the
+        wrong size, or does not match."""
+        if self._fd < 0:
+            raise TransferError(f"{self.partial}: not open for chunks")
+        expected_index = self.received // self.chunk_size
+        if index != expected_index:
+            raise TransferError(f"{self.partial}: chunk {index} arrived, chunk {expected_index} was expected")
+        length = min(self.chunk_size, self.size - self.received)
+        if len(data) != length:
+            raise TransferError(f"{self.partial}: chunk {index} has {len(data)} bytes, not {length}")
+        leaves = leaf_digests(data)
+        if not hmac.compare_digest(chunk_digest(leaves), digest):
+            raise TransferError(f"{self.partial}: chunk {index} does not match its digest; rejected")
+        os.lseek(self._fd, self.received, os.SEEK_SET)
+        try:
+            write_all(self._fd, data, self.target, self.size)
+        except DiskFull:
+            self._drop()
+            raise
+        self._digest.add_leaves(leaves)
+        self.received += length
+        if self.received - self._durable >= self.checkpoint_bytes and self.received < self.size:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """Make what was received durable and record it (a resume starts here)."""
+        if self._fd < 0 or self.received == self._durable:
+            return
+        os.fdatasync(self._fd)
+        record = {
+            "version": PROGRESS_VERSION,
+            "algorithm": DIGEST_ALGORITHM,
+            "key": dataclasses.asdict(self.key),
+            "size": self.size,
+            "chunk_size": self.chunk_size,
+            "verified": self.received,
+            "prefix": self._digest.hexdigest(),
+        }
+        write_small_file(self.record, json.dumps(record, sort_keys=True).encode())
+        self._durable = self.received
+
+    def finish(self, digest: str) -> Path:
+        """The entry, once every byte is here and the whole file matches
+        ``digest``; a mismatch removes the partial file (TransferError)."""
+        if self._fd < 0:
+            raise TransferError(f"{self.partial}: not open for chunks")
+        if self.received != self.size:
+            raise TransferError(f"{self.partial}: {self.received} of {self.size} bytes received")
+        actual = self._digest.hexdigest()
+        if not hmac.compare_digest(actual, digest):
+            self._drop()
+            raise TransferError(
+                f"{self.target}: the received file's digest {actual[:16]}... is not the announced "
+                f"{digest[:16]}...; the partial file is removed, send it again"
+            )
+        os.ftruncate(self._fd, self.size)
+        os.fsync(self._fd)
+        info = os.fstat(self._fd)
+        os.replace(self.partial, self.target)
+        write_sidecar(self.target, Sidecar(actual, self.size, info.st_mtime_ns, info.st_ino, self.key))
+        self.record.unlink(missing_ok=True)
+        fsync_directory(self.directory)
+        self._release()
+        return self.target
+
+    # -------------------------------------------------------------- ending
+
+    def close(self) -> None:
+        """Stop receiving, keeping the partial file for a resume."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            self.checkpoint()
+        self._release()
+
+    def abort(self) -> None:
+        """Stop receiving and remove the partial file."""
+        if self._fd >= 0:
+            self._drop()
+
+    def _release(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)  # releases the flock
+
+    def _drop(self) -> None:
+        for path in (self.partial, self.record):
+            path.unlink(missing_ok=True)
+        self._release()
+
+
+def _hash_prefix(fd: int, verified: int, keep: int) -> tuple[FileDigest | None, FileDigest | None]:
+    """The running digests of a file's first ``verified`` and ``keep`` bytes
+    (``keep <= verified``); (None, None) when the file is shorter."""
+    digest = FileDigest()
+    kept: FileDigest | None = None
+    position = 0
+    for boundary in (keep, verified):
+        while position < boundary:
+            data = os.pread(fd, min(8 << 20, boundary - position), position)
+            if not data:
+                return None, None
+            digest.update(data)
+            position += len(data)
+        if kept is None:
+            kept = digest.copy()
+    return digest, kept

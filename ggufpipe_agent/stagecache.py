@@ -1,0 +1,433 @@
+"""The stage-file cache on a host: private, verified, manageable.
+
+Layout, in one directory (``$GGUFPIPE_CACHE_DIR``, default
+``~/.cache/ggufpipe/stages``)::
+
+    NAME.gguf             a complete stage file (mode 0600)
+    NAME.gguf.json        its sidecar: digest, size, mtime_ns, inode, format,
+                          the model's identity and range, the source files
+    NAME.gguf.partial     a transfer in progress (ggufpipe_agent.receiver)
+    NAME.gguf.partial.json  how much of it is verified
+    .NAME.gguf.PID.RANDOM[.json].tmp   a writer's temporary
+
+``NAME`` is :attr:`StageKey.file_name`: the model's label, the range and a
+digest of the model identity, range and stage format, so the same stage of
+the same model has the same name whoever wrote it (a local writer, a
+transfer), and never a name derived from a local path.
+
+Trust: the directory is created 0700 and refused when another user owns it
+or group or others may write to it (a group- or world-readable one of ours
+is tightened to 0700). Every file is created with ``O_CREAT | O_EXCL |
+O_NOFOLLOW`` under a random name and renamed into place, so nothing planted
+at a predictable name (a symlink included) is followed or trusted; files are
+0600 whatever the umask or the source's mode. An entry is used only when its
+sidecar vouches for it: by default a stat (size, mtime_ns, inode) against the
+sidecar; any mismatch re-hashes the file, and an entry whose digest does not
+match, or that has no readable sidecar, is removed (logged) so that it is
+written again.
+
+The digest is :mod:`ggufpipe_agent.digest`'s: SHA-256 over the SHA-256 of each
+1 MiB leaf, so writing, sending and receiving each hash every byte once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import stat
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ggufpipe_agent.digest import ALGORITHM, FileDigest, digest_descriptor
+from ggufpipe_agent.errors import CacheError, DiskFull
+from ggufpipe_agent.modelfiles import SourceFile
+
+log = logging.getLogger("ggufpipe.cache")
+
+DIGEST_ALGORITHM = ALGORITHM
+SIDECAR_VERSION = 1
+SIDECAR_SUFFIX = ".json"
+PARTIAL_SUFFIX = ".partial"
+_LABEL = re.compile(r"[^A-Za-z0-9_-]+")
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def new_digest() -> FileDigest:
+    return FileDigest()
+
+
+def default_cache_dir() -> Path:
+    explicit = os.environ.get("GGUFPIPE_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ggufpipe" / "stages"
+
+
+def label_for(name: str) -> str:
+    """A model name as a safe file-name part (what a sender's label becomes)."""
+    label = _LABEL.sub("-", name).strip("-")[:40]
+    return label or "model"
+
+
+@dataclass(frozen=True, slots=True)
+class StageKey:
+    """Which stage file: chosen by whoever knows the model (a local writer, or
+    the sender of a transfer) from the model's identity; the receiving host
+    derives the file name from it and never takes a path from the wire."""
+
+    model: str  # ModelIdentity.digest: 64 hex digits
+    label: str  # the model's name, for people reading the cache
+    start: int
+    end: int
+    block_count: int
+    stage_format: int
+
+    def check(self) -> None:
+        """Refuse a key that could not have come from a model (wire input)."""
+        if not _HEX.match(self.model):
+            raise CacheError(f"stage key: model digest {self.model!r} is not 64 hex digits")
+        if not 0 <= self.start < self.end <= self.block_count < 1 << 20:
+            raise CacheError(
+                f"stage key: layers [{self.start}, {self.end}) of {self.block_count} blocks is no range"
+            )
+        if not 0 < self.stage_format < 1 << 16:
+            raise CacheError(f"stage key: stage format {self.stage_format} is not valid")
+
+    @property
+    def digest(self) -> str:
+        text = f"{self.model}|{self.start}|{self.end}|{self.block_count}|{self.stage_format}"
+        return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+    @property
+    def file_name(self) -> str:
+        label = label_for(self.label)
+        return f"{label}.blk{self.start}-{self.end}of{self.block_count}.{self.digest}.gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class Sidecar:
+    """What vouches for a cache entry. ``sources`` are the local files it was
+    written from; empty for an entry received over the network."""
+
+    digest: str
+    size: int
+    mtime_ns: int
+    inode: int
+    key: StageKey
+    sources: tuple[SourceFile, ...] = ()
+    algorithm: str = DIGEST_ALGORITHM
+    version: int = SIDECAR_VERSION
+
+
+# ------------------------------------------------------------ the directory
+
+
+def private_cache_dir(path: str | os.PathLike[str]) -> Path:
+    """The cache directory, created 0700 if missing; refused (CacheError naming
+    it and why) when another user owns it or group or others may write in it."""
+    directory = Path(path)
+    try:
+        missing = []
+        probe = directory
+        while not probe.is_dir() and probe != probe.parent:
+            missing.append(probe)
+            probe = probe.parent
+        for level in reversed(missing):  # what we create is private, ancestors included
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(level, 0o700)
+                os.chmod(level, 0o700)  # mkdir's mode passes through the umask
+        info = os.stat(directory)
+    except OSError as error:
+        raise CacheError(f"cannot create stage cache {directory}: {error.strerror}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise CacheError(f"stage cache {directory} is not a directory")
+    if info.st_uid != os.geteuid():
+        raise CacheError(
+            f"stage cache {directory} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}); "
+            "refusing to trust files another user could have put there "
+            "(set cache_dir to a directory of yours)"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022:
+        who = {0o020: "its group", 0o002: "others"}.get(mode & 0o022, "its group and others")
+        raise CacheError(
+            f"stage cache {directory} is writable by {who} (mode {mode:04o}); refusing to trust files "
+            f"others could have put there (chmod 700 {directory}, or set cache_dir to a private directory)"
+        )
+    if mode & 0o077:
+        log.info("stage cache %s was mode %04o; made private (0700)", directory, mode)
+        os.chmod(directory, 0o700)
+    return directory
+
+
+def create_private(path: Path) -> int:
+    """A new file at ``path``, opened for writing, mode 0600; never follows or
+    reuses anything already there (a planted symlink is an error)."""
+    fd = os.open(path, _CREATE, 0o600)
+    os.fchmod(fd, 0o600)  # the umask may have taken bits away; none are added
+    return fd
+
+
+def temporary_path(directory: Path, target_name: str, suffix: str = "") -> Path:
+    """A fresh unpredictable temporary name for ``target_name``; the pid in it
+    lets a later writer remove it once this process is gone."""
+    return directory / f".{target_name}.{os.getpid()}.{secrets.token_hex(8)}{suffix}.tmp"
+
+
+def remove_orphans(directory: Path, target_name: str) -> None:
+    """Temporary files of this entry left by writers that died (a killed
+    agent, a StopRun during the first load): never trusted, so only space."""
+    prefix = f".{target_name}."
+    for leftover in directory.glob(f".{glob_escape(target_name)}.*.tmp"):
+        pid = leftover.name[len(prefix) :].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            leftover.unlink(missing_ok=True)
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fsync_directory(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ------------------------------------------------------------ writing
+
+
+def write_all(fd: int, data: bytes | memoryview, path: Path, total: int) -> None:
+    """``os.write`` until all is written; a full disk is one DiskFull naming
+    the path and the space the whole file needs."""
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.write(fd, view)
+        except OSError as error:
+            if error.errno in _NO_SPACE:
+                raise disk_full(path, total) from None
+            raise CacheError(f"cannot write {path}: {error.strerror}") from None
+        view = view[written:]
+
+
+def disk_full(path: Path, needed: int) -> DiskFull:
+    available = free_bytes(path.parent)
+    return DiskFull(
+        f"no space left for {path}: the stage file needs {needed} bytes ({human_bytes(needed)}), "
+        f"{available} bytes ({human_bytes(available)}) are free there",
+        str(path),
+        needed,
+        available,
+    )
+
+
+def human_bytes(count: int) -> str:
+    if count >= 1 << 30:
+        return f"{count / 2**30:.2f} GiB"
+    return f"{count / 2**20:.1f} MiB"
+
+
+def free_bytes(directory: Path) -> int:
+    try:
+        info = os.statvfs(directory)
+    except OSError:
+        return 0
+    return info.f_bavail * info.f_frsize
+
+
+def reserve(fd: int, path: Path, offset: int, length: int, total: int) -> None:
+    """Reserve the file's space now, so a full disk is known before the bytes
+    are read or sent, not after; filesystems without fallocate go on."""
+    if length <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as error:
+        if error.errno in _NO_SPACE:
+            raise disk_full(path, total) from None
+        if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise CacheError(f"cannot reserve space for {path}: {error.strerror}") from None
+
+
+def write_stage_entry(
+    directory: Path,
+    key: StageKey,
+    chunks: Iterable[bytes],
+    size: int,
+    sources: tuple[SourceFile, ...],
+    progress: Callable[[float], None] | None = None,
+) -> Path:
+    """Write a complete entry from ``chunks`` (``size`` bytes in all): hashed
+    while written, fsynced, renamed into place, then its sidecar."""
+    target = directory / key.file_name
+    temporary = temporary_path(directory, key.file_name)
+    available = free_bytes(directory)
+    if available and available < size:
+        raise disk_full(target, size)
+    fd = create_private(temporary)
+    try:
+        reserve(fd, temporary, 0, size, size)
+        digest = new_digest()
+        written = 0
+        for chunk in chunks:
+            write_all(fd, chunk, target, size)
+            digest.update(chunk)
+            written += len(chunk)
+            if progress:
+                progress(written / (size or 1))
+        if written != size:
+            raise CacheError(f"{target}: the stage file stream gave {written} bytes, not {size}")
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+        info = os.fstat(fd)
+        os.replace(temporary, target)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    write_sidecar(target, Sidecar(digest.hexdigest(), size, info.st_mtime_ns, info.st_ino, key, sources))
+    return target
+
+
+# ------------------------------------------------------------ sidecars
+
+
+def sidecar_path(target: Path) -> Path:
+    return target.with_name(target.name + SIDECAR_SUFFIX)
+
+
+def write_sidecar(target: Path, sidecar: Sidecar) -> None:
+    """Atomically: a fresh temporary, fsynced, renamed over the old sidecar."""
+    data = json.dumps(dataclasses.asdict(sidecar), sort_keys=True).encode()
+    write_small_file(sidecar_path(target), data)
+    fsync_directory(target.parent)
+
+
+def write_small_file(path: Path, data: bytes) -> None:
+    temporary = temporary_path(path.parent, path.name.removesuffix(SIDECAR_SUFFIX), SIDECAR_SUFFIX)
+    fd = create_private(temporary)
+    try:
+        write_all(fd, data, path, len(data))
+        os.fsync(fd)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def read_private_json(path: Path) -> dict[str, Any] | None:
+    """A small JSON file of ours, not through a symlink; None when missing,
+    foreign or unreadable (then it vouches for nothing)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size > 1 << 20:
+            return None
+        raw = os.read(fd, info.st_size + 1)
+    finally:
+        os.close(fd)
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def read_sidecar(target: Path) -> Sidecar | None:
+    raw = read_private_json(sidecar_path(target))
+    if raw is None:
+        return None
+    try:
+        key = StageKey(**raw.pop("key"))
+        sources = tuple(SourceFile(**source) for source in raw.pop("sources"))
+        sidecar = Sidecar(key=key, sources=sources, **raw)
+    except (TypeError, KeyError, AttributeError):
+        return None
+    if sidecar.version != SIDECAR_VERSION or sidecar.algorithm != DIGEST_ALGORITHM:
+        return None
+    return sidecar
+
+
+# ------------------------------------------------------------ checking
+
+
+def verify_entry(target: Path, full: bool = False) -> Sidecar | None:
+    """The sidecar of a trustworthy entry at ``target``, or None (missing,
+    not a regular file of ours, no valid sidecar, or contents that do not
+    match it). Cheap by default: a stat against the sidecar; a mismatch, or
+    ``full``, re-hashes the file (a match then renews the sidecar)."""
+    sidecar = read_sidecar(target)
+    if sidecar is None:
+        return None
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            return None
+        if stat.S_IMODE(info.st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+        recorded = (sidecar.size, sidecar.mtime_ns, sidecar.inode)
+        if (info.st_size, info.st_mtime_ns, info.st_ino) == recorded and not full:
+            return sidecar
+        if info.st_size != sidecar.size or digest_descriptor(fd, info.st_size) != sidecar.digest:
+            log.warning("stage file %s does not match its recorded digest", target)
+            return None
+    finally:
+        os.close(fd)
+    renewed = dataclasses.replace(sidecar, mtime_ns=info.st_mtime_ns, inode=info.st_ino)
+    if renewed != sidecar:
+        write_sidecar(target, renewed)
+    return renewed
+
+
+def remove_entry(target: Path, why: str) -> None:
+    """Remove an entry and its sidecar (names only: a symlink is removed, not
+    followed); logged, since it means the entry will be written again."""
+    existed = False
+    for path in (target, sidecar_path(target)):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            existed = True
+    if existed:
+        log.warning("removed stage cache entry %s (%s); it will be written again", target, why)
+
+
+def touch(target: Path) -> None:
+    """Mark an entry used now (its sidecar's mtime is its last use)."""
+    with contextlib.suppress(OSError):
+        os.utime(sidecar_path(target), follow_symlinks=False)

@@ -1,0 +1,484 @@
+"""The placement: which blocks each stage runs, chosen from what each host has.
+
+Pure: a function of the inventory, the model's facts and the agents' Hellos
+(no I/O). Every stage's need is estimated by :mod:`ggufpipe_agent.memory`
+where llama.cpp will put it: host RAM, or the GPUs of a stage that offloads.
+Each host's RAM and each of its GPUs is a *pool*; the stages of a host share
+its pools. A pool may hold its stages' estimates plus a margin:
+
+* ``usable = min(memory cap, free) - reserve``: the reserve (512 MiB of RAM,
+  512 MiB per GPU) is what the stages do not own: the OS and other
+  processes, a local orchestrator, the CUDA context's later growth (cuBLAS
+  workspace), none of which llama.cpp's buffers count;
+* ``needed * (1 + MARGIN) <= usable``: the 5 % margin covers the estimate's
+  error (calibrated within 5 % of what llama.cpp allocates, the allocator's
+  fragmentation included: docs/planning.md).
+
+Stages without ``layers`` get contiguous ranges proportional to the room each
+has after its fixed parts (embeddings, output layer, compute and output
+buffers, the agent); ranges given in the inventory are kept. Either way the
+result is checked, and a plan that does not fit is refused with what would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_agent.memory import (
+    GIB,
+    MIB,
+    MemoryFacts,
+    StageMemory,
+    estimate_stage,
+    format_size,
+    kv_block_bytes,
+    memory_facts_of,
+)
+from ggufpipe_agent.protocol import EngineOptions, Hello, ModelFacts
+from ggufpipe_tui.core.inventory import Inventory, InventoryError, assign_layers
+from ggufpipe_tui.core.plan import engine_options
+
+#: Margin on every estimate (its calibrated error, rounded up).
+MARGIN = 0.05
+#: Kept free in a host's RAM and on each GPU: what no stage's buffers count.
+RAM_RESERVE = 512 * MIB
+GPU_RESERVE = 512 * MIB
+RAM = "RAM"
+_CONTEXT_STEP = 256  # llama.cpp pads the context to this
+
+
+class PlacementError(GgufpipeError):
+    """A plan that does not fit; ``placement`` is the one that was tried, for
+    the model of ``facts``."""
+
+    def __init__(self, message: str, placement: Placement, facts: ModelFacts) -> None:
+        super().__init__(message)
+        self.placement = placement
+        self.facts = facts
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """One host's RAM, or one of its GPUs, and what the plan puts there."""
+
+    host: str
+    place: str  # RAM or a device name (CUDA0)
+    description: str
+    total: int  # 0: unknown
+    free: int  # as the agent reported it (RAM: MemAvailable within its cgroup)
+    cap: int  # the inventory's memory: (RAM only); 0: none
+    usable: int  # what the plan may fill; -1: unknown (the agent reported nothing)
+    needed: int = 0  # the estimates of the stages here
+    stages: tuple[int, ...] = ()
+
+    @property
+    def known(self) -> bool:
+        return self.usable >= 0
+
+    @property
+    def fits(self) -> bool:
+        return not self.known or self.needed * (1 + MARGIN) <= self.usable
+
+    @property
+    def label(self) -> str:
+        return f"{self.host} {self.place}"
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlacement:
+    index: int
+    host: str
+    layers: tuple[int, int]
+    memory: StageMemory
+    places: tuple[str, ...]  # where its blocks are: (RAM,) or its GPUs
+    needed: int  # its estimate in those places
+    available: int  # those pools' usable bytes (shared with the host's other stages); -1: unknown
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    engine: EngineOptions  # the run's llama.cpp sizes
+    automatic: bool  # ranges chosen here (False: given in the inventory)
+    stages: tuple[StagePlacement, ...]
+    pools: tuple[Pool, ...]
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return tuple(stage.layers for stage in self.stages)
+
+    @property
+    def fits(self) -> bool:
+        return all(pool.fits for pool in self.pools)
+
+    def pool(self, host: str, place: str) -> Pool:
+        return next(p for p in self.pools if p.host == host and p.place == place)
+
+
+# ----------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True, slots=True)
+class _Host:
+    name: str
+    pools: tuple[Pool, ...]  # RAM first, then the GPUs
+    devices: tuple[tuple[str, int], ...]  # what the host's stages offload to: (name, free)
+
+
+def _hosts(inventory: Inventory, hellos: Sequence[Hello | None]) -> dict[str, _Host]:
+    hosts: dict[str, _Host] = {}
+    for index, stage in enumerate(inventory.stages):
+        if stage.host in hosts:
+            continue  # the host's first agent speaks for it
+        spec = inventory.hosts[stage.host]
+        hello = hellos[index] if index < len(hellos) else None
+        if hello is None or hello.memory_available <= 0:
+            usable = spec.memory if spec.memory else -1
+            ram = Pool(stage.host, RAM, "", 0, 0, spec.memory, usable)
+        else:
+            room = max(hello.memory_available - RAM_RESERVE, 0)
+            usable = min(spec.memory, room) if spec.memory else room
+            ram = Pool(stage.host, RAM, "", hello.memory_total, hello.memory_available, spec.memory, usable)
+        pools = [ram]
+        devices: tuple[tuple[str, int], ...] = ()
+        if hello is not None and hello.gpu_offload and hello.devices and spec.gpu_layers != 0:
+            for device in hello.devices:
+                pools.append(
+                    Pool(
+                        stage.host,
+                        device.name,
+                        device.description,
+                        device.memory_total,
+                        device.memory_free,
+                        0,
+                        max(device.memory_free - GPU_RESERVE, 0),
+                    )
+                )
+            devices = tuple((device.name, device.memory_free) for device in hello.devices)
+        hosts[stage.host] = _Host(stage.host, tuple(pools), devices)
+    return hosts
+
+
+# -------------------------------------------------------------- evaluating
+
+
+def _usage_by_place(memory: StageMemory) -> dict[str, int]:
+    used = {RAM: memory.host.total}
+    for device in memory.devices:
+        used[device.place] = used.get(device.place, 0) + device.total
+    return used
+
+
+def _evaluate(
+    inventory: Inventory,
+    memory: MemoryFacts,
+    options: EngineOptions,
+    hosts: dict[str, _Host],
+    ranges: Sequence[tuple[int, int]],
+    automatic: bool,
+) -> Placement:
+    needed: dict[tuple[str, str], int] = {}
+    members: dict[tuple[str, str], list[int]] = {}
+    stages = []
+    for index, (stage, (start, end)) in enumerate(zip(inventory.stages, ranges, strict=True)):
+        host = hosts[stage.host]
+        engine = replace(options, gpu_layers=inventory.hosts[stage.host].gpu_layers)
+        estimate = estimate_stage(memory, start, end, engine, host.devices)
+        for place, count in _usage_by_place(estimate).items():
+            key = (stage.host, place)
+            needed[key] = needed.get(key, 0) + count
+            if count:
+                members.setdefault(key, []).append(index)
+        on_devices = tuple(d.place for d in estimate.devices if d.blocks)
+        places = on_devices if on_devices and not estimate.host.blocks else (RAM, *on_devices)
+        pools = [p for p in host.pools if p.place in places]
+        available = -1 if any(not p.known for p in pools) else sum(p.usable for p in pools)
+        in_places = sum(count for place, count in _usage_by_place(estimate).items() if place in places)
+        stages.append(StagePlacement(index, stage.host, (start, end), estimate, places, in_places, available))
+    filled = tuple(
+        replace(
+            pool,
+            needed=needed.get((pool.host, pool.place), 0),
+            stages=tuple(members.get((pool.host, pool.place), ())),
+        )
+        for host in hosts.values()
+        for pool in host.pools
+    )
+    return Placement(options, automatic, tuple(stages), filled)
+
+
+# ------------------------------------------------------------- the split
+
+
+def _block_cost(memory: MemoryFacts, block: int, options: EngineOptions) -> int:
+    return memory.block_bytes[block] + kv_block_bytes(memory, block, options)
+
+
+def _proportional(
+    inventory: Inventory,
+    memory: MemoryFacts,
+    options: EngineOptions,
+    hosts: dict[str, _Host],
+) -> list[tuple[int, int]]:
+    """Contiguous ranges, each proportional to its stage's room after its
+    fixed parts. Rooms of unknown size count as the largest known room."""
+    stages = inventory.stages
+    count = len(stages)
+    blocks = len(memory.block_bytes)
+    # Fixed parts: a one-block stage at the right place, less its block.
+    fixed: list[dict[str, int]] = []
+    for index, stage in enumerate(stages):
+        block = 0 if index == 0 else blocks - 1 if index == count - 1 else min(index, blocks - 2)
+        engine = replace(options, gpu_layers=inventory.hosts[stage.host].gpu_layers)
+        one = estimate_stage(memory, block, block + 1, engine, hosts[stage.host].devices)
+        cost = _block_cost(memory, block, options)
+        used = _usage_by_place(one)
+        where = RAM if one.host.blocks else next(d.place for d in one.devices if d.blocks)
+        used[where] -= cost
+        fixed.append(used)
+    rooms: list[float | None] = []  # None: an agent that reported nothing
+    for stage in stages:
+        host = hosts[stage.host]
+        sharing = [i for i, other in enumerate(stages) if other.host == stage.host]
+        one = estimate_stage(
+            memory, 0, 1, replace(options, gpu_layers=inventory.hosts[stage.host].gpu_layers), host.devices
+        )
+        places = [RAM] if one.host.blocks else [d.place for d in one.devices]
+        room = 0.0
+        unknown = False
+        for pool in host.pools:
+            if pool.place not in places:
+                continue
+            if not pool.known:
+                unknown = True
+                continue
+            taken = sum(fixed[i].get(pool.place, 0) for i in sharing) * (1 + MARGIN)
+            room += pool.usable - taken
+        rooms.append(None if unknown else room / len(sharing) / (1 + MARGIN))
+    known = [room for room in rooms if room is not None]
+    fallback = max(known) if known else 1.0
+    weights = [max(fallback if room is None else room, 0.0) for room in rooms]
+    if sum(weights) <= 0:
+        weights = [1.0] * count
+    costs = [_block_cost(memory, block, options) for block in range(blocks)]
+    cumulative = [0]
+    for cost in costs:
+        cumulative.append(cumulative[-1] + cost)
+    total_weight = sum(weights)
+    cuts = [0]
+    share = 0.0
+    for index in range(count - 1):
+        share += weights[index]
+        target = cumulative[-1] * share / total_weight
+        low = cuts[-1] + 1
+        high = blocks - (count - 1 - index)
+        cut = min(range(low, high + 1), key=lambda k: (abs(cumulative[k] - target), k))
+        cuts.append(cut)
+    cuts.append(blocks)
+    return [(cuts[i], cuts[i + 1]) for i in range(count)]
+
+
+def _repair(
+    inventory: Inventory,
+    memory: MemoryFacts,
+    options: EngineOptions,
+    hosts: dict[str, _Host],
+    ranges: list[tuple[int, int]],
+) -> list[tuple[int, int]]:
+    """Move boundary blocks off stages whose pools overflow onto neighbours
+    with room, one at a time, while that helps."""
+
+    def overflow(placement: Placement) -> float:
+        return sum(max(pool.needed * (1 + MARGIN) - pool.usable, 0) for pool in placement.pools if pool.known)
+
+    current = _evaluate(inventory, memory, options, hosts, ranges, True)
+    for _ in range(len(memory.block_bytes) * len(ranges)):
+        if current.fits:
+            break
+        best: tuple[float, list[tuple[int, int]], Placement] | None = None
+        for boundary in range(1, len(ranges)):
+            for shift in (-1, 1):
+                moved = list(ranges)
+                cut = moved[boundary][0] + shift
+                if not moved[boundary - 1][0] < cut < moved[boundary][1]:
+                    continue
+                moved[boundary - 1] = (moved[boundary - 1][0], cut)
+                moved[boundary] = (cut, moved[boundary][1])
+                candidate = _evaluate(inventory, memory, options, hosts, moved, True)
+                score = overflow(candidate)
+                if best is None or score < best[0]:
+                    best = (score, moved, candidate)
+        if best is None or best[0] >= overflow(current):
+            break
+        _, ranges, current = best
+    return ranges
+
+
+# ----------------------------------------------------------------- placing
+
+
+def place_stages(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None]) -> Placement:
+    """The stages' layer ranges and memory figures; raises PlacementError when
+    the plan does not fit, InventoryError for ranges that do not tile the model."""
+    placement = evaluate(inventory, facts, hellos)
+    if not placement.fits:
+        raise PlacementError(refusal(inventory, facts, hellos, placement), placement, facts)
+    return placement
+
+
+def evaluate(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None]) -> Placement:
+    """The placement whether it fits or not."""
+    memory = memory_facts_of(facts)
+    options = engine_options(inventory.run, facts)
+    hosts = _hosts(inventory, hellos)
+    if inventory.stages[0].layers is not None:
+        ranges = assign_layers(inventory, facts.block_count)  # checks the given ranges
+        return _evaluate(inventory, memory, options, hosts, ranges, False)
+    if len(inventory.stages) > facts.block_count:
+        assign_layers(inventory, facts.block_count)  # its error names the file and line
+    ranges = _proportional(inventory, memory, options, hosts)
+    ranges = _repair(inventory, memory, options, hosts, ranges)
+    return _evaluate(inventory, memory, options, hosts, ranges, True)
+
+
+# ---------------------------------------------------------------- refusing
+
+
+def _parts(memory: StageMemory, place: str) -> str:
+    usage = memory.host if place == RAM else next(d for d in memory.devices if d.place == place)
+    parts = [
+        ("weights", usage.weights),
+        ("KV cache", usage.kv),
+        ("compute", usage.compute),
+        ("outputs", usage.outputs),
+        ("agent", usage.runtime),
+    ]
+    return ", ".join(f"{name} {format_size(count)}" for name, count in parts if count)
+
+
+def _largest_context(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None]) -> int:
+    """The largest context (a multiple of 256) at which the plan fits; 0 if none."""
+    low, high = 1, (engine_options(inventory.run, facts).n_ctx - 1) // _CONTEXT_STEP
+    best = 0
+    while low <= high:
+        middle = (low + high) // 2
+        trial = replace(inventory, run=replace(inventory.run, context=middle * _CONTEXT_STEP))
+        try:
+            fits = evaluate(trial, facts, hellos).fits
+        except InventoryError:
+            fits = False
+        if fits:
+            best, low = middle * _CONTEXT_STEP, middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
+def _most_layers(
+    placement: Placement, inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None], stage: int
+) -> int:
+    """How many blocks from its start stage ``stage`` could run where it is."""
+    start, end = placement.stages[stage].layers
+    best = 0
+    for blocks in range(1, end - start):
+        ranges = list(placement.ranges)
+        ranges[stage] = (start, start + blocks)
+        trial = _evaluate(
+            inventory,
+            memory_facts_of(facts),
+            placement.engine,
+            _hosts(inventory, hellos),
+            ranges,
+            placement.automatic,
+        )
+        host = placement.stages[stage].host
+        if all(pool.fits for pool in trial.pools if pool.host == host):
+            best = blocks
+    return best
+
+
+def _round_up(count: int) -> str:
+    """A size to write in the inventory, rounded up to 64 MiB."""
+    step = 64 * MIB
+    rounded = -(-count // step) * step
+    return f"{rounded // GIB}GiB" if rounded % GIB == 0 else f"{rounded // MIB}MiB"
+
+
+def refusal(
+    inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None], placement: Placement
+) -> str:
+    """One message: each pool that overflows, its stages and their needs, what
+    the pool has, and what would fit."""
+    lines = []
+    for pool in placement.pools:
+        if pool.fits:
+            continue
+        stages = [placement.stages[i] for i in pool.stages]
+        what = "RAM" if pool.place == RAM else f"GPU {pool.place}"
+        if pool.description:
+            what += f" ({pool.description})"
+        needs = [
+            f"stage {stage.index} on {pool.host} ({inventory.hosts[pool.host].where}), layers "
+            f"[{stage.layers[0]}, {stage.layers[1]}), needs "
+            f"{format_size(_usage_by_place(stage.memory).get(pool.place, 0))} of {what} "
+            f"({_parts(stage.memory, pool.place)})"
+            for stage in stages
+        ]
+        if pool.place == RAM and pool.cap and pool.cap <= pool.free - RAM_RESERVE:
+            why = f"memory: {format_size(pool.cap)} in the inventory"
+        else:
+            reserve = RAM_RESERVE if pool.place == RAM else GPU_RESERVE
+            why = f"{format_size(pool.free)} free less {format_size(reserve)} kept free"
+        with_margin = format_size(int(pool.needed * (1 + MARGIN)))
+        lines.append(
+            " and ".join(needs)
+            + f"; {'together ' if len(stages) > 1 else ''}{with_margin} with the {MARGIN:.0%} margin, and "
+            f"{pool.host} has {format_size(pool.usable)} there for the plan ({why})"
+        )
+    advice = []
+    context = _largest_context(inventory, facts, hellos)
+    current = placement.engine.n_ctx
+    if context:
+        advice.append(f"a context of {context} tokens (--context {context}; now {current})")
+    failing = [
+        s
+        for s in placement.stages
+        if any(not p.fits for p in placement.pools if p.host == s.host and s.index in p.stages)
+    ]
+    if not placement.automatic:
+        for stage in failing:
+            most = _most_layers(placement, inventory, facts, hellos, stage.index)
+            if most:
+                advice.append(
+                    f"at most {most} layers on stage {stage.index} "
+                    f"([{stage.layers[0]}, {stage.layers[0] + most}) instead of "
+                    f"[{stage.layers[0]}, {stage.layers[1]}))"
+                )
+    else:
+        room = sum(p.usable for p in placement.pools if p.known)
+        total = sum(p.needed for p in placement.pools) * (1 + MARGIN)
+        if total > room:
+            advice.append(
+                f"more hosts or memory: the plan needs {format_size(int(total))}, "
+                f"the hosts have {format_size(room)} for it"
+            )
+    for pool in placement.pools:
+        if pool.fits:
+            continue
+        wanted = int(pool.needed * (1 + MARGIN))
+        if pool.place == RAM and pool.cap:
+            advice.append(
+                f"memory: {_round_up(wanted)} or more on {pool.host} (it has {format_size(pool.free)} free)"
+            )
+        else:
+            reserve = RAM_RESERVE if pool.place == RAM else GPU_RESERVE
+            what = "RAM" if pool.place == RAM else pool.place
+            advice.append(f"{format_size(wanted + reserve - pool.free)} more free {what} on {pool.host}")
+    return (
+        "the plan does not fit in memory: "
+        + "; ".join(lines)
+        + ". What would fit: "
+        + ", or ".join(advice)
+        + "."
+    )

@@ -1,0 +1,482 @@
+"""``ggufpipe-tui INVENTORY --serve HOST:PORT``: an OpenAI-compatible HTTP
+server on the warm pipeline (aiohttp).
+
+``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+(streamed as server-sent events or whole; shapes in
+:mod:`ggufpipe_tui.views.openai_api`) and ``GET /health``. Each request is a
+prompt submitted to the pipeline's queue, so requests run one at a time, in
+the order they came; a chat request's prompt is its whole conversation. The
+session policy does the rest: per-request sampling gets a run provisioned
+with it, and a reply that cannot fit the context is refused before it runs
+(an explicit ``max_tokens``) or shortened to the room left (none given).
+
+Bounds: at most ``queue`` requests wait behind the running one (a 503 past
+that, never a hang); a client that goes away stops its run or withdraws its
+prompt (aiohttp cancels its handler); ``stop`` strings are applied here as
+the text streams, and the run is stopped at the first one. SIGTERM or SIGINT:
+stop listening, answer what waits with a 503, give the running request
+:data:`SHUTDOWN_GRACE` seconds to finish, stop it, tear every stage down,
+exit 0. A fault of the pipeline ends the server (exit 1): run it under a
+supervisor that starts it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from aiohttp import web
+
+from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_tui.core.events import (
+    AgentConnected,
+    Event,
+    Notice,
+    PlanMade,
+    PromptAssigned,
+    RunFinished,
+    RunResult,
+    StageStateChanged,
+    TokenStreamed,
+)
+from ggufpipe_tui.core.inventory import Inventory
+from ggufpipe_tui.session.pipeline import Pipeline
+from ggufpipe_tui.session.runs import REFUSE, SHORTEN, ContextOverflow, Prompt, RunHandle
+from ggufpipe_tui.session.stages import PipelineError
+from ggufpipe_tui.views import openai_api as api
+from ggufpipe_tui.views.headless import EXIT_FAULTED, EXIT_OK, EXIT_SETUP, Printer
+
+#: Seconds the running request may take to finish once SIGTERM came.
+SHUTDOWN_GRACE = 10.0
+#: The largest request body (a long conversation is a few hundred KiB).
+MAX_BODY = 8 * 1024 * 1024
+STOP_WORDS = {"eos": "stop", "max_tokens": "length"}
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6]:PORT``, ``:PORT`` or ``PORT`` (127.0.0.1); port 0 picks a free one."""
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise GgufpipeError(f"--serve {text!r}: HOST:PORT is required, e.g. 127.0.0.1:8080")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+@dataclass
+class Exchange:
+    """One request on its way, for the log line at its end."""
+
+    method: str
+    path: str
+    peer: str
+    arrived: float
+    status: int = 200
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queued_s: float = 0.0
+    run_id: int = 0
+    ident: str = ""  # the answer's id
+    created: int = 0
+    result: RunResult | None = None
+    detail: str = ""
+
+
+class Server:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        inventory: Inventory,
+        *,
+        api_key: str = "",
+        queue: int = 16,
+        err: IO[str] = sys.stderr,
+    ) -> None:
+        self.pipeline = pipeline
+        self.inventory = inventory
+        self.api_key = api_key
+        self.queue = queue
+        self.err = err
+        self.model = Path(inventory.model_path).name
+        self.created = int(time.time())
+        self.admitted = 0  # requests submitted and not answered (the running one included)
+        self.handles: set[RunHandle] = set()
+        self.closing = False
+        self.ready = False
+        self.app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+        self.app.router.add_post("/v1/completions", self.completion)
+
+    # ------------------------------------------------------------ plumbing
+
+    def log(self, text: str) -> None:
+        print(f"ggufpipe: {text}", file=self.err, flush=True)
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every error is an OpenAI error body; the API key is checked first."""
+        try:
+            if request.path.startswith("/v1/") and self.api_key:
+                given = request.headers.get("Authorization", "")
+                expected = f"Bearer {self.api_key}"
+                if not hmac.compare_digest(given.encode(), expected.encode()):
+                    problem = "a missing" if not given else "an invalid"
+                    message = f"{problem} API key (Authorization: Bearer KEY)"
+                    raise api.ApiError(401, message, code="invalid_api_key")
+            return await handler(request)
+        except api.ApiError as error:
+            self._log_refusal(request, error.status, error.message)
+            return web.json_response(error.body(), status=error.status)
+        except web.HTTPException as error:  # the router's 404 and 405, a body over the size limit
+            if error.status < 400:
+                raise
+            kind = "not_found_error" if error.status == 404 else "invalid_request_error"
+            message = f"{request.method} {request.path}: {error.reason}"
+            self._log_refusal(request, error.status, error.reason)
+            return web.json_response(api.error_body(message, kind), status=error.status)
+
+    def _log_refusal(self, request: web.Request, status: int, why: str) -> None:
+        self.log(f"{request.remote} {request.method} {request.path} {status}: {why}")
+
+    def _log_exchange(self, exchange: Exchange) -> None:
+        took = time.perf_counter() - exchange.arrived
+        line = (
+            f"{exchange.peer} {exchange.method} {exchange.path} {exchange.status} · "
+            f"prompt {exchange.prompt_tokens} tokens · completion {exchange.completion_tokens} tokens · "
+            f"queued {exchange.queued_s:.2f} s"
+        )
+        result = exchange.result
+        if result is not None and result.tokens:
+            line += (
+                f" · first token {result.timings.ttft_ms:.0f} ms · prefill {result.timings.prefill_ms:.0f} ms"
+                f" · {result.timings.decode_tokens_per_s:.1f} tok/s"
+            )
+        line += f" · {took:.2f} s"
+        if exchange.run_id:
+            line += f" · run {exchange.run_id:016x}"
+        if exchange.detail:
+            line += f" · {exchange.detail}"
+        self.log(line)
+
+    # ----------------------------------------------------------- endpoints
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.ready and not self.pipeline.queue.stopped and not self.closing:
+            return web.json_response({"status": "ok"})
+        status = "loading" if not self.ready else "unavailable"
+        return web.json_response(api.error_body(f"the pipeline is {status}", "unavailable_error"), status=503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        facts = self.pipeline.facts
+        meta: dict[str, Any] = {"stages": len(self.inventory.stages)}
+        if facts is not None:
+            meta |= {"architecture": facts.architecture, "name": facts.stem, "layers": facts.block_count}
+        entry = {"id": self.model, "object": "model", "created": self.created, "owned_by": "ggufpipe"}
+        entry["meta"] = meta
+        return web.json_response({"object": "list", "data": [entry]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, api.parse_chat(await self._body(request)))
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, api.parse_completion(await self._body(request)))
+
+    async def _body(self, request: web.Request) -> object:
+        try:
+            return await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise api.ApiError(400, f"the request body is not JSON: {error}") from None
+
+    # ---------------------------------------------------------- completions
+
+    async def _complete(self, request: web.Request, parsed: api.Request) -> web.StreamResponse:
+        if self.closing or self.pipeline.queue.stopped:
+            raise api.ApiError(503, "the server is shutting down", "unavailable_error")
+        if self.admitted > self.queue:
+            raise api.ApiError(
+                503, f"the queue is full ({self.queue} requests wait): try again later", "unavailable_error"
+            )
+        exchange = Exchange(request.method, request.path, str(request.remote), time.perf_counter())
+        exchange.ident, exchange.created = api.new_id(parsed.chat), int(time.time())
+        prompt = Prompt(
+            text=parsed.shown,
+            tokens=parsed.tokens,
+            chat=parsed.chat,
+            messages=parsed.messages,
+            options=parsed.options,
+            # An explicit max_tokens that cannot fit is an error, as OpenAI says;
+            # without one, the reply takes the room the context has left.
+            overflow=REFUSE if parsed.options.max_tokens is not None else SHORTEN,
+        )
+        handle = self.pipeline.submit(prompt, stream=True)
+        self.admitted += 1
+        self.handles.add(handle)
+        try:
+            return await self._answer(request, parsed, handle, exchange)
+        except asyncio.CancelledError:  # aiohttp cancels the handler of a client that went away
+            exchange.status, exchange.detail = 499, "the client went away: run stopped"
+            raise
+        except api.ApiError as error:
+            exchange.status, exchange.detail = error.status, error.message
+            raise
+        finally:
+            if not handle.done:
+                handle.stop("the client went away")
+            self.handles.discard(handle)
+            self.admitted -= 1
+            self._log_exchange(exchange)
+
+    async def _answer(
+        self, request: web.Request, parsed: api.Request, handle: RunHandle, exchange: Exchange
+    ) -> web.StreamResponse:
+        events = handle.events()
+        first = await anext(events, None)  # PromptAssigned, or the end of a prompt that never ran
+        if first is None:
+            raise await self._not_run(handle, parsed)
+        assert isinstance(first, PromptAssigned)
+        exchange.queued_s = time.perf_counter() - exchange.arrived
+        exchange.run_id = first.run_id
+        run = {"X-Ggufpipe-Run": f"{first.run_id:016x}"}  # names the run's event log
+        ident, created = exchange.ident, exchange.created
+        response: web.StreamResponse | None = None
+        try:
+            if parsed.stream:
+                response = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **run}
+                )
+                await response.prepare(request)
+                if parsed.chat:
+                    await self._send(response, api.chunk(parsed, ident, created, self.model, role=True))
+            return await self._follow(parsed, handle, exchange, events, response, run)
+        except ConnectionError:  # a write to a client that went away
+            handle.stop("the client went away")
+            exchange.status, exchange.detail = 499, "the client went away: run stopped"
+            return response if response is not None else web.Response(status=499)
+
+    async def _follow(
+        self,
+        parsed: api.Request,
+        handle: RunHandle,
+        exchange: Exchange,
+        events: AsyncIterator[Event],
+        response: web.StreamResponse | None,
+        run: dict[str, str],
+    ) -> web.StreamResponse:
+        """The run's text to the client (as it streams, or whole at the end)."""
+        ident, created = exchange.ident, exchange.created
+        scanner = api.StopScanner(parsed.stop)
+        parts: list[str] = []
+        counted = 0
+        async for event in events:
+            if isinstance(event, TokenStreamed) and not scanner.stopped:
+                counted += event.sequence >= 0
+                text = scanner.feed(event.text)
+                if scanner.stopped:
+                    handle.stop(f"stop string {scanner.stopped!r}")
+                if text and response is not None:
+                    await self._send(response, api.chunk(parsed, ident, created, self.model, text))
+                elif text:
+                    parts.append(text)
+            elif isinstance(event, RunFinished):
+                break
+        result = await handle.result()
+        exchange.result = result
+        exchange.prompt_tokens, exchange.completion_tokens = len(result.prompt_tokens), counted
+        tail = scanner.flush()
+        counts = api.usage(len(result.prompt_tokens), counted)
+        finish = "stop" if scanner.stopped else STOP_WORDS.get(result.stop_reason, "length")
+        spent = result.timings
+        measured = api.timings(len(result.prompt_tokens), spent.prefill_ms, counted, spent.decode_ms)
+        if result.outcome == "faulted":
+            exchange.status, exchange.detail = 500, f"faulted: {result.failure}"
+            error = api.ApiError(500, f"the pipeline faulted: {result.failure}", "server_error")
+            if response is None:
+                raise error
+            await self._send(response, error.body())
+            await self._done(response)
+            return response
+        if response is None:
+            body = api.answer(parsed, ident, created, self.model, "".join(parts) + tail, finish, counts)
+            body["timings"] = measured
+            return web.json_response(body, headers=run)
+        if tail:
+            await self._send(response, api.chunk(parsed, ident, created, self.model, tail))
+        last = api.chunk(parsed, ident, created, self.model, finish=finish)
+        if parsed.include_usage:
+            await self._send(response, last)
+            last = api.usage_chunk(parsed, ident, created, self.model, counts)
+        last["timings"] = measured
+        await self._send(response, last)
+        await self._done(response)
+        return response
+
+    async def _not_run(self, handle: RunHandle, parsed: api.Request) -> api.ApiError:
+        """Why a prompt never ran, as the answer says it."""
+        try:
+            await handle.result()
+        except ContextOverflow as overflow:
+            asked = overflow.max_tokens if parsed.options.max_tokens is not None else 0
+            what = "messages" if parsed.chat else "prompt"
+            message = (
+                f"This model's maximum context length is {overflow.context} tokens. However, you "
+                f"requested {overflow.prompt_tokens + asked} tokens ({overflow.prompt_tokens} in the "
+                f"{what}, {asked} in the completion). Please reduce the length of the {what} or completion."
+            )
+            return api.ApiError(400, message, param=what, code="context_length_exceeded")
+        except PipelineError as error:
+            if self.closing or self.pipeline.queue.stopped:
+                return api.ApiError(503, str(error), "unavailable_error")
+            return api.ApiError(400, str(error))  # e.g. the chat template refused the messages
+        return api.ApiError(500, "the run ended before it started", "server_error")
+
+    async def _send(self, response: web.StreamResponse, data: dict[str, Any]) -> None:
+        await response.write(f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
+
+    async def _done(self, response: web.StreamResponse) -> None:
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+
+    # ------------------------------------------------------------- shutdown
+
+    async def drain(self) -> None:
+        """Answer what waits with a 503; give the running request its grace, then stop it."""
+        self.closing = True
+        for handle in list(self.handles):
+            if not handle.started:
+                handle.stop("the server is shutting down")
+        running = [handle for handle in self.handles if handle.started and not handle.done]
+        if running:
+            self.log(f"finishing the running request (at most {SHUTDOWN_GRACE:g} s)")
+            waits = [asyncio.ensure_future(handle.result()) for handle in running]
+            _, late = await asyncio.wait(waits, timeout=SHUTDOWN_GRACE)
+            for handle in running:
+                if not handle.done:
+                    handle.stop("the server is shutting down")
+            for wait in waits:
+                wait.cancel()
+            if late:
+                await asyncio.wait(late, timeout=SHUTDOWN_GRACE)
+
+
+# ------------------------------------------------------------------ running
+
+
+class ServerPrinter(Printer):
+    """Start-up progress on stderr as headless mode prints it, until every
+    stage of the first run is loaded (:attr:`loaded`); after that, only what
+    goes wrong (each request has its own line)."""
+
+    def __init__(self, inventory: Inventory, err: IO[str], verbose: bool, quiet: bool) -> None:
+        super().__init__(inventory, sys.stdout, err, True, verbose, quiet)
+        self.loaded = asyncio.Event()
+        self._run = 0
+        self._ready: set[int] = set()
+
+    def __call__(self, event: Event) -> None:
+        started = self.loaded.is_set()
+        faulted = isinstance(event, StageStateChanged) and event.state == "Faulted"
+        if self.verbose or not started or faulted or isinstance(event, Notice | AgentConnected):
+            super().__call__(event)
+        if started:
+            return
+        if isinstance(event, PlanMade):
+            self._run, self._ready = event.plan.run_id, set()
+        elif isinstance(event, StageStateChanged) and event.run_id == self._run and event.state == "Ready":
+            self._ready.add(event.stage)
+            if len(self._ready) == len(self.inventory.stages):
+                self.loaded.set()
+
+
+def curl_example(host: str, port: int, api_key: str) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    auth = ' -H "Authorization: Bearer $GGUFPIPE_API_KEY"' if api_key else ""
+    body = '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
+    return (
+        f"curl -s http://{shown}:{port}/v1/chat/completions{auth} "
+        f"-H 'Content-Type: application/json' -d '{body}'"
+    )
+
+
+async def run_server(
+    inventory: Inventory,
+    listen: str,
+    *,
+    api_key: str = "",
+    queue: int = 16,
+    verbose: bool = False,
+    quiet: bool = False,
+    log_dir: str | None = None,
+    err: IO[str] = sys.stderr,
+) -> int:
+    """Serve until SIGTERM or SIGINT (exit 0) or a fault of the pipeline (exit 1)."""
+    printer = ServerPrinter(inventory, err, verbose, quiet)
+    pipeline = Pipeline(inventory, printer, log_dir=log_dir, prepare_ahead=True)
+    server = Server(pipeline, inventory, api_key=api_key, queue=queue, err=err)
+    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for number in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(number, stop.set)
+    try:
+        host, port = parse_listen(listen)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()  # bound before any agent starts: a busy port fails at once
+        except OSError as error:
+            raise GgufpipeError(f"--serve {listen}: cannot listen: {error.strerror or error}") from None
+        port = runner.addresses[0][1] if runner.addresses else port  # the one picked for port 0
+        shown = f"[{host}]" if ":" in host else host
+        server.log(f"listening on http://{shown}:{port}/v1 (OpenAI-compatible); starting the stages")
+        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+            server.log(f"warning: {host} without --api-key: whoever reaches this port can use the pipeline")
+        starting = asyncio.ensure_future(pipeline.start())
+        signalled = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # a signal while the agents start: give up starting
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, GgufpipeError):
+                await starting
+            server.log("shutting down: signal received while starting")
+            await runner.cleanup()
+            await pipeline.close()
+            return EXIT_OK
+        starting.result()
+    except GgufpipeError as error:
+        server.log(f"error: {error}")
+        await runner.cleanup()
+        await pipeline.close()
+        return EXIT_SETUP
+    stopped = asyncio.ensure_future(pipeline.wait_stopped())
+    loaded = asyncio.ensure_future(printer.loaded.wait())
+    await asyncio.wait([stopped, signalled, loaded], return_when=asyncio.FIRST_COMPLETED)
+    loaded.cancel()
+    if printer.loaded.is_set():
+        server.ready = True
+        server.log(f"ready: {server.model} on {len(inventory.stages)} stages; try")
+        print(f"  {curl_example(host, port, api_key)}", file=err, flush=True)
+        await asyncio.wait([stopped, signalled], return_when=asyncio.FIRST_COMPLETED)
+    fault = "" if signalled.done() else stopped.result()
+    stopped.cancel()
+    signalled.cancel()
+    server.log("shutting down: " + (f"the pipeline stopped: {fault}" if fault else "signal received"))
+    await server.drain()
+    await runner.cleanup()
+    await pipeline.close()
+    for number in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(number)
+    server.log("every stage is torn down")
+    return EXIT_FAULTED if fault else EXIT_OK
