@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 
 #: Bumped whenever a control message or the object record layout changes in a
 #: way an older peer cannot read. The orchestrator refuses a mismatched agent.
-#: 2: ModelFacts.memory; 3: Tokenize.messages; 4: positions in the object header,
-#: prefix reuse in ProvisionStage (reuse) and StageReady (held).
-PROTOCOL_VERSION = 4
+#: 2: ModelFacts.memory; 3: Tokenize.messages; 4: listen key, heartbeats;
+#: 5: model delivery (deliverywire), ModelInfo.identity, ProvisionStage.stage_file, cache requests;
+#: 6: positions in the object header, prefix reuse in ProvisionStage (reuse) and StageReady (held).
+PROTOCOL_VERSION = 6

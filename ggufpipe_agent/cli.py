@@ -3,7 +3,8 @@
 ggufpipe-agent                      speak the protocol on stdin/stdout (how the
                                     orchestrator starts it, locally or over SSH)
 ggufpipe-agent --listen ADDR        started by hand: wait for an orchestrator on
-                                    HOST:PORT or unix:PATH, with readable logs
+                                    HOST:PORT or unix:PATH, with readable logs; it
+                                    must prove it holds the listen key first
 ggufpipe-agent bridge ENDPOINT      copy stdin/stdout to a local socket (the
                                     orchestrator's data channel over SSH)
 """
@@ -29,7 +30,8 @@ DESCRIPTION = """\
 ggufpipe stage agent: runs one contiguous layer range of a GGUF model with
 llama.cpp for a ggufpipe orchestrator. With no options it speaks the ggufpipe
 protocol on stdin/stdout (frames only on stdout, logs on stderr); this is how
-ggufpipe-tui starts it, as a local process or over SSH."""
+ggufpipe-tui starts it, as a local process or over SSH. It exits when its
+orchestrator goes, or says nothing for the heartbeat bound it announced."""
 
 EPILOG = """\
 subcommands:
@@ -64,7 +66,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ADDR",
         help="wait for an orchestrator on HOST:PORT or unix:PATH instead of using stdio "
         "(for an agent started by hand; bind to 127.0.0.1 and let the orchestrator "
-        "reach it over SSH)",
+        "reach it over SSH). Only an orchestrator that proves it holds the listen key "
+        "(--key-file) is served, one at a time; one that falls silent past its heartbeat "
+        "bound is detached",
+    )
+    parser.add_argument(
+        "--key-file",
+        type=Path,
+        metavar="PATH",
+        help="with --listen: where to write the listen key orchestrators must prove they hold "
+        "(created 0600 at start, removed at exit; default ~/.local/state/ggufpipe/listen/"
+        "tcp-HOST-PORT.key or unix-PATH.key, which is where orchestrators look unless the "
+        "inventory gives listen_key:)",
     )
     parser.add_argument("--cache-dir", type=Path, help="stage file cache directory")
     parser.add_argument("-v", "--verbose", action="store_true", help="also log llama.cpp's own messages")
@@ -81,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             parse_endpoint(options.listen)
         except ValueError as error:
             parser.error(f"--listen: {error}")
+    elif options.key_file is not None:
+        parser.error("--key-file goes with --listen")
+    if options.key_file is not None:
+        options.key_file = options.key_file.expanduser()
     if options.cache_dir is not None:
         # No shell expands it when the orchestrator starts a local agent.
         options.cache_dir = options.cache_dir.expanduser()
@@ -105,8 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     log = logging.getLogger("ggufpipe.agent")
 
     if options.listen:
-        with contextlib.suppress(KeyboardInterrupt):
-            aio.run(_with_signals(_serve_listen(options.listen, options.cache_dir)))
+        from ggufpipe_agent.errors import GgufpipeError
+
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                aio.run(_with_signals(_serve_listen(options.listen, options.cache_dir, options.key_file)))
+        except (GgufpipeError, OSError) as error:
+            log.error("cannot listen on %s: %s", options.listen, error)
+            return 1
         return 0
 
     from ggufpipe_agent.runtime import serve_stdio
@@ -138,10 +161,10 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-async def _serve_listen(endpoint: str, cache_dir: Path | None) -> None:
-    from ggufpipe_agent.runtime import serve_listen
+async def _serve_listen(endpoint: str, cache_dir: Path | None, key_file: Path | None) -> None:
+    from ggufpipe_agent.listener import serve_listen
 
-    await serve_listen(endpoint, cache_dir)
+    await serve_listen(endpoint, cache_dir, key_file)
 
 
 async def _with_signals(work: Coroutine[Any, Any, T]) -> T | str:

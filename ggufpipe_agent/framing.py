@@ -27,6 +27,7 @@ from ggufpipe_agent.errors import ProtocolError
 from ggufpipe_agent.protocol import (
     CONTROL_MAGIC,
     CONTROL_PREFIX_SIZE,
+    MAX_CONTROL_BYTES,
     Message,
     decode_payload,
     encode_message,
@@ -63,18 +64,20 @@ class FrameReader:
                 raise TruncatedFrame(f"{self.what} ended inside a frame") from None
             return None
 
-    async def message(self) -> Message | None:
-        """The next control message; None on a clean end of the stream."""
+    async def message(self, limit: int = MAX_CONTROL_BYTES) -> Message | None:
+        """The next control message; None on a clean end of the stream.
+        ``limit`` bounds its size before any of it is awaited (a peer that
+        has not authenticated gets a small one)."""
         magic = await self._magic()
         if magic is None:
             return None
         if magic != CONTROL_MAGIC:
             raise ProtocolError(f"bad control frame magic {magic!r}")
-        return await self._control(magic)
+        return await self._control(magic, limit)
 
-    async def _control(self, magic: bytes) -> Message:
-        length = parse_prefix(magic + await self._exactly(CONTROL_PREFIX_SIZE - 4, "a frame prefix"))
-        return decode_payload(await self._exactly(length, "a frame"))
+    async def _control(self, magic: bytes, limit: int = MAX_CONTROL_BYTES) -> Message:
+        prefix = magic + await self._exactly(CONTROL_PREFIX_SIZE - 4, "a frame prefix")
+        return decode_payload(await self._exactly(parse_prefix(prefix, limit), "a frame"))
 
     async def frame(self, object_limit: int) -> Message | objects.ObjectHeader | None:
         """The next frame of a data stream: a control message, or an object's

@@ -34,9 +34,24 @@ SPLIT_COUNT = "split.count"
 SPLIT_TENSORS_COUNT = "split.tensors.count"
 
 
+def expand_home(path: str | os.PathLike[str]) -> Path:
+    """``path`` with a leading ``~/`` made the agent's own home, and nothing
+    else expanded. Paths come over the wire (Inspect, Tokenize, ProvisionStage):
+    expanding ``$VAR`` would read the agent's environment back to whoever
+    asks (in the error text), and ``~name`` would point at another user's
+    files, so neither is."""
+    text = os.fspath(path)
+    if text == "~" or text.startswith("~/"):
+        return Path.home() / text[2:]
+    if text.startswith("~"):
+        raise ModelError(f"{text}: only ~/ of the agent's own user is expanded; give the full path")
+    return Path(text)
+
+
 def check_gguf_path(path: str | os.PathLike[str]) -> Path:
-    """The path, after checking that it exists and starts like a GGUF file."""
-    target = Path(os.path.expandvars(os.path.expanduser(os.fspath(path))))
+    """The path, after checking that it exists and starts like a GGUF file.
+    Errors name the path and never quote the file's bytes."""
+    target = expand_home(path)
     if not target.exists():
         raise ModelError(f"{target}: no such file")
     if not target.is_file():
@@ -47,7 +62,7 @@ def check_gguf_path(path: str | os.PathLike[str]) -> Path:
     except OSError as error:
         raise ModelError(f"{target}: cannot read ({error.strerror})") from None
     if magic != GGUF_MAGIC:
-        raise ModelError(f"{target}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+        raise ModelError(f"{target}: not a GGUF file")
     return target
 
 

@@ -14,16 +14,38 @@ messages (Hello, Inspect, Tokenize, progress and stats) are documented in
 
 from __future__ import annotations
 
-import dataclasses
 import struct
-import types
-import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
+from ggufpipe_agent.codec import (  # noqa: F401 - to_plain, Bounds, BOUNDS are this module's API too
+    BOUNDS,
+    HEAD_LIMITS,
+    REGISTRY,
+    SMALL,
+    Bounds,
+    ContainerCount,
+    Message,
+    build,
+    to_plain,
+)
+
+# The messages of model delivery and of the stage cache are defined in their
+# own module (to keep this one readable); they are this module's names too.
+from ggufpipe_agent.deliverywire import (  # noqa: F401
+    CacheReport,
+    CacheRequest,
+    ReceiveAnswer,
+    ReceiveFailed,
+    ReceiveStage,
+    StageData,
+    StageDataEnd,
+    StageStored,
+)
 from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.identity import ModelIdentity
+from ggufpipe_agent.stagecache import StageKey
 
 CONTROL_MAGIC = b"GPCM"
 _PREFIX = struct.Struct("<4sI")
@@ -32,23 +54,7 @@ CONTROL_PREFIX_SIZE = _PREFIX.size
 #: a few hundred thousand pieces. Anything bigger is a broken or hostile peer.
 MAX_CONTROL_BYTES = 64 * 1024 * 1024
 
-_REGISTRY: dict[str, type[Message]] = {}
-
-
-class Message:
-    """Base of every control message; subclasses register under their class name."""
-
-    __slots__ = ()
-    tag: ClassVar[str]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.tag = cls.__name__
-        existing = _REGISTRY.get(cls.tag)
-        # dataclass(slots=True) builds the class a second time; that is no clash.
-        if existing is not None and existing.__qualname__ != cls.__qualname__:
-            raise TypeError(f"duplicate control message tag {cls.tag}")
-        _REGISTRY[cls.tag] = cls
+_REGISTRY = REGISTRY  # every message type by its tag, wherever it is defined
 
 
 # --------------------------------------------------------------------------- #
@@ -248,6 +254,17 @@ class StepCounters:
         return self.total_ms / self.steps if self.steps else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class StageFileRef:
+    """A stage file the orchestrator delivered to the host's cache: found there
+    by its key (never by a path from the wire) and used only when its sidecar
+    says it holds exactly ``size`` bytes of digest ``digest``."""
+
+    key: StageKey
+    size: int
+    digest: str
+
+
 # --------------------------------------------------------------------------- #
 # Agent -> orchestrator
 
@@ -276,6 +293,7 @@ class ModelInfo(Message):
     request_id: int
     facts: ModelFacts
     pieces: tuple[bytes, ...]  # token id -> bytes, empty unless asked
+    identity: ModelIdentity | None = None  # what hosts compare (docs/model-delivery.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +402,10 @@ class ProvisionStage(Message):
     model: StageModelFacts
     engine: EngineOptions
     sampling: SamplingParams
-    reuse: PrefixOffer = PrefixOffer()
+    # Set when the orchestrator sent the stage file (model send: true): the
+    # stage loads that cache entry and never reads gguf_source.
+    stage_file: StageFileRef | None = None
+    reuse: PrefixOffer = PrefixOffer()  # what the stage may keep of the previous run
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,79 +449,50 @@ class DataAttach(Message):
 
 
 # --------------------------------------------------------------------------- #
+# Both ways
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    """Sent on the control stream every ``interval`` seconds by both sides once
+    the orchestrator has sent its first: a side that hears nothing from the
+    other for ``timeout`` seconds takes it for gone (the orchestrator reports
+    the stage lost; the agent ends the session). The orchestrator's values
+    are the session's."""
+
+    interval: float
+    timeout: float
+
+
+# --------------------------------------------------------------------------- #
+# A hand-started agent's handshake (ggufpipe_agent/credential.py)
+
+
+@dataclass(frozen=True, slots=True)
+class AuthChallenge(Message):
+    """The first frame on a ``--listen`` connection, instead of Hello."""
+
+    protocol: int
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AuthResponse(Message):
+    """The orchestrator's nonce and its proof that it holds the listen key."""
+
+    nonce: bytes
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AuthProof(Message):
+    """The agent's proof that it holds the listen key; Hello follows."""
+
+    proof: bytes
+
+
+# --------------------------------------------------------------------------- #
 # Encoding
-
-
-def to_plain(value: Any, text_bytes: bool = False) -> Any:
-    """Dataclasses as maps of their fields and tuples as lists, recursively:
-    what msgpack writes on the wire and what the run log writes as JSON. Bytes
-    stay bytes on the wire; ``text_bytes`` makes them text (for a log)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_plain(getattr(value, f.name), text_bytes) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple | list):
-        return [to_plain(v, text_bytes) for v in value]
-    if isinstance(value, dict):
-        return {k: to_plain(v, text_bytes) for k, v in value.items()}
-    if text_bytes and isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    return value
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
-T = TypeVar("T")
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = typing.get_type_hints(cls)
-        _HINTS[cls] = hints
-    return hints
-
-
-def _from_wire(tp: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        inner = [o for o in options if o is not type(None)]
-        return _from_wire(inner[0], value, where)
-    if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        (item_tp, _ellipsis) = typing.get_args(tp)
-        return tuple(_from_wire(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(value, tp):
-        return value
-    raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-
-
-def _build(cls: Any, value: Any, where: str) -> Any:
-    if not isinstance(value, dict):
-        raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-    assert isinstance(cls, type)
-    hints = _hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(value) - fields
-    if unknown:
-        raise ProtocolError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
-    kwargs = {}
-    for name in fields:
-        if name in value:
-            kwargs[name] = _from_wire(hints[name], value[name], f"{where}.{name}")
-    try:
-        return cls(**kwargs)
-    except TypeError as error:
-        raise ProtocolError(f"{where}: {error}") from None
 
 
 def encode_message(message: Message) -> bytes:
@@ -509,24 +501,50 @@ def encode_message(message: Message) -> bytes:
     return _PREFIX.pack(CONTROL_MAGIC, len(payload)) + payload
 
 
-def parse_prefix(prefix: bytes) -> int:
-    """Check a control frame prefix and return its payload length."""
+def parse_prefix(prefix: bytes, limit: int = MAX_CONTROL_BYTES) -> int:
+    """Check a control frame prefix and return its payload length (at most
+    ``limit``: a connection that has not authenticated gets a small one)."""
     magic, length = _PREFIX.unpack(prefix)
     if magic != CONTROL_MAGIC:
         raise ProtocolError(f"bad control frame magic {magic!r}")
-    if length > MAX_CONTROL_BYTES:
-        raise ProtocolError(f"control frame of {length} bytes exceeds {MAX_CONTROL_BYTES}")
+    if length > limit:
+        raise ProtocolError(f"control frame of {length} bytes exceeds {limit}")
     return length
 
 
-def decode_payload(payload: bytes) -> Message:
+def decode_payload(payload: bytes | bytearray | memoryview) -> Message:
+    """A message from a frame's payload. The tag is read first, under tiny
+    limits; the fields then under the bounds of that message type, so nothing
+    a peer sends can make the decoder allocate much more than the frame."""
+    view = memoryview(payload)
+    head = msgpack.Unpacker(raw=False, **HEAD_LIMITS)
+    head.feed(view[:96])
     try:
-        tag, body = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        if head.read_array_header() != 2:
+            raise ProtocolError("undecodable control message: not [tag, fields]")
+        tag = head.unpack()
     except (ValueError, TypeError, msgpack.UnpackException) as error:
-        raise ProtocolError(f"undecodable control message: {error}") from None
+        raise ProtocolError(f"undecodable control message: {error or type(error).__name__}") from None
     if not isinstance(tag, str) or tag not in _REGISTRY:
         raise ProtocolError(f"unknown control message {tag!r}")
-    message: Message = _build(_REGISTRY[tag], body, tag)
+    bounds = BOUNDS.get(tag, SMALL)
+    count = ContainerCount(tag, bounds.containers)
+    try:
+        body = msgpack.unpackb(
+            view[head.tell() :],
+            raw=False,
+            strict_map_key=True,
+            object_pairs_hook=count.map,
+            list_hook=count.array,
+            max_str_len=bounds.str_len,
+            max_bin_len=bounds.bin_len,
+            max_array_len=bounds.array_len,
+            max_map_len=bounds.map_len,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException) as error:
+        raise ProtocolError(f"{tag}: undecodable control message: {error}") from None
+    message: Message = build(_REGISTRY[tag], body, tag)
     return message
 
 
@@ -538,3 +556,4 @@ def decode_message(frame: bytes) -> Message:
     if len(frame) != CONTROL_PREFIX_SIZE + length:
         raise ProtocolError(f"control frame says {length} bytes, has {len(frame) - CONTROL_PREFIX_SIZE}")
     return decode_payload(frame[CONTROL_PREFIX_SIZE:])
+

@@ -38,6 +38,8 @@ import json
 import logging
 import os
 import stat
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +72,8 @@ from ggufpipe_agent.stagecache import (
 log = logging.getLogger("ggufpipe.receiver")
 
 MIN_CHUNK = LEAF
-MAX_CHUNK = 64 << 20
+#: A chunk travels in one control frame (64 MiB at most, protocol.py).
+MAX_CHUNK = 32 << 20
 MAX_SIZE = 1 << 48  # 256 TiB: anything larger is not a stage file
 CHECKPOINT_BYTES = 256 << 20
 PROGRESS_VERSION = 1
@@ -99,6 +102,8 @@ class StageFileReceiver:
         size: int,
         chunk_size: int,
         checkpoint_bytes: int = CHECKPOINT_BYTES,
+        checkpoint_seconds: float | None = None,
+        background_checkpoints: bool = False,
     ) -> None:
         key.check()
         if not 0 < size <= MAX_SIZE:
@@ -111,6 +116,19 @@ class StageFileReceiver:
         self.size = size
         self.chunk_size = chunk_size
         self.checkpoint_bytes = max(chunk_size, checkpoint_bytes - checkpoint_bytes % chunk_size)
+        # Also by time: an agent killed with its connection (sshd's session
+        # ends, PR_SET_PDEATHSIG) never reaches close(); what it resumes from
+        # is the last checkpoint.
+        self.checkpoint_seconds = checkpoint_seconds
+        self._checkpointed_at = time.monotonic()
+        # In the background: the fdatasync of a checkpoint waits for the disk
+        # (on a slow one, longer than the network takes for the next chunks),
+        # and chunks keep being written meanwhile. The record still counts
+        # only bytes that were synced before it was written.
+        self._checkpointer: ThreadPoolExecutor | None = None
+        if background_checkpoints:
+            self._checkpointer = ThreadPoolExecutor(1, thread_name_prefix="ggufpipe-checkpoint")
+        self._checkpointing: Future[None] | None = None
         self.directory = private_cache_dir(cache_dir)
         self.target = self.directory / key.file_name
         self.partial = self.directory / (key.file_name + PARTIAL_SUFFIX)
@@ -274,13 +292,40 @@ class StageFileReceiver:
             raise
         self._digest.add_leaves(leaves)
         self.received += length
-        if self.received - self._durable >= self.checkpoint_bytes and self.received < self.size:
+        if self.received < self.size and (
+            self.received - self._durable >= self.checkpoint_bytes
+            or (
+                self.checkpoint_seconds is not None
+                and time.monotonic() - self._checkpointed_at >= self.checkpoint_seconds
+            )
+        ):
+            self._checkpoint_due()
+
+    def _checkpoint_due(self) -> None:
+        if self._checkpointer is None:
             self.checkpoint()
+            return
+        if self._checkpointing is not None:
+            if not self._checkpointing.done():
+                return  # the disk is still syncing the last one: the next chunk asks again
+            try:
+                self._checkpointing.result()  # a checkpoint that failed fails the transfer
+            except DiskFull:
+                self._drop()
+                raise
+        self._checkpointed_at = time.monotonic()
+        # What the record will vouch for, taken here, in the writing thread.
+        self._checkpointing = self._checkpointer.submit(self._record, self.received, self._digest.hexdigest())
 
     def checkpoint(self) -> None:
         """Make what was received durable and record it (a resume starts here)."""
+        self._settle()
         if self._fd < 0 or self.received == self._durable:
             return
+        self._record(self.received, self._digest.hexdigest())
+
+    def _record(self, verified: int, prefix: str) -> None:
+        """fdatasync, then the record of the first ``verified`` bytes."""
         os.fdatasync(self._fd)
         record = {
             "version": PROGRESS_VERSION,
@@ -288,11 +333,19 @@ class StageFileReceiver:
             "key": dataclasses.asdict(self.key),
             "size": self.size,
             "chunk_size": self.chunk_size,
-            "verified": self.received,
-            "prefix": self._digest.hexdigest(),
+            "verified": verified,
+            "prefix": prefix,
         }
         write_small_file(self.record, json.dumps(record, sort_keys=True).encode())
-        self._durable = self.received
+        self._durable = verified
+        self._checkpointed_at = time.monotonic()
+
+    def _settle(self) -> None:
+        """Wait for a background checkpoint (its errors are the next one's to meet)."""
+        pending, self._checkpointing = self._checkpointing, None
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                pending.result()
 
     def finish(self, digest: str) -> Path:
         """The entry, once every byte is here and the whole file matches
@@ -301,6 +354,7 @@ class StageFileReceiver:
             raise TransferError(f"{self.partial}: not open for chunks")
         if self.received != self.size:
             raise TransferError(f"{self.partial}: {self.received} of {self.size} bytes received")
+        self._settle()
         actual = self._digest.hexdigest()
         if not hmac.compare_digest(actual, digest):
             self._drop()
@@ -334,11 +388,16 @@ class StageFileReceiver:
             self._drop()
 
     def _release(self) -> None:
+        self._settle()
+        if self._checkpointer is not None:
+            self._checkpointer.shutdown(wait=True)
+            self._checkpointer = None
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)  # releases the flock
 
     def _drop(self) -> None:
+        self._settle()  # no record may be written after the files are gone
         for path in (self.partial, self.record):
             path.unlink(missing_ok=True)
         self._release()

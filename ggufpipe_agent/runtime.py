@@ -2,8 +2,9 @@
 for edge streams, and the stage runs they drive.
 
 * Control stream: stdin/stdout when launched over SSH or as a subprocess, or
-  a connection to ``--listen`` when started by hand. The agent writes a Hello
-  first, then answers control messages.
+  an authenticated connection to ``--listen`` when started by hand
+  (:mod:`ggufpipe_agent.listener`). The agent writes a Hello first, then
+  answers control messages.
 * Data socket: a Unix socket in a private directory, named in the Hello. The
   orchestrator connects to it (directly, or through ``ggufpipe-agent bridge``
   on an SSH exec channel), presents the Hello's data token, sets up the edge
@@ -17,25 +18,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
+import math
 import os
-import platform
 import secrets
-import shutil
-import socket
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ggufpipe_agent import PROTOCOL_VERSION, __version__, objects
-from ggufpipe_agent.bridge import parse_endpoint
+from ggufpipe_agent import objects
+from ggufpipe_agent.deliverywire import CacheRequest, ReceiveStage
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
+from ggufpipe_agent.heartbeat import Silence
+from ggufpipe_agent.hello import make_hello
+from ggufpipe_agent.privatedir import PrivateDirectory, base_directory
 from ggufpipe_agent.protocol import (
     DataAttach,
+    Heartbeat,
     Hello,
     Inspect,
     Message,
@@ -50,42 +53,35 @@ from ggufpipe_agent.protocol import (
     StopRun,
     Tokenize,
     Tokenized,
-    encode_message,
 )
 from ggufpipe_agent.stage_fsm import EdgeEstablished, Provision, StageState, StopRunEvent
 from ggufpipe_agent.stage_run import EngineSlot, StageRun
 from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.validation import fits_bits, validate_provision
 
 log = logging.getLogger("ggufpipe.agent")
 
 
-def make_hello(data_endpoint: str, data_token: str) -> Hello:
-    import llama_cpp
+class SeenRuns:
+    """The run ids this agent has taken, to refuse a stale one (spec §10):
+    the newest :attr:`keep`, so an agent that serves for months stays the
+    same size (an id older than that is refused as unknown instead)."""
 
-    from ggufpipe_agent.engine import gpu_offload_supported
-    from ggufpipe_agent.ggml import list_devices
-    from ggufpipe_agent.memory import system_memory
+    keep = 1 << 16
 
-    devices = tuple(list_devices())
-    backend = "cpu"
-    if devices:
-        backend = devices[0].name.rstrip("0123456789").lower() or "gpu"
-    total, available = system_memory()  # bounded by a container's cgroup limit
-    return Hello(
-        protocol=PROTOCOL_VERSION,
-        version=__version__,
-        hostname=socket.gethostname(),
-        pid=os.getpid(),
-        python=platform.python_version(),
-        llama_cpp=getattr(llama_cpp, "__version__", ""),
-        backend=backend,
-        gpu_offload=gpu_offload_supported(),
-        devices=devices,
-        memory_total=total,
-        memory_available=available,
-        data_endpoint=data_endpoint,
-        data_token=data_token,
-    )
+    def __init__(self) -> None:
+        self._ids: dict[int, None] = {}  # insertion-ordered: oldest first
+
+    def add(self, run_id: int) -> None:
+        self._ids[run_id] = None
+        while len(self._ids) > self.keep:
+            del self._ids[next(iter(self._ids))]
+
+    def __contains__(self, run_id: object) -> bool:
+        return run_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class Agent:
@@ -98,13 +94,11 @@ class Agent:
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="ggufpipe-worker")
         self.helper = ThreadPoolExecutor(1, thread_name_prefix="ggufpipe-helper")
         self.data_token = secrets.token_hex(16)
-        base = os.environ.get("XDG_RUNTIME_DIR")
-        if not base or not os.access(base, os.W_OK):
-            base = None
-        self.private_dir = Path(tempfile.mkdtemp(prefix="ggufpipe-agent-", dir=base))
+        self.private = PrivateDirectory(base_directory())
+        self.private_dir = self.private.path
         self.data_path = self.private_dir / "data.sock"
         self.session: Session | None = None
-        self.seen_runs: set[int] = set()
+        self.seen_runs = SeenRuns()
         self._data_server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -120,7 +114,7 @@ class Agent:
         session = self.session
         try:
             first = await asyncio.wait_for(FrameReader(reader, "data connection").message(), timeout=10)
-            if not isinstance(first, DataAttach) or first.token != self.data_token:
+            if not isinstance(first, DataAttach) or not hmac.compare_digest(first.token, self.data_token):
                 log.warning("refused a data connection without the data token")
                 return
             if session is None:
@@ -129,17 +123,36 @@ class Agent:
             await session.serve_data(reader, writer)
         except (asyncio.TimeoutError, ProtocolError, ConnectionError) as error:
             log.warning("data connection closed: %s", error or type(error).__name__)
+        except asyncio.CancelledError:
+            # The agent is ending and asyncio.run cancels what is left; this
+            # is the handler's outermost frame (Python 3.11's stream server
+            # logs a traceback for a handler that ends cancelled).
+            return
         finally:
             writer.close()
 
     def close(self) -> None:
         if self._data_server is not None:
             self._data_server.close()
-        shutil.rmtree(self.private_dir, ignore_errors=True)
+        self.private.remove()
+
+
+#: How long an agent waits for a word from its orchestrator before the first
+#: Heartbeat says how long to wait (the orchestrator's timeouts.heartbeat).
+DEFAULT_SILENCE_S = 120.0
+#: The range a Heartbeat's timeout is held to.
+SILENCE_RANGE_S = (0.5, 3600.0)
 
 
 class Session:
-    """One orchestrator on one control stream."""
+    """One orchestrator on one control stream.
+
+    The session ends when the stream does, and also when the orchestrator
+    falls silent: once it has sent a Heartbeat, nothing from it for that
+    Heartbeat's ``timeout`` ends the session (an agent on stdio then exits;
+    a hand-started one waits for the next orchestrator), and so does a
+    control stream it stops reading for as long. The agent's own heartbeats
+    tell the orchestrator it is alive in turn."""
 
     def __init__(self, agent: Agent, reader: Any, writer: Any) -> None:
         self.agent = agent
@@ -152,6 +165,10 @@ class Session:
         # order it was posted: a stage's StageFault is always read before the
         # refusal of an OpenEdge that arrived after the fault.
         self._outbox: asyncio.Queue[Message | None] = asyncio.Queue()
+        self.silence = Silence(DEFAULT_SILENCE_S)
+        self._beat_interval = 0.0
+        self._beating: asyncio.Task[None] | None = None
+        self._writer_lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     def _task_failed(self, name: str, error: BaseException) -> None:
         """A session task that fails (answering a request) is a fault of the
@@ -166,15 +183,17 @@ class Session:
         self._outbox.put_nowait(message)
 
     async def _send_posted(self) -> None:
-        """The control stream's one writer. A stream that breaks ends it: the
-        control reader sees the same loss and ends the session."""
+        """The control stream's one writer. A stream that breaks, or that the
+        orchestrator stops reading past the heartbeat bound, ends the session."""
         while True:
             message = await self._outbox.get()
             if message is None:
                 return
             try:
                 await self.writer.send(message)
-            except (ConnectionError, OSError):
+            except (ConnectionError, OSError) as error:
+                if not self._writer_lost.done():
+                    self._writer_lost.set_result(f"the control stream broke ({error})")
                 return
 
     def refuse(self, what: str, reason: str) -> None:
@@ -184,26 +203,24 @@ class Session:
     # ------------------------------------------------------------ control
 
     async def serve(self) -> str:
-        """Answer control messages until the stream ends; returns why it ended."""
+        """Answer control messages until the stream ends or the orchestrator
+        falls silent; returns why it ended."""
         self.agent.session = self
         sender = self.tasks.spawn(self._send_posted(), "control writer")
+        reading = self.tasks.spawn(self._read(), "control reader")
+        watching = self.tasks.spawn(self._watch(), "silence watch")
         try:
             self.post(self.agent.hello())
-            while True:
-                try:
-                    message = await self.reader.message()
-                except ProtocolError as error:
-                    # A corrupt control stream cannot be resynchronised.
-                    self.refuse("control frame", str(error))
-                    return f"corrupt control stream: {error}"
-                if message is None:
-                    return "the orchestrator closed the control stream"
-                if isinstance(message, Shutdown):
-                    return f"shutdown requested: {message.reason}"
-                await self.dispatch(message)
-        except (ConnectionError, OSError) as error:
-            return f"the control stream broke ({error})"
+            await asyncio.wait({reading, watching, self._writer_lost}, return_when=asyncio.FIRST_COMPLETED)
+            for ended in (reading, watching):
+                if ended.done() and not ended.cancelled() and ended.exception() is None:
+                    return ended.result()
+            if self._writer_lost.done():
+                return self._writer_lost.result()
+            return f"internal error in the agent's control reader: {reading.exception()!r}"
         finally:
+            reading.cancel()
+            watching.cancel()
             await self.stop_all("orchestrator session ended")
             self.closing = True
             self._outbox.put_nowait(None)  # what was posted still goes, then the writer ends
@@ -213,12 +230,54 @@ class Session:
             if self.agent.session is self:
                 self.agent.session = None
 
+    async def _watch(self) -> str:
+        bound = await self.silence.expired()
+        return f"no message from the orchestrator for {bound:g}s"
+
+    async def _read(self) -> str:
+        """The control reader; returns why the session ends."""
+        while True:
+            try:
+                message = await self.reader.message()
+            except ProtocolError as error:
+                # A corrupt control stream cannot be resynchronised.
+                self.refuse("control frame", str(error))
+                return f"corrupt control stream: {error}"
+            except (ConnectionError, OSError) as error:
+                return f"the control stream broke ({error})"
+            self.silence.heard()
+            if message is None:
+                return "the orchestrator closed the control stream"
+            if isinstance(message, Shutdown):
+                return f"shutdown requested: {message.reason}"
+            if isinstance(message, Heartbeat):
+                self._heartbeat(message)
+                continue
+            await self.dispatch(message)
+
+    def _heartbeat(self, beat: Heartbeat) -> None:
+        """The orchestrator's heartbeat: its bound becomes the session's, and
+        the agent beats back at its interval."""
+        low, high = SILENCE_RANGE_S
+        if not (math.isfinite(beat.timeout) and math.isfinite(beat.interval)):
+            return
+        self.silence.timeout = min(max(beat.timeout, low), high)
+        self._beat_interval = min(max(beat.interval, low / 10), self.silence.timeout / 2)
+        self.writer.drain_timeout = self.silence.timeout
+        if self._beating is None:
+            self._beating = self.tasks.spawn(self._beat(), "heartbeat")
+
+    async def _beat(self) -> None:
+        while True:
+            self.post(Heartbeat(self._beat_interval, self.silence.timeout))
+            await asyncio.sleep(self._beat_interval)
+
     async def dispatch(self, message: Message) -> None:
         if isinstance(message, ProvisionStage):
             await self.provision(message)
         elif isinstance(message, StopRun):
             await self.stop_run(message)
-        elif isinstance(message, Inspect | Tokenize):
+        elif isinstance(message, Inspect | Tokenize | CacheRequest):
             self.tasks.spawn(self.answer(message), f"answer to {message.tag}")
         elif isinstance(message, RewireEdge):
             self.refuse(
@@ -229,10 +288,10 @@ class Session:
         else:
             self.refuse(message.tag, "not a message an orchestrator sends to an agent")
 
-    async def answer(self, request: Inspect | Tokenize) -> None:
+    async def answer(self, request: Inspect | Tokenize | CacheRequest) -> None:
         loop = asyncio.get_running_loop()
         try:
-            reply = await loop.run_in_executor(self.agent.helper, _answer, request)
+            reply = await loop.run_in_executor(self.agent.helper, _answer, request, self.agent.cache_dir)
         except GgufpipeError as error:
             reply = RequestFailed(request.request_id, str(error))
         except Exception as error:  # noqa: BLE001 - a boundary: report, don't crash
@@ -249,13 +308,22 @@ class Session:
                 reason = f"stage is busy with run {run.run_id:016x} (one run at a time)"
             self.refuse("ProvisionStage", reason)
             return
+        problem = validate_provision(message)
+        if problem:
+            # Nothing of it is taken: the stage stays as it was, free for a
+            # sound provision (a field the wire cannot carry must never reach
+            # struct.pack or llama.cpp and fault a step).
+            self.refuse("ProvisionStage", f"run {message.run_id:#x}: {problem}")
+            if fits_bits(message.run_id, 64):
+                self.agent.seen_runs.add(message.run_id)
+            return
         if message.run_id in self.agent.seen_runs:
             self.refuse("ProvisionStage", f"stale run id {message.run_id:016x}")
             return
         self.agent.seen_runs.add(message.run_id)
         run = StageRun(message, self.post, self.agent.worker, self.agent.engines, self.agent.cache_dir)
         self.run = run
-        run.apply(Provision(message.run_id, validate_provision(message)))
+        run.apply(Provision(message.run_id))
 
     async def stop_run(self, message: StopRun) -> None:
         run = self.run
@@ -292,6 +360,15 @@ class Session:
             try:
                 frame = await frames.frame(limit)
                 if isinstance(frame, objects.ObjectHeader):
+                    problem = self._object_problem(frame)
+                    if problem:
+                        # Refused at its header; the payload is skipped in
+                        # bounded chunks, never held: the stream stays in
+                        # step and memory stays flat whatever it claims.
+                        self.refuse("object", f"{frame.describe()}: {problem}")
+                        async for _chunk in frames.chunks(frame):
+                            pass
+                        continue
                     payload = await frames.payload(frame)
             except TruncatedFrame:
                 await self._data_fault("truncated frame: the data connection ended inside it")
@@ -303,6 +380,12 @@ class Session:
                 return
             if isinstance(frame, OpenEdge):
                 await self.open_edge(frame, outbound)
+            elif isinstance(frame, ReceiveStage):
+                # A delivery connection (model send: true): a stage file, not edges.
+                from ggufpipe_agent.delivery import serve_delivery
+
+                await serve_delivery(frame, frames, outbound, self.agent.cache_dir)
+                return
             elif isinstance(frame, Message):
                 self.refuse(frame.tag, "not a data-connection message")
             else:
@@ -349,20 +432,24 @@ class Session:
         except GgufpipeError as error:
             self.refuse("OpenEdge", str(error))
 
-    async def inbound_object(self, header: objects.ObjectHeader, payload: bytes) -> None:
+    def _object_problem(self, header: objects.ObjectHeader) -> str:
+        """Why an inbound object is refused ('' when the active run takes it)."""
         problem = self._run_problem(header.run_id)
         if problem:
-            self.refuse("object", f"{header.describe()}: {problem}")
-            return
+            return problem
         run = self.run
         assert run is not None
         if header.edge_id != run.provision.inbound.edge_id:
-            self.refuse(
-                "object",
-                f"{header.describe()}: edge {header.edge_id} is not this stage's inbound edge",
-            )
+            return f"edge {header.edge_id} is not this stage's inbound edge"
+        return ""
+
+    async def inbound_object(self, header: objects.ObjectHeader, payload: bytes) -> None:
+        problem = self._object_problem(header)  # the run may have stopped since the header
+        if problem:
+            self.refuse("object", f"{header.describe()}: {problem}")
             return
-        await run.deliver(header, payload)
+        assert self.run is not None
+        await self.run.deliver(header, payload)
 
     def _run_problem(self, run_id: int) -> str:
         run = self.run
@@ -373,52 +460,26 @@ class Session:
         return f"unknown run id {run_id:016x}"
 
 
-def validate_provision(message: ProvisionStage) -> str:
-    """Spec §6 'validate run_id and stage assignment'; '' when it is sound."""
-    p = message
-    if not 0 <= p.stage_index < p.stage_count:
-        return f"stage index {p.stage_index} outside a pipeline of {p.stage_count}"
-    if p.inbound.edge_id == p.outbound.edge_id:
-        return f"inbound and outbound edges share id {p.inbound.edge_id}"
-    want_in = "TokenIn" if p.stage_index == 0 else "Activation"
-    want_out = "TokenOut" if p.stage_index == p.stage_count - 1 else "Activation"
-    if p.inbound.kind != want_in:
-        return f"stage {p.stage_index} inbound edge must be {want_in}, not {p.inbound.kind}"
-    if p.outbound.kind != want_out:
-        return f"stage {p.stage_index} outbound edge must be {want_out}, not {p.outbound.kind}"
-    for name, spec in (("inbound", p.inbound.object_spec), ("outbound", p.outbound.object_spec)):
-        if spec.dtype not in ("int32", "float32", "float16"):
-            return f"{name} edge dtype {spec.dtype!r} is not supported"
-        if spec.kind == "activation" and (
-            spec.width != p.model.hidden_dim or spec.max_rows != p.model.max_seq_len
-        ):
-            return (
-                f"{name} edge carries [{spec.max_rows}, {spec.width}] activations; the model "
-                f"facts say [{p.model.max_seq_len}, {p.model.hidden_dim}]"
-            )
-    if p.layer_start >= p.layer_end_exclusive:
-        return f"layers [{p.layer_start}, {p.layer_end_exclusive}) is empty or reversed"
-    if p.engine.n_ctx < p.model.max_seq_len:
-        return f"context {p.engine.n_ctx} is shorter than max_seq_len {p.model.max_seq_len}"
-    offer = p.reuse
-    if offer.run_id < 0 or offer.run_id == p.run_id or not 0 <= offer.positions <= p.model.max_seq_len:
-        return f"a prefix offer of {offer.positions} positions of run {offer.run_id:x} is out of bounds"
-    return ""
-
-
-def _answer(request: Inspect | Tokenize) -> Message:
-    """Inspect and Tokenize, in a helper thread (vocabulary loads take a moment)."""
+def _answer(request: Inspect | Tokenize | CacheRequest, cache_dir: Path | None) -> Message:
+    """Inspect, Tokenize and CacheRequest, in a helper thread (vocabulary
+    loads take a moment)."""
     from ggufpipe_agent.model import read_model_facts
     from ggufpipe_agent.vocab import vocabulary
 
+    if isinstance(request, CacheRequest):
+        from ggufpipe_agent.delivery import answer_cache_request
+
+        return answer_cache_request(cache_dir, request)
     facts = read_model_facts(request.path)
     if isinstance(request, Inspect):
+        from ggufpipe_agent.identity import model_identity
+
         pieces: tuple[bytes, ...] = ()
         if request.vocabulary:
             vocab = vocabulary(facts.path)
             pieces = vocab.pieces()
             facts = replace(facts, eog_token_ids=vocab.eog_tokens())
-        return ModelInfo(request.request_id, facts, pieces)
+        return ModelInfo(request.request_id, facts, pieces, model_identity(facts.path))
     vocab = vocabulary(facts.path)
     tokens, rendered = vocab.prompt_tokens(facts.chat_template, request.text, request.chat, request.messages)
     return Tokenized(request.request_id, tuple(tokens), rendered)
@@ -451,37 +512,5 @@ async def serve_stdio(cache_dir: Path | None) -> str:
         reader, writer = await stdio_streams()
         session = Session(agent, reader, writer)
         return await session.serve()
-    finally:
-        agent.close()
-
-
-async def serve_listen(endpoint: str, cache_dir: Path | None) -> None:
-    """A hand-started agent: one orchestrator at a time on ``endpoint``."""
-    agent = Agent(cache_dir)
-    await agent.start()
-    busy = asyncio.Lock()
-
-    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername") or "unix peer"
-        if busy.locked():
-            log.warning("refused orchestrator %s: another one is attached", peer)
-            writer.write(encode_message(Refused("connection", "another orchestrator is attached")))
-            writer.close()
-            return
-        async with busy:
-            log.info("orchestrator attached from %s", peer)
-            reason = await Session(agent, reader, writer).serve()
-            log.info("orchestrator detached: %s", reason)
-            writer.close()
-
-    where, port = parse_endpoint(endpoint)
-    if port is None:
-        server = await asyncio.start_unix_server(on_connect, path=where, limit=1 << 20)
-    else:
-        server = await asyncio.start_server(on_connect, where, port, limit=1 << 20)
-    log.info("listening on %s (data socket unix:%s)", endpoint, agent.data_path)
-    try:
-        async with server:
-            await server.serve_forever()
     finally:
         agent.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ggufpipe_agent.digest import LEAF, chunk_digest, leaf_digests
-from ggufpipe_agent.errors import TransferError
+from ggufpipe_agent.errors import CacheError, TransferError
 from ggufpipe_agent.modelfiles import ModelFiles, read_model_files
 from ggufpipe_agent.stagecache import (
     StageKey,
@@ -45,6 +46,8 @@ from ggufpipe_agent.stagestream import DEFAULT_CHUNK, StageFileStream
 
 if TYPE_CHECKING:  # the receiver is the other side: only its answer's type
     from ggufpipe_agent.receiver import ReceiveStatus
+
+log = logging.getLogger("ggufpipe.sender")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +122,12 @@ class StageSender:
             "sources": [dataclasses.asdict(s) for s in self._sources],
             "digest": digest,
         }
-        directory = private_cache_dir(self._memo_dir)
-        write_small_file(directory / f"{self.key.file_name}.sent.json", json.dumps(record).encode())
+        try:
+            directory = private_cache_dir(self._memo_dir)
+            write_small_file(directory / f"{self.key.file_name}.sent.json", json.dumps(record).encode())
+        except (CacheError, OSError) as error:
+            # Only a shortcut for the next start (it would hash the file again).
+            log.warning("cannot remember the digest of %s: %s", self.key.file_name, error)
 
     def full_digest(self) -> str:
         """The digest of the whole stage file: memoized, or computed now by

@@ -19,6 +19,7 @@ from typing import Any
 
 from ggufpipe_agent import objects
 from ggufpipe_agent.arch import check_architecture
+from ggufpipe_agent.delivery import received_stage_file
 from ggufpipe_agent.engine import StageEngine, StageShape
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.framing import FrameWriter
@@ -283,25 +284,12 @@ class StageRun:
         p = self.provision
         loop = asyncio.get_running_loop()
         try:
-            facts = await loop.run_in_executor(self._worker, read_model_facts, p.gguf_source)
-            check_architecture(facts.architecture, facts.path)
-            check_range(p.layer_start, p.layer_end_exclusive, facts.block_count, facts.path)
-            if facts.hidden_dim != p.model.hidden_dim or facts.block_count != p.model.block_count:
-                raise ProtocolError(
-                    f"{facts.path} has {facts.block_count} blocks of width {facts.hidden_dim}; "
-                    f"the plan says {p.model.block_count} of width {p.model.hidden_dim} "
-                    "(a different model file on this host?)"
+            if p.stage_file is not None:  # sent here by the orchestrator (model send: true)
+                stage_path = await loop.run_in_executor(
+                    self._worker, received_stage_file, self._cache_dir, p
                 )
-            stage_path = await loop.run_in_executor(
-                self._worker,
-                lambda: ensure_stage_file(
-                    facts.path,
-                    p.layer_start,
-                    p.layer_end_exclusive,
-                    self._cache_dir,
-                    self._load_progress(loop, "writing stage file"),
-                ),
-            )
+            else:
+                stage_path = await self._stage_file_from_source(loop)
             shape = StageShape(
                 first=self.first,
                 last=self.last,
@@ -340,6 +328,29 @@ class StageRun:
             self._apply_if_alive(SetupFailed(f"{type(error).__name__}: {error}"))
             return
         self._apply_if_alive(WorkerBound())
+
+    async def _stage_file_from_source(self, loop: asyncio.AbstractEventLoop) -> Path:
+        """The stage file written here from the host's own copy of the model."""
+        p = self.provision
+        facts = await loop.run_in_executor(self._worker, read_model_facts, p.gguf_source)
+        check_architecture(facts.architecture, facts.path)
+        check_range(p.layer_start, p.layer_end_exclusive, facts.block_count, facts.path)
+        if facts.hidden_dim != p.model.hidden_dim or facts.block_count != p.model.block_count:
+            raise ProtocolError(
+                f"{facts.path} has {facts.block_count} blocks of width {facts.hidden_dim}; "
+                f"the plan says {p.model.block_count} of width {p.model.hidden_dim} "
+                "(a different model file on this host?)"
+            )
+        return await loop.run_in_executor(
+            self._worker,
+            lambda: ensure_stage_file(
+                facts.path,
+                p.layer_start,
+                p.layer_end_exclusive,
+                self._cache_dir,
+                self._load_progress(loop, "writing stage file"),
+            ),
+        )
 
     def _apply_if_alive(self, event: StageEvent) -> None:
         if self.fsm.state is not StageState.STOPPED:

@@ -22,6 +22,17 @@ completions, streamed or not) until SIGTERM; with --plan it prints the plan
 (each stage's layers and the memory it needs and has on its host) and exits
 without loading anything.
 
+ggufpipe-tui cache INVENTORY [list | remove NAME... | remove --all | verify]
+lists, removes or verifies the stage files cached on the inventory's hosts
+(see ggufpipe-tui cache --help).
+
+The model reaches the hosts in one of three ways: each host holds its own
+copy at model.path (the default; every copy is checked to be stage 0's
+model before anything loads), a shared file system gives every host the
+same path, or model: {path: P, send: true} reads P on this machine and sends
+each host only its stage file over its SSH connection (cached there, checked
+by digest, resumed after an interruption, nothing sent when it is there).
+
 Stages without layers in the inventory are split by memory: each gets blocks
 in proportion to the room its host has after the stage's fixed parts. A plan
 that does not fit is refused before any stage loads, saying what would fit.
@@ -110,14 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument(
         "-v", "--verbose", action="store_true", help="agent logs and every state change on stderr"
     )
-    out.add_argument("--log-dir", metavar="DIR", help="where run event logs go")
+    out.add_argument(
+        "--log-dir", metavar="DIR", help="where run event logs go (0600 each; the newest 256 are kept)"
+    )
     parser.add_argument("--version", action="version", version=f"ggufpipe {__version__}")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["cache"]:
+        from ggufpipe_tui.views.cachecmd import cache_main
+
+        return cache_main(given[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(given)
     if args.serve is not None and args.prompt is not None:
         parser.error("--serve and --prompt: one or the other")
     if args.queue < 0:

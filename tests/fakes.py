@@ -53,12 +53,12 @@ FACTS = ModelFacts(
 PIECES = tuple(f"<{i}>".encode() for i in range(16))
 
 
-def inventory(stages: int = 2, max_tokens: int = 4, step: float = 30.0) -> Inventory:
+def inventory(stages: int = 2, max_tokens: int = 4, step: float = 30.0, heartbeat: float = 30.0) -> Inventory:
     text = (
         "model: {path: /models/m.gguf}\nhosts: {a: {local: true}}\nstages:\n"
         + "".join("  - {host: a}\n" for _ in range(stages))
         + f"run: {{max_tokens: {max_tokens}, context: 32}}\n"
-        + f"timeouts: {{step: {step}, ready: 30, teardown: 5}}\n"
+        + f"timeouts: {{step: {step}, ready: 30, teardown: 5, heartbeat: {heartbeat}}}\n"
     )
     return parse_inventory(text, Path("inventory.yaml"))
 
@@ -79,6 +79,7 @@ class FakeStage:
         self.lost: list[str] = []
         self.up = True
         self.fail_sends = False
+        self.stalled = False  # an agent that reads nothing: sends never complete
 
     @property
     def label(self) -> str:
@@ -90,6 +91,8 @@ class FakeStage:
     async def send(self, message: Message) -> None:
         if self.fail_sends:
             raise ConnectionResetError("gone")
+        if self.stalled:
+            await asyncio.Event().wait()
         self.sent.append(message)
 
     def report_lost(self, symptom: str) -> None:
@@ -104,6 +107,7 @@ class FakeEdges:
         self.written: list[tuple[int, list[int]]] = []
         self.positions: list[int] = []  # where each written object starts
         self.fail_writes = False
+        self.stalled = False  # stage 0 reads nothing: token-in writes never complete
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None:
         self.opened.append(stage)
@@ -111,6 +115,8 @@ class FakeEdges:
     async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None:
         if self.fail_writes:
             raise BrokenPipeError("token-in gone")
+        if self.stalled:
+            await asyncio.Event().wait()
         self.written.append((sequence, list(tokens)))
         self.positions.append(position)
 
@@ -126,9 +132,10 @@ class Rig:
         run_id: int = 0x101,
         emit: Callable[[Event], None] | None = None,
         run: RunOptions | None = None,
+        heartbeat: float = 30.0,
         source: ReuseSource | None = None,
     ) -> None:
-        self.inventory = inventory(stages, max_tokens, step)
+        self.inventory = inventory(stages, max_tokens, step, heartbeat)
         if run is not None:  # a prompt's own run options
             self.inventory = replace(self.inventory, run=run)
         self.plan = plan_for(self.inventory, run_id)
@@ -167,6 +174,11 @@ class Rig:
         for index in range(len(self.stages)):
             self.agent_says(index, StageProgress(run_id, index, "Preparing", "", -1.0))
             self.agent_says(index, StageReady(run_id, index, "a", held[index] if held else PrefixHeld()))
+
+    async def timed_out(self) -> None:
+        """Until the run has faulted (a timeout fired)."""
+        while self.driver.run.phase.value not in ("Faulted", "TearingDown", "Done"):
+            await asyncio.sleep(0.02)
 
     def answer_stops(self) -> None:
         """Every stage that got StopRun says it stopped."""

@@ -50,10 +50,13 @@ def sshd_missing() -> str:
 class Sshd:
     """One sshd process; ``start()`` returns once it answers with its banner."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, extra_users: tuple[str, ...] = ()) -> None:
         self.base = base
         self.port = free_port()
         self.user = getpass.getuser()
+        # Other accounts that may log in, each with the client key in its own
+        # ~/.ssh/authorized_keys (sshd reads that file as the user).
+        self.extra_users = extra_users
         self.host_key = base / "ssh_host_ed25519_key"
         self.client_key = base / "client_ed25519"
         self.stranger_key = base / "stranger_ed25519"  # a key sshd does not accept
@@ -79,8 +82,9 @@ class Sshd:
                 [
                     f"ListenAddress 127.0.0.1:{self.port}",
                     f"HostKey {self.host_key}",
-                    f"AuthorizedKeysFile {self.authorized_keys}",
-                    f"AllowUsers {self.user}",
+                    f"AuthorizedKeysFile {self.authorized_keys}"
+                    + (" .ssh/authorized_keys" if self.extra_users else ""),
+                    f"AllowUsers {' '.join((self.user, *self.extra_users))}",
                     "PermitRootLogin prohibit-password",
                     "PubkeyAuthentication yes",
                     "PasswordAuthentication no",

@@ -5,6 +5,7 @@ logged, never a crash: the agent answers the next request and exits cleanly."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import struct
 
 import numpy as np
@@ -15,8 +16,10 @@ from ggufpipe_agent.framing import FrameReader
 from ggufpipe_agent.protocol import (
     CONTROL_MAGIC,
     OpenEdge,
+    PrefixOffer,
     Refused,
     RewireEdge,
+    RingSpec,
     StageFault,
     StageReady,
     StageStopped,
@@ -193,3 +196,89 @@ async def test_corrupt_control_frame_ends_the_session_cleanly(no_agent_left):
     assert refused.what == "control frame" and "undecodable" in refused.reason
     assert await asyncio.wait_for(client.process.wait(), 15) == 0
     await client.close()
+
+
+def _with(message, **changes):
+    """``message`` with nested fields replaced: ``outbound__edge_id=...``."""
+    for key, value in changes.items():
+        if "__" in key:
+            outer, inner = key.split("__")
+            value = dataclasses.replace(getattr(message, outer), **{inner: value})
+            key = outer
+        message = dataclasses.replace(message, **{key: value})
+    return message
+
+
+def _spec(message, side: str, **changes):
+    edge = getattr(message, side)
+    return dataclasses.replace(edge, object_spec=dataclasses.replace(edge.object_spec, **changes))
+
+
+BAD_PROVISIONS = {
+    "outbound edge id past u32": (lambda m: _with(m, outbound__edge_id=2**32 + 5), "edge id"),
+    "negative inbound edge id": (lambda m: _with(m, inbound__edge_id=-1), "edge id"),
+    "run id past u64": (lambda m: _with(m, run_id=-7), "run id"),
+    "negative max_rows": (lambda m: _with(m, inbound=_spec(m, "inbound", max_rows=-1)), "max_rows"),
+    "huge max_rows": (lambda m: _with(m, inbound=_spec(m, "inbound", max_rows=2**40)), "max_rows"),
+    "zero width": (lambda m: _with(m, outbound=_spec(m, "outbound", width=0)), "width"),
+    "ring of a billion slots": (
+        lambda m: _with(m, inbound=dataclasses.replace(m.inbound, ring_spec=RingSpec(10**9, 1))),
+        "ring",
+    ),
+    "negative layer": (lambda m: _with(m, layer_start=-3), "layers"),
+    "huge stage count": (lambda m: _with(m, stage_count=2**40), "stage"),
+    "context past u32": (lambda m: _with(m, engine__n_ctx=2**33), "context"),
+    "negative ubatch": (lambda m: _with(m, engine__n_ubatch=-1), "ubatch"),
+    "negative threads": (lambda m: _with(m, engine__threads=-2), "threads"),
+    "not-a-number temperature": (lambda m: _with(m, sampling__temperature=float("nan")), "temperature"),
+    "top_k past i32": (lambda m: _with(m, sampling__top_k=2**40), "top_k"),
+    "zero hidden dim": (lambda m: _with(m, model__hidden_dim=0), "hidden"),
+    "prefix offer past the context": (lambda m: _with(m, reuse=PrefixOffer(7, 10**6)), "prefix offer"),
+    "prefix offer of a negative run": (lambda m: _with(m, reuse=PrefixOffer(-7, 3)), "prefix offer"),
+    "a prefix of its own run": (lambda m: _with(m, reuse=PrefixOffer(m.run_id, 3)), "a prefix of its own"),
+}
+
+
+async def test_a_provision_the_wire_cannot_carry_is_refused(agent, model_path):
+    """Every field the wire can set is checked before the stage takes the
+    provision (issue 14, item 8): an edge id past u32 used to be accepted and
+    fault the first step with a struct.error."""
+    run_id = 900
+    for name, (spoil, words) in BAD_PROVISIONS.items():
+        run_id += 1
+        message = spoil(provision(run_id, str(model_path)))
+        await agent.send(message)
+        refused = await agent.expect(Refused)
+        assert refused.what == "ProvisionStage" and words in refused.reason, (name, refused.reason)
+    # None of them left the stage busy: a sound provision is taken at once.
+    await ready_run(agent, model_path, run_id + 1)
+
+
+async def test_an_object_for_no_run_is_refused_at_its_header(agent, model_path):
+    """An object of an unknown or stale run, or on an edge the stage does not
+    have, is refused as soon as its header is read, and its payload is
+    skipped in bounded chunks (never held whole): the data connection stays
+    usable (issue 14, item 6)."""
+    claimed = 32 << 20  # 32 MiB of tokens, no run to take them
+    header = objects.ObjectHeader(objects.KIND_TOKENS, 1, 0xBEEF, 100, 0, claimed // 4, 1, claimed)
+    await agent.send_data(header.pack())
+    refused = await agent.expect(Refused, timeout=10)  # not one payload byte sent yet
+    assert refused.what == "object" and "unknown run id 000000000000beef" in refused.reason
+    await agent.send_data(bytes(claimed))
+    message = await ready_run(agent, model_path, 96)  # the same data connection goes on
+    wrong_edge = objects.ObjectHeader(objects.KIND_TOKENS, 1, 96, 555, 0, 4, 1, 16)
+    await agent.send_data(wrong_edge.pack())
+    assert "not this stage's inbound edge" in (await agent.expect(Refused, timeout=10)).reason
+    await agent.send_data(bytes(16))
+    await agent.send_data(objects.tokens_record(96, message.inbound.edge_id, 0, [1, 2, 3]))
+    record = await FrameReader(agent.data_reader).record(1 << 20)
+    assert record is not None and record[0].sequence == 0
+
+
+def test_the_run_ids_an_agent_remembers_are_bounded():
+    from ggufpipe_agent.runtime import SeenRuns
+
+    seen = SeenRuns()
+    for run_id in range(SeenRuns.keep + 10):
+        seen.add(run_id)
+    assert len(seen) == SeenRuns.keep and 9 not in seen and 10 in seen and SeenRuns.keep + 9 in seen

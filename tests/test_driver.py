@@ -236,3 +236,64 @@ async def test_what_a_run_leaves_for_the_next_one():
     offered_nothing.driver.stop("no prompt")
     await finish(offered_nothing)
     assert offered_nothing.driver.next_source() is None
+
+
+# ------------------------------------------- a peer that reads nothing (14.7)
+
+
+async def test_a_token_in_edge_that_takes_nothing_blocks_neither_the_step_timeout_nor_stop():
+    """Stage 0 stopped reading (SIGSTOP): the prompt's write never completes.
+    The run's own step timeout still fires, on time; before, the FSM's loop
+    waited inside the write and nothing else happened."""
+    rig = Rig(step=0.2)
+    rig.start()
+    rig.make_ready()
+    rig.edges.stalled = True
+    rig.driver.give_prompt([5])
+    await asyncio.wait_for(rig.timed_out(), 3)
+    await finish(rig)
+    result = rig.driver.result
+    assert result is not None and result.failure == "step timeout waiting for token 0"
+
+
+async def test_a_stage_that_takes_no_control_frame_does_not_delay_a_stop():
+    rig = Rig(stages=2, heartbeat=0.3)
+    rig.stages[1].stalled = True  # its ProvisionStage is never taken
+    rig.start()
+    await settle()
+    rig.driver.stop("esc")
+    await settle()
+    assert isinstance(rig.stages[0].sent[-1], StopRun), "the other stage is stopped at once"
+    rig.answer_stops()
+    await asyncio.wait_for(rig.driver.done.wait(), 2)  # the stalled send gives up at its deadline
+    result = rig.driver.result
+    assert result is not None and result.outcome == "torn down"
+
+
+async def test_a_write_that_stalls_past_its_deadline_is_a_lost_stage():
+    rig = Rig(stages=2, heartbeat=0.2)
+    rig.start()
+    rig.make_ready()
+    rig.edges.stalled = True
+    rig.driver.give_prompt([5])
+    for _ in range(100):  # the write gives up 0.2 s after it began
+        if rig.stages[0].lost:
+            break
+        await asyncio.sleep(0.05)
+    assert rig.stages[0].lost == ["token-in edge: the peer took nothing for 0.2s"]
+
+
+async def test_a_refused_provision_faults_the_run_and_teardown_skips_that_stage():
+    """The stage holds no run: StopRun there would only be refused, and the
+    teardown would wait for its timeout."""
+    rig = Rig(stages=2)
+    rig.start()
+    await settle()
+    rig.driver.provision_refused(1, "stage 1 on fake (local) refused ProvisionStage: bad edge id")
+    await settle()
+    assert not any(isinstance(m, StopRun) for m in rig.stages[1].sent)
+    rig.answer_stops()
+    await asyncio.wait_for(rig.driver.done.wait(), 2)
+    result = rig.driver.result
+    assert result is not None and result.failure.endswith("refused ProvisionStage: bad edge id")
+    assert result.notes == ()

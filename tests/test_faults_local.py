@@ -92,14 +92,14 @@ async def test_a_stage_that_never_becomes_ready(tmp_path, model_path, no_agent_l
 
 
 async def test_model_missing_on_one_host(tmp_path, model_path, no_agent_left):
+    """Every host's copy is read (and checked to be stage 0's model) before
+    anything loads: a missing one is refused at the start, naming the host."""
     hosts = f"  other: {{local: true, model_path: {tmp_path / 'elsewhere.gguf'}}}\n"
     saboteur = Saboteur(lambda e: False, lambda pipeline: None)
-    result = await run_with(saboteur, inventory_file(tmp_path, model_path, hosts, ("here", "other", "here")))
-    assert result.outcome == "faulted"
-    assert (
-        result.failure.startswith("stage 1 on other (local): ")
-        and "elsewhere.gguf: no such file" in result.failure
-    )
+    with pytest.raises(PipelineError) as refused:
+        await run_with(saboteur, inventory_file(tmp_path, model_path, hosts, ("here", "other", "here")))
+    assert str(refused.value).startswith(f"model on other: {tmp_path / 'elsewhere.gguf'}: no such file (")
+    assert saboteur.phases() == [], "refused before any run"
 
 
 async def test_corrupt_gguf_on_one_host(tmp_path, model_path, no_agent_left):
@@ -108,9 +108,10 @@ async def test_corrupt_gguf_on_one_host(tmp_path, model_path, no_agent_left):
         target.write(source.read(5 * 2**20))  # the header is whole, the tensor data is cut
     hosts = f"  other: {{local: true, model_path: {corrupt}}}\n"
     saboteur = Saboteur(lambda e: False, lambda pipeline: None)
-    result = await run_with(saboteur, inventory_file(tmp_path, model_path, hosts, ("here", "here", "other")))
-    assert result.outcome == "faulted" and result.failure.startswith("stage 2 on other (local): ")
-    assert "corrupt.gguf" in result.failure
+    with pytest.raises(PipelineError) as refused:
+        await run_with(saboteur, inventory_file(tmp_path, model_path, hosts, ("here", "here", "other")))
+    assert str(refused.value).startswith(f"model on other: {corrupt}: corrupt or truncated GGUF")
+    assert saboteur.phases() == [], "refused before any run"
 
 
 async def test_corrupt_gguf_where_the_model_is_inspected(tmp_path, model_path, no_agent_left):

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from ggufpipe_tui.core.events import RunPhaseChanged, TokenStreamed
-from ggufpipe_tui.core.inventory import HostSpec
-from ggufpipe_tui.session.pipeline import Pipeline
+from ggufpipe_tui.core.inventory import HostSpec, load_inventory
+from ggufpipe_tui.session.pipeline import Pipeline, PipelineError
 from ggufpipe_tui.transports.ssh import SshAgent
 from tests.conftest import LONG_PROMPT, REPO
 from tests.sabotage import Saboteur, on_state, on_token, run_with, signal_agent
@@ -201,13 +201,17 @@ async def test_teardown_kills_only_what_its_connection_started(sshd, cache_dir, 
 
 
 async def test_model_missing_on_one_host(tmp_path, sshd, cache_dir, model_path, none_left):
+    """Every host's copy is read before anything loads (and checked to be
+    stage 0's model): a missing one is refused at the start, naming the host
+    and its model_path."""
     saboteur = Saboteur(lambda e: False, lambda p: None)
     inventory = inventory_file(tmp_path, sshd, cache_dir, model_path, tmp_path / "elsewhere.gguf")
-    result = await run_with(saboteur, inventory)
-    assert result.outcome == "faulted"
+    with pytest.raises(PipelineError) as refused:
+        await run_with(saboteur, inventory)
     missing = tmp_path / "elsewhere.gguf"
-    assert result.failure == f"stage 1 on gpu-b ({where(sshd)}): {missing}: no such file", result.failure
-    assert saboteur.stopped() == {0, 1, 2}, "the faulted stage's agent lives and takes StopRun too"
+    line = load_inventory(inventory).hosts["gpu-b"].line
+    assert str(refused.value) == f"model on gpu-b: {missing}: no such file (hosts.gpu-b.model_path at {inventory}:{line})"
+    assert saboteur.phases() == [], "no run was planned"
 
 
 async def test_corrupt_gguf_on_one_host(tmp_path, sshd, cache_dir, model_path, none_left):
@@ -215,12 +219,10 @@ async def test_corrupt_gguf_on_one_host(tmp_path, sshd, cache_dir, model_path, n
     with model_path.open("rb") as source, corrupt.open("wb") as target:
         target.write(source.read(5 * 2**20))  # the header is whole, the tensor data is cut
     saboteur = Saboteur(lambda e: False, lambda p: None)
-    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path, corrupt))
-    assert result.outcome == "faulted"
-    assert result.failure.startswith(
-        f"stage 1 on gpu-b ({where(sshd)}): {corrupt}: corrupt or truncated GGUF ("
-    ), result.failure
-    assert saboteur.stopped() == {0, 1, 2}
+    with pytest.raises(PipelineError) as refused:
+        await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path, corrupt))
+    assert str(refused.value).startswith(f"model on gpu-b: {corrupt}: corrupt or truncated GGUF ("), refused.value
+    assert saboteur.phases() == [], "refused before any run"
 
 
 def test_headless_fault_prints_the_output_so_far(tmp_path, sshd, cache_dir, model_path, none_left):

@@ -151,3 +151,19 @@ def test_the_agent_package_is_a_leaf():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+async def test_close_leaves_no_task_running(tmp_path, model_path, no_agent_left):
+    """Pipeline.close cancels what it started and awaits it: after it, not
+    one task of the pipeline, its links or its runs is left (issue 14.10)."""
+    import asyncio
+
+    inventory = load_inventory(write_inventory(tmp_path, model_path, UNEVEN, "max_tokens: 3, chat: false"))
+    before = asyncio.all_tasks()
+    pipeline = Pipeline(inventory, lambda event: None, prepare_ahead=True)
+    await pipeline.start()
+    assert (await pipeline.generate("Hello")).outcome == "completed"
+    await pipeline.close()
+    left = [task for task in asyncio.all_tasks() - before if not task.done()]
+    assert not left, [task.get_name() for task in left]
+    assert not pipeline.tasks.pending() and all(not link.tasks.pending() for link in pipeline.links)

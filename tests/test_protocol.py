@@ -209,3 +209,74 @@ def test_objects_that_do_not_fit_the_edge_are_refused(changes, words):
 def test_max_extent_is_spec_formula():
     assert SPEC.max_extent == 16 * 8 * 4
     assert ObjectSpec("activation", "float16", 576, 2048).max_extent == 2048 * 576 * 2
+
+
+# ------------------------------------------------ bounded decoding (item 6)
+
+
+def array_of_empty_maps(count: int) -> bytes:
+    """msgpack: an array32 of ``count`` empty maps, one byte each on the wire
+    and a dict of ~64 bytes each once decoded."""
+    return b"\xdd" + struct.pack(">I", count) + b"\x80" * count
+
+
+def raw_frame(tag: str, body: bytes) -> bytes:
+    return frame(b"\x92" + msgpack.packb(tag) + body)
+
+
+def peak_decoding(data: bytes) -> tuple[int, str]:
+    """Peak Python memory while decoding ``data``, and the error it raised."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError) as caught:
+            decode_message(data)
+        return tracemalloc.get_traced_memory()[1], str(caught.value)
+    finally:
+        tracemalloc.stop()
+
+
+def test_four_mib_of_empty_maps_are_refused_without_expanding():
+    """The issue's probe: 4 MiB of empty maps peaked at 291 MiB in the
+    decoder before the message's type was even looked at."""
+    peak, error = peak_decoding(raw_frame("StopRun", array_of_empty_maps(4 << 20)))
+    assert peak < 8 << 20, f"decoding peaked at {peak >> 20} MiB"
+    assert "StopRun" in error
+
+
+def test_even_the_largest_message_bounds_its_containers():
+    """ModelInfo may carry a vocabulary of a few hundred thousand pieces, so
+    its arrays may be long: a long array of maps instead of pieces is still
+    refused before it becomes a million dicts."""
+    body = (
+        b"\x83"
+        + msgpack.packb("request_id")
+        + msgpack.packb(1)
+        + msgpack.packb("facts")
+        + msgpack.packb(protocol.to_plain(FACTS))
+        + msgpack.packb("pieces")
+        + array_of_empty_maps(1 << 20)
+    )
+    peak, error = peak_decoding(raw_frame("ModelInfo", body))
+    assert peak < 24 << 20, f"decoding peaked at {peak >> 20} MiB"
+    assert "ModelInfo" in error
+
+
+def test_bounds_are_per_message_type():
+    big_vocabulary = ModelInfo(1, FACTS, tuple(b"piece%d" % i for i in range(300_000)))
+    assert decode_message(encode_message(big_vocabulary)) == big_vocabulary
+    long_reason = StopRun(1, "x" * (2 << 20))
+    with pytest.raises(ProtocolError, match="StopRun"):
+        decode_message(encode_message(long_reason))
+    many_devices = dataclasses.replace(SAMPLES[0], devices=(Device("d", "", 1, 1),) * 5000)
+    with pytest.raises(ProtocolError, match="Hello"):
+        decode_message(encode_message(many_devices))
+
+
+def test_a_long_conversation_is_one_tokenize():
+    """A chat request carries its whole history, one map per message: a few
+    thousand turns decode (the bound is on containers, not on being a chat)."""
+    turns = tuple(ChatMessage("user" if i % 2 == 0 else "assistant", f"turn {i}") for i in range(5000))
+    long_chat = Tokenize(7, "/m.gguf", "", True, turns)
+    assert decode_message(encode_message(long_chat)) == long_chat

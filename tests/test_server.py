@@ -152,7 +152,9 @@ def test_models_and_health(server: Served) -> None:
     models = server.client().models.list()
     assert [model.id for model in models.data] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
     assert models.data[0].owned_by == "ggufpipe"
-    assert raw(server, "GET", "/health", key=None) == (200, {"status": "ok"}), "health needs no key"
+    assert raw(server, "GET", "/health", key=None) == (200, {"status": "ok", "requests": 0, "queue": 2}), (
+        "health needs no key"
+    )
     assert any(line.startswith("  curl -s http://127.0.0.1:") for line in server.lines), "a curl example at start"
 
 
@@ -354,7 +356,9 @@ def test_concurrent_requests_are_served_one_at_a_time_in_order(server: Served) -
 
 
 def test_a_full_queue_is_refused_not_left_hanging(server: Served) -> None:
-    long = {"messages": [{"role": "user", "content": COUNT}], "max_tokens": 400, "stream": True}
+    # Long enough not to end while the queue fills: no EOS before 400 tokens.
+    endless = "Count from one to one thousand, one number per line."
+    long = {"messages": [{"role": "user", "content": endless}], "max_tokens": 400, "stream": True}
     short = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     url = f"{server.url}/v1/chat/completions"
 
@@ -365,7 +369,15 @@ def test_a_full_queue_is_refused_not_left_hanging(server: Served) -> None:
                     if line.startswith(b"data: {"):
                         break  # running: the queue (2) fills behind it
                 waiting = [asyncio.ensure_future(http.post(url, json=short)) for _ in range(2)]
-                await asyncio.sleep(1.0)
+                # Until both wait, admitted behind the running one (on a busy
+                # machine the server's loop may take a while to take them).
+                deadline = time.monotonic() + 30
+                while True:
+                    async with http.get(f"{server.url}/health") as health:
+                        if (await health.json())["requests"] == 3:
+                            break
+                    assert time.monotonic() < deadline, "the two requests never reached the queue"
+                    await asyncio.sleep(0.05)
                 started = time.monotonic()
                 async with http.post(url, json=short) as refused:
                     answer = refused.status, await refused.json()

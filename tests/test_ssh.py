@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +278,56 @@ async def test_ssh_config_and_ssh_agent_are_used_like_ssh_does(tmp_path, sshd, c
     finally:
         ssh_agent.terminate()
         ssh_agent.wait(5)
+
+
+def aliased_home(tmp_path: Path, sshd: Sshd, *lines: str) -> Path:
+    """A HOME whose ~/.ssh/config reaches the test sshd as gpu-alias."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(
+        f"Host gpu-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
+        f"  IdentityFile {sshd.client_key}\n" + "".join(f"  {line}\n" for line in lines)
+    )
+    return home
+
+
+async def test_user_known_hosts_file_none_is_refused(tmp_path, sshd, cache_dir, monkeypatch, none_left):
+    """asyncssh reads 'UserKnownHostsFile none' as 'check nothing': a line in
+    ~/.ssh/config must not turn host keys off without a word (issue 14.4)."""
+    monkeypatch.setenv("HOME", str(aliased_home(tmp_path, sshd, "UserKnownHostsFile none")))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    before = sshd.accepted_logins()
+    host = HostSpec(name="aliased", line=1, address="gpu-alias", agent=AGENT, cache_dir=str(cache_dir))
+    link = SshAgent(host, 0, lambda line: None)
+    try:
+        with pytest.raises(TransportError) as caught:
+            await link.start(20)
+    finally:
+        await link.close(1)
+    message = str(caught.value)
+    assert "UserKnownHostsFile none" in message and "insecure_no_host_key_check: true" in message, message
+    assert sshd.accepted_logins() == before, "nothing was sent to a host whose key nobody checked"
+    # Said in the inventory, it is allowed (with its warning).
+    insecure = SshAgent(replace(host, insecure_no_host_key_check=True), 0, lambda line: None)
+    try:
+        assert (await insecure.start(20)).pid > 0
+    finally:
+        await insecure.close(3)
+
+
+async def test_the_host_key_error_names_the_known_hosts_file_used(tmp_path, sshd, cache_dir, monkeypatch):
+    elsewhere = tmp_path / "elsewhere_known_hosts"
+    elsewhere.write_text("")
+    monkeypatch.setenv("HOME", str(aliased_home(tmp_path, sshd, f"UserKnownHostsFile {elsewhere}")))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    host = HostSpec(name="aliased", line=1, address="gpu-alias", agent=AGENT, cache_dir=str(cache_dir))
+    link = SshAgent(host, 0, lambda line: None)
+    try:
+        with pytest.raises(TransportError, match="host key verification failed") as caught:
+            await link.start(20)
+    finally:
+        await link.close(1)
+    assert str(elsewhere) in str(caught.value) and "~/.ssh/known_hosts" not in str(caught.value)
 
 
 async def test_failed_authentication_is_clear_and_quick(tmp_path, sshd, cache_dir, model_path):

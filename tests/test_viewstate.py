@@ -109,3 +109,62 @@ def test_a_run_that_kept_a_prefix_says_how_much():
     assert view.summary.plain == (
         "max tokens · 2 tokens · first after 12 ms · 50.0 tok/s · reused 5 of 7 prompt tokens"
     )
+
+
+def test_a_long_session_keeps_a_bounded_transcript_and_history():
+    """A thousand prompts: older exchanges scroll out (the app unmounts their
+    widgets), run records and stage histories are bounded (issue 14.10)."""
+    from dataclasses import replace
+
+    from ggufpipe_tui.views import viewstate
+
+    state = planned_state()
+    dropped = []
+    for number in range(1000):
+        run_id = 0x1000 + number
+        view = state.submitted(f"prompt {number}")
+        state.tickets[number + 1] = view
+        state.apply(PromptAssigned(run_id, view.prompt, number + 1), float(number))
+        state.apply(RunPhaseChanged(run_id, "Running"), float(number))
+        for index in range(2):
+            state.apply(StageStateChanged(run_id, index, "Preparing"), float(number))
+            state.apply(StageStateChanged(run_id, index, "Ready"), float(number))
+        state.apply(TokenStreamed(run_id, 0, 9, "a"), number + 0.1)
+        state.apply(RunFinished(replace(result(), run_id=run_id)), number + 0.2)
+        dropped += state.unmount
+        state.unmount.clear()
+        state.mount.clear()
+        state.touched.clear()
+    assert len(state.exchanges) == viewstate.MAX_EXCHANGES
+    assert min(state.exchanges) == 0x1000 + 1000 - viewstate.MAX_EXCHANGES, "the newest are kept"
+    assert len(dropped) == 1000 - viewstate.MAX_EXCHANGES and all(view.finished for view in dropped)
+    assert len(state.runs) <= viewstate.MAX_RUNS and len(state.results) <= viewstate.MAX_RUNS
+    assert state.results[-1].run_id == 0x1000 + 999
+    assert all(len(row.history) <= viewstate.MAX_HISTORY for row in state.rows)
+    assert not state.tickets, "every ticket was claimed"
+
+
+async def test_the_app_unmounts_exchanges_that_scrolled_out(monkeypatch):
+    """The transcript's widgets follow the view state: after more runs than
+    it keeps, the oldest Exchange widgets are gone from the screen too."""
+    from dataclasses import replace
+
+    from ggufpipe_tui.views import viewstate
+    from ggufpipe_tui.views.app import GgufpipeApp, PipelineEvent
+    from ggufpipe_tui.views.widgets import Exchange
+
+    monkeypatch.setattr(viewstate, "MAX_EXCHANGES", 5)
+    app = GgufpipeApp(inventory(stages=2), script=[])
+    async with app.run_test(size=(80, 24)) as pilot:
+        for number in range(12):
+            run_id = 0x2000 + number
+            for event in (
+                PromptAssigned(run_id, f"prompt {number}", 0),
+                RunPhaseChanged(run_id, "Running"),
+                TokenStreamed(run_id, 0, 9, "a"),
+                RunFinished(replace(result(), run_id=run_id)),
+            ):
+                app.post_message(PipelineEvent(event, app.state.session))
+            await pilot.pause()
+        shown = [widget.run_id for widget in app.query(Exchange)]
+    assert shown == [0x2000 + number for number in range(7, 12)], shown

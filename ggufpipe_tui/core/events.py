@@ -77,6 +77,32 @@ class StageLoadProgress:
 
 
 @dataclass(frozen=True, slots=True)
+class StageDelivery:
+    """Where sending stage ``stage``'s file to its host stands (model send:
+    true). ``state``: "checking" (asking the host what it has, or computing
+    the digest of what would be sent), "waiting" (another transfer is writing
+    the same file there), "sending", "done". At most a few a second."""
+
+    stage: int
+    host: str
+    state: str
+    name: str  # the stage file's name in the host's cache
+    size: int  # bytes of the whole stage file
+    done: int  # bytes the host holds of it: what it had (a resume) and what was sent
+    sent: int  # bytes sent to it by this session
+    seconds: float  # since this stage's delivery began
+    rate: float = 0.0  # bytes per second over the last few seconds (0 while not sending)
+    outcome: str = ""  # once done: "sent", "resumed" (the host had a verified part) or "cached"
+
+    @property
+    def eta(self) -> float | None:
+        """Seconds left at the current rate; None when unknown."""
+        if self.state != "sending" or self.rate <= 0:
+            return None
+        return max(0.0, (self.size - self.done) / self.rate)
+
+
+@dataclass(frozen=True, slots=True)
 class StageStats:
     run_id: int
     stage: int
@@ -141,6 +167,7 @@ Event = (
     | RunPhaseChanged
     | StageStateChanged
     | StageLoadProgress
+    | StageDelivery
     | StageStats
     | TokenStreamed
     | RunFinished

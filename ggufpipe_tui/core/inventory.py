@@ -40,6 +40,7 @@ class HostSpec:
     agent: str = "ggufpipe-agent"
     model_path: str = ""
     listen: str = ""
+    listen_key: str = ""  # the hand-started agent's key file on the host ("": its default)
     threads: int = 0
     gpu_layers: int = -1
     cache_dir: str = ""
@@ -78,12 +79,16 @@ class RunOptions:
 @dataclass(frozen=True, slots=True)
 class Timeouts:
     """Seconds. ``step`` bounds one decode step; a prefill gets ``step`` per
-    ubatch of prompt."""
+    ubatch of prompt. ``heartbeat``: a stage that sends nothing for that long
+    (the agents beat every heartbeat/5 s) is lost, an agent that hears
+    nothing from its orchestrator for that long ends, and no send to a stage
+    waits longer."""
 
     connect: float = 15.0
     ready: float = 600.0
     step: float = 120.0
     teardown: float = 15.0
+    heartbeat: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,14 +100,27 @@ class Inventory:
     stages: tuple[StageSpec, ...]
     run: RunOptions = field(default_factory=RunOptions)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    # model.send: the model lies on this machine (model_path, relative to the
+    # inventory's folder) and each stage host is sent its stage file.
+    send: bool = False
 
     def where(self, line: int) -> str:
         return f"{self.path}:{line}"
 
+    def local_model_path(self) -> str:
+        """The model path on this machine (``send: true``), relative to the
+        inventory's folder when relative."""
+        expanded = os.path.expanduser(self.model_path)
+        if not os.path.isabs(expanded):
+            expanded = str((self.path.parent / expanded).resolve())
+        return expanded
+
     def model_path_for(self, host: HostSpec) -> str:
         """The model path as seen on ``host``. A relative path on a local host
         is relative to the inventory's folder; on an SSH host, to the login
-        directory there."""
+        directory there. With ``send: true`` the one path is this machine's."""
+        if self.send:
+            return self.local_model_path()
         chosen = host.model_path or self.model_path
         if host.local:
             expanded = os.path.expanduser(chosen)
@@ -238,6 +256,8 @@ def _host(reader: _Reader, name: str, node: yaml.Node) -> HostSpec:
             parse_endpoint(host.listen)
         except ValueError as error:
             raise reader.fail(node, f"{key}.listen", str(error)) from None
+    elif host.listen_key:
+        raise reader.fail(node, f"{key}.listen_key", "goes with listen: (a hand-started agent)")
     if host.insecure_no_host_key_check and host.known_hosts:
         raise reader.fail(node, key, "known_hosts and insecure_no_host_key_check exclude each other")
     return host
@@ -282,15 +302,25 @@ def parse_inventory(text: str, path: Path) -> Inventory:
         if required not in top:
             raise reader.fail(root, required, "missing")
 
-    model = reader.mapping(top["model"], "model", ("path",))
+    model = reader.mapping(top["model"], "model", ("path", "send"))
     if "path" not in model:
         raise reader.fail(top["model"], "model.path", "missing")
     model_path = reader.scalar(model["path"], "model.path", str)
+    send = reader.scalar(model["send"], "model.send", bool) if "send" in model else False
 
     host_nodes = reader.mapping(top["hosts"], "hosts", tuple(_names(top["hosts"])))
     if not host_nodes:
         raise reader.fail(top["hosts"], "hosts", "define at least one host")
     hosts = {name: _host(reader, name, node) for name, node in host_nodes.items()}
+    if send:
+        for name, node in host_nodes.items():
+            if hosts[name].model_path:
+                raise reader.fail(
+                    node,
+                    f"hosts.{name}.model_path",
+                    "has no use with model.send: true (the model is read on this machine and each "
+                    "host is sent its stage file); remove one of the two",
+                )
 
     stage_root = top["stages"]
     if not isinstance(stage_root, yaml.SequenceNode) or not stage_root.value:
@@ -314,9 +344,10 @@ def parse_inventory(text: str, path: Path) -> Inventory:
         stages=stages,
         run=run,
         timeouts=timeouts,
+        send=send,
     )
     check_run_options(inventory.run, lambda key, message: _run_error(top.get("run"), reader, key, message))
-    for name in ("connect", "ready", "step", "teardown"):
+    for name in ("connect", "ready", "step", "teardown", "heartbeat"):
         if getattr(timeouts, name) <= 0:
             node = top.get("timeouts")
             raise reader.fail(node, f"timeouts.{name}", "must be positive")

@@ -25,6 +25,7 @@ from ggufpipe_agent.protocol import (
     ProvisionStage,
     RingSpec,
     SamplingParams,
+    StageFileRef,
     StageModelFacts,
 )
 from ggufpipe_tui.core.inventory import Inventory, RunOptions
@@ -93,6 +94,7 @@ class StagePlan:
     engine: EngineOptions  # the run's sizes with this stage's host's threads and GPU layers
     available_bytes: int = 0  # what the plan may use there (shared by the host's stages); 0: unknown
     memory: StageMemory | None = None  # the breakdown (docs/planning.md)
+    stage_file: StageFileRef | None = None  # delivered to the host (model send: true)
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,5 +341,6 @@ def provision_message(plan: RunPlan, index: int) -> ProvisionStage:
         ),
         engine=stage.engine,
         sampling=plan.sampling,
+        stage_file=stage.stage_file,
         reuse=plan.reuse,
     )

@@ -14,7 +14,8 @@ import asyncio
 import codecs
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from ggufpipe_agent.errors import TransitionError
@@ -50,6 +51,57 @@ from ggufpipe_tui.session.stages import StagePort
 
 #: How long a StopRun may take to be written to a stage.
 STOP_SEND_TIMEOUT = 5.0
+
+Send = Callable[[], Awaitable[None]]
+#: What a failed send becomes: the event to feed the run (or None).
+Failed = Callable[[BaseException], "fsm.RunEvent | None"]
+
+
+class Lane:
+    """One stream's sends for a run, in order and off the run's loop.
+
+    The FSM's loop never waits for a peer: an effect that writes to a stage
+    is queued on that stage's lane and written by the lane's task, each
+    write within ``deadline`` seconds; what comes of it is fed back to the
+    run as an event. So a peer that stops reading (stopped, its network
+    gone) delays neither the run's timers nor a stop. Once a write has
+    failed the lane is broken and every later send fails at once with the
+    same error (a stream cannot skip a frame)."""
+
+    def __init__(
+        self, name: str, tasks: TaskOwner, feed: Callable[[fsm.RunEvent], None], deadline: float
+    ) -> None:
+        self.name, self.tasks, self.feed, self.deadline = name, tasks, feed, deadline
+        self.pending: deque[tuple[Send, Failed]] = deque()
+        self.broken: BaseException | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def post(self, send: Send, failed: Failed) -> None:
+        if self.broken is not None:
+            self._answer(failed(self.broken))
+            return
+        self.pending.append((send, failed))
+        if self._task is None or self._task.done():
+            self._task = self.tasks.spawn(self._write(), self.name)
+
+    def _answer(self, event: fsm.RunEvent | None) -> None:
+        if event is not None:
+            self.feed(event)
+
+    async def _write(self) -> None:
+        while self.pending:
+            send, failed = self.pending.popleft()
+            try:
+                await asyncio.wait_for(send(), self.deadline)
+            except asyncio.TimeoutError:
+                self.broken = ConnectionError(f"the peer took nothing for {self.deadline:g}s")
+            except (ConnectionError, OSError) as error:
+                self.broken = error
+            if self.broken is not None:
+                self._answer(failed(self.broken))
+                while self.pending:
+                    self._answer(self.pending.popleft()[1](self.broken))
+                return
 
 
 class RunEdges(Protocol):
@@ -115,6 +167,9 @@ class RunDriver:
         self.counters: dict[int, StepCounters] = {}
         self.stage_states: dict[int, str] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._lanes: dict[str, Lane] = {}
+        self.refused: set[int] = set()  # stages that refused their provision: nothing to stop there
+        self.lost: set[int] = set()  # stages reported lost: a StopRun there would go unanswered
         self._submitted = 0.0
         self._injected = 0.0
         self._first_token = 0.0
@@ -137,6 +192,12 @@ class RunDriver:
     def on_token(self, sequence: int, token: int) -> None:
         """A token object from the token-out edge."""
         self.feed(fsm.TokenConsumed(sequence, token))
+
+    def provision_refused(self, stage: int, reason: str) -> None:
+        """Stage ``stage`` refused its ProvisionStage: it holds no run, so the
+        run faults and its teardown sends that stage nothing."""
+        self.refused.add(stage)
+        self.feed(fsm.StageFaultEvent(stage, reason))
 
     def on_stage_message(self, stage: int, message: Message) -> None:
         run_id = self.plan.run_id
@@ -164,7 +225,11 @@ class RunDriver:
 
     async def _open_edges(self, stage: int) -> None:
         try:
-            await self.edges.open_edges(self.plan, stage)
+            await asyncio.wait_for(self.edges.open_edges(self.plan, stage), self.timeouts.heartbeat)
+        except asyncio.TimeoutError:
+            self.stages[stage].report_lost(
+                f"cannot set up edge streams (its data stream took nothing for {self.timeouts.heartbeat:g}s)"
+            )
         except (ConnectionError, OSError) as error:
             # A broken stream to a stage: report it with its root cause.
             self.stages[stage].report_lost(f"cannot set up edge streams ({error})")
@@ -175,16 +240,20 @@ class RunDriver:
         """Run the FSM to Done. ``problem``: why the plan cannot run (the
         plan's own check failed, or the pipeline is broken)."""
         if problem:
-            await self._step(fsm.PlanRejected(problem))
+            self._step(fsm.PlanRejected(problem))
         else:
-            await self._step(fsm.PlanValidated(len(self.plan.stages)))
+            self._step(fsm.PlanValidated(len(self.plan.stages)))
         while not self.done.is_set():
-            await self._step(await self.queue.get())
+            self._step(await self.queue.get())
 
-    async def _step(self, event: fsm.RunEvent) -> None:
+    def _step(self, event: fsm.RunEvent) -> None:
+        """One event through the FSM and its effects. Nothing here awaits:
+        writes go to the stages' lanes and come back as events."""
         pending: list[fsm.RunEvent] = [event]
         while pending:
             current = pending.pop(0)
+            if isinstance(current, fsm.StageLost):
+                self.lost.add(current.stage)
             before = self.run.phase
             try:
                 self.run, effects = fsm.transition(self.run, current)
@@ -195,22 +264,25 @@ class RunDriver:
                 detail = self.run.failure if self.run.phase is fsm.RunPhase.FAULTED else self.run.stop_reason
                 self.emit(RunPhaseChanged(self.plan.run_id, self.run.phase.value, detail))
             for effect in effects:
-                follow = await self._perform(effect)
+                follow = self._perform(effect)
                 if follow is not None:
                     pending.append(follow)
             if self.run.phase in (fsm.RunPhase.COMPLETED, fsm.RunPhase.FAULTED):
                 pending.insert(0, fsm.Advance())
 
-    async def _perform(self, effect: fsm.RunEffect) -> fsm.RunEvent | None:
+    def _lane(self, name: str) -> Lane:
+        lane = self._lanes.get(name)
+        if lane is None:
+            lane = self._lanes[name] = Lane(name, self.tasks, self.feed, self.timeouts.heartbeat)
+        return lane
+
+    def _perform(self, effect: fsm.RunEffect) -> fsm.RunEvent | None:
         plan = self.plan
         if isinstance(effect, fsm.SendProvision):
-            stage = self.stages[effect.stage]
-            try:
-                await stage.send(provision_message(plan, effect.stage))
-            except (ConnectionError, OSError) as error:
-                reason = f"{stage.label}: cannot send ProvisionStage ({error})"
-                return fsm.ProvisionFailed(effect.stage, reason)
+            self._send_provision(effect.stage)
             if effect.stage == len(plan.stages) - 1:
+                # Handed to the lanes: the readiness timer now bounds the
+                # sends too, and a send that fails is a lost stage.
                 return fsm.ProvisionsSent()
         elif isinstance(effect, fsm.OpenTokenEndpoints | fsm.CloseTokenEndpoints):
             pass  # the token-in writer and token-out reader belong to the data plane
@@ -222,11 +294,11 @@ class RunDriver:
                 timer.cancel()
         elif isinstance(effect, fsm.InjectPrompt):
             self._injected = time.perf_counter()
-            await self._inject_prompt()
+            self._inject_prompt()
         elif isinstance(effect, fsm.InjectToken):
             # Token k is fed at the position after the prompt and the tokens before it.
             self.fed.append(effect.token)
-            await self._write_tokens(effect.sequence, [effect.token], len(self.prompt) + effect.sequence - 1)
+            self._write_tokens(effect.sequence, [effect.token], len(self.prompt) + effect.sequence - 1)
         elif isinstance(effect, fsm.AcceptToken):
             self._accept(effect.sequence, effect.token)
         elif isinstance(effect, fsm.FinalizeOutput):
@@ -237,22 +309,44 @@ class RunDriver:
         elif isinstance(effect, fsm.RecordFailure):
             self.emit(Notice("error", f"run {plan.run_id:016x} faulted: {effect.reason}"))
         elif isinstance(effect, fsm.SendStopRun):
-            return await self._send_stop(effect.stage)
+            return self._send_stop(effect.stage)
         elif isinstance(effect, fsm.Note):
             self.emit(Notice("info", f"run {plan.run_id:016x}: {effect.text}"))
         elif isinstance(effect, fsm.Finish):
             self._finish()
         return None
 
-    async def _send_stop(self, index: int) -> fsm.RunEvent | None:
+    def _send_provision(self, index: int) -> None:
         stage = self.stages[index]
-        try:
-            if not stage.alive():
-                raise ConnectionError("the agent is gone")
-            reason = self.run.stop_reason or self.run.outcome
-            await asyncio.wait_for(stage.send(StopRun(self.plan.run_id, reason)), STOP_SEND_TIMEOUT)
-        except (ConnectionError, OSError, asyncio.TimeoutError) as error:
+        message = provision_message(self.plan, index)
+
+        def failed(error: BaseException) -> fsm.RunEvent:
+            # StageLost, not ProvisionFailed: it may come back after
+            # ProvisionsSent, and a control stream that took no frame is lost.
+            return fsm.StageLost(index, f"{stage.label}: cannot send ProvisionStage ({error})")
+
+        self._lane(f"control of stage {index}").post(lambda: stage.send(message), failed)
+
+    def _send_stop(self, index: int) -> fsm.RunEvent | None:
+        stage = self.stages[index]
+        if index in self.refused:
+            return fsm.StageStoppedEvent(index)  # it took no run: nothing to stop
+        if index in self.lost:
+            return fsm.StageLost(index, f"{stage.label}: StopRun not sent (the stage is lost)")
+        if not stage.alive():
+            return fsm.StageLost(index, f"{stage.label}: StopRun not delivered (the agent is gone)")
+        message = StopRun(self.plan.run_id, self.run.stop_reason or self.run.outcome)
+
+        def failed(error: BaseException) -> fsm.RunEvent:
             return fsm.StageLost(index, f"{stage.label}: StopRun not delivered ({error})")
+
+        async def send() -> None:
+            try:
+                await asyncio.wait_for(stage.send(message), STOP_SEND_TIMEOUT)
+            except asyncio.TimeoutError:
+                raise ConnectionError(f"not written within {STOP_SEND_TIMEOUT:g}s") from None
+
+        self._lane(f"control of stage {index}").post(send, failed)
         return None
 
     def _start_timer(self, kind: str) -> None:
@@ -267,7 +361,7 @@ class RunDriver:
         loop = asyncio.get_running_loop()
         self._timers[kind] = loop.call_later(seconds, self.feed, fsm.Timeout(kind))
 
-    async def _inject_prompt(self) -> None:
+    def _inject_prompt(self) -> None:
         """The prompt object: what the stages do not keep of the last run, at
         the position where the kept prefix ends (every stage keeps as much)."""
         holds = [self.holds.get(index, PrefixHeld()) for index in range(len(self.plan.stages))]
@@ -283,7 +377,7 @@ class RunDriver:
                     f"from run {source.run_id:016x}{why}",
                 )
             )
-        await self._write_tokens(0, self.prompt[reuse.kept :], reuse.kept)
+        self._write_tokens(0, self.prompt[reuse.kept :], reuse.kept)
 
     def next_source(self) -> ReuseSource | None:
         """What the stages hold once this run is done, for the next run's
@@ -297,11 +391,13 @@ class RunDriver:
             return None
         return ReuseSource(self.plan.run_id, tuple(self.fed))
 
-    async def _write_tokens(self, sequence: int, tokens: list[int], position: int) -> None:
-        try:
-            await self.edges.write_tokens(self.plan, sequence, tokens, position)
-        except (ConnectionError, OSError) as error:
+    def _write_tokens(self, sequence: int, tokens: list[int], position: int) -> None:
+        def failed(error: BaseException) -> None:
             self.stages[0].report_lost(f"token-in edge: {error}")
+
+        self._lane("token-in edge").post(
+            lambda: self.edges.write_tokens(self.plan, sequence, tokens, position), failed
+        )
 
     def _accept(self, sequence: int, token: int) -> None:
         now = time.perf_counter()

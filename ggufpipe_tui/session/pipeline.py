@@ -28,15 +28,11 @@ from ggufpipe_agent.arch import check_architecture, check_plan
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.protocol import (
     ChatMessage,
-    Inspect,
     Message,
     ModelFacts,
-    ModelInfo,
     Refused,
-    RequestFailed,
     Shutdown,
-    Tokenize,
-    Tokenized,
+    StageFileRef,
 )
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core import run_fsm as fsm
@@ -56,7 +52,9 @@ from ggufpipe_tui.core.placement import Placement, place_stages
 from ggufpipe_tui.core.plan import PlanError, RunPlan, build_plan, new_run_id, validate_plan
 from ggufpipe_tui.dataplane import DataPlane, DataPlaneEvents
 from ggufpipe_tui.dataplane.relay import RelayPlane
+from ggufpipe_tui.session.delivery import Delivered, deliver_stages, with_stage_files
 from ggufpipe_tui.session.driver import RunDriver
+from ggufpipe_tui.session.modelsource import LocalModel, ModelSource, model_source
 from ggufpipe_tui.session.runlog import RunLog
 from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
 from ggufpipe_tui.session.stages import PipelineError, StageHandle
@@ -89,6 +87,7 @@ class Pipeline:
         *,
         prepare_ahead: bool = False,
         data_plane: DataPlaneFactory = RelayPlane,
+        deliver: bool = True,
         prefix_reuse: bool = True,
     ) -> None:
         self.inventory = inventory
@@ -100,6 +99,9 @@ class Pipeline:
         self.pieces: tuple[bytes, ...] = ()
         self.ranges: list[tuple[int, int]] = []
         self.placement: Placement | None = None  # what each stage needs and each host has
+        self.model: ModelSource | None = None  # where the model is read and prompts tokenized
+        self.delivered: list[Delivered] = []  # model send: true: each stage's file, sent or found
+        self.deliver = deliver  # False (--plan): send no stage file, even with send: true
         self.driver: RunDriver | None = None
         self.broken = ""  # why the pipeline cannot carry another run
         self.closing = False
@@ -174,9 +176,11 @@ class Pipeline:
                 raise first
             raise PipelineError(f"starting the agents failed: {first!r}") from first
         for stage in self.stages:
+            stage.start_heartbeat(self.tasks, inventory.timeouts.heartbeat)
             self.tasks.spawn(stage.read_control(), f"control reader of stage {stage.index}")
         try:
             await self._inspect()
+            await self._deliver()
             events = DataPlaneEvents(lost=self._lost_at, fault=self._edge_fault, log=self._log_at)
             self.data = self.data_plane_factory(self.stages, self.tasks, events)
             await self.data.open(timeout)
@@ -196,39 +200,37 @@ class Pipeline:
         self.emit(AgentConnected(stage.index, stage.host.name, stage.host.where, hello))
 
     async def _inspect(self) -> None:
-        stage = self.stages[0]
-        path = self.inventory.model_path_for(stage.host)
-        reply = await stage.request(
-            lambda rid: Inspect(rid, path, True), max(60.0, self.inventory.timeouts.connect)
-        )
-        if isinstance(reply, RequestFailed):
-            where = self.inventory.where(self.inventory.model_line)
-            raise PipelineError(f"model on {stage.host.name}: {reply.reason} (model.path at {where})")
-        assert isinstance(reply, ModelInfo)
-        facts = reply.facts
-        where = f"{facts.path} on {stage.host.name}"
+        # Through the hosts' copies (every copy checked to be stage 0's model),
+        # or on this machine with model send: true (session/modelsource.py).
+        self.model = model_source(self.inventory, self.stages)
+        model = await self.model.read(max(60.0, self.inventory.timeouts.connect))
+        facts, where = model.facts, model.where
         check_architecture(facts.architecture, where)
         # Ranges and memory from what each host has; refuses a plan that does not fit.
         self.placement = place_stages(self.inventory, facts, [link.hello for link in self.links])
         self.ranges = list(self.placement.ranges)
         check_plan(facts, self.ranges, where)
-        self.facts, self.pieces = facts, reply.pieces
+        self.facts, self.pieces = facts, model.pieces
         self.emit(ModelInspected(facts))
+
+    async def _deliver(self) -> None:
+        """model send: true: each host gets its stage file now, once the ranges
+        are known and before any run (docs/architecture.md, "Model delivery")."""
+        if self.deliver and isinstance(self.model, LocalModel) and self.model.files is not None:
+            self.delivered = await deliver_stages(
+                self.stages, self.model.files, self.ranges, self.emit, self.inventory.timeouts
+            )
 
     async def tokenize(
         self, text: str, chat: bool, messages: Sequence[ChatMessage] = ()
     ) -> tuple[list[int], str]:
-        """A prompt's tokens and the text they came from, from stage 0's
-        agent: ``text`` (through the chat template when ``chat``) or a whole
-        conversation (``messages``, through the chat template)."""
-        stage = self.stages[0]
-        path = self.inventory.model_path_for(stage.host)
-        turns = tuple(messages)
-        reply = await stage.request(lambda rid: Tokenize(rid, path, text, chat, turns), 60.0)
-        if isinstance(reply, RequestFailed):
-            raise PipelineError(f"tokenizing on {stage.host.name}: {reply.reason}")
-        assert isinstance(reply, Tokenized)
-        return list(reply.tokens), reply.rendered
+        """A prompt's tokens and the text they came from: ``text`` (through the
+        chat template when ``chat``) or a whole conversation (``messages``,
+        through the chat template); by stage 0's agent, or here with
+        ``send: true`` (session/modelsource.py)."""
+        if self.model is None:
+            raise PipelineError("the pipeline is not running")
+        return await self.model.tokenize(text, chat, tuple(messages))
 
     # --------------------------------------------------------------- runs
 
@@ -253,7 +255,9 @@ class Pipeline:
         """A new run's plan; ``options``: run options other than the inventory's."""
         assert self.facts is not None
         inventory = self.inventory if options is None else replace(self.inventory, run=options)
-        return build_plan(inventory, self.facts, self.ranges, new_run_id(), placement=self.placement)
+        plan = build_plan(inventory, self.facts, self.ranges, new_run_id(), placement=self.placement)
+        files: dict[int, StageFileRef] = {done.stage: done.ref for done in self.delivered}
+        return with_stage_files(plan, files)
 
     async def prepare_run(self, options: RunOptions | None = None) -> RunDriver:
         """Plan, provision and load a run that waits for its prompt."""
@@ -328,7 +332,10 @@ class Pipeline:
             ):
                 # The stage will never become ready: say why now, not at the readiness timeout.
                 reason = f"{stage.label} refused {message.what}: {message.reason}"
-                driver.feed(fsm.StageFaultEvent(stage.index, reason))
+                if message.what == "ProvisionStage":
+                    driver.provision_refused(stage.index, reason)
+                else:
+                    driver.feed(fsm.StageFaultEvent(stage.index, reason))
             return
         run_id = getattr(message, "run_id", None)
         if driver is None or run_id != driver.plan.run_id:
@@ -354,8 +361,11 @@ class Pipeline:
             self.broken = reason
         self.emit(Notice("error", reason))
         stage.fail_requests(reason)
-        if self.driver is not None:
+        if self.driver is not None and not self.driver.done.is_set():
             self.driver.feed(fsm.StageLost(stage.index, reason))
+        else:
+            # Between runs (no run to fault): the session can serve no more.
+            self.queue.stop(reason)
 
     def _edge_fault(self, reason: str) -> None:
         if not self.broken:

@@ -3,7 +3,8 @@
 Every event of a run (its plan, each state change of the run and of every
 stage with a timestamp, agent log lines, faults, the final result) is one
 line, so a faulted run's log says exactly what happened. The directory is
-``$GGUFPIPE_LOG_DIR`` or ``~/.local/state/ggufpipe/runs``.
+``$GGUFPIPE_LOG_DIR`` or ``~/.local/state/ggufpipe/runs``; it keeps the
+newest :data:`MAX_RUN_LOGS` logs, within :data:`MAX_RUN_LOG_BYTES`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import IO
@@ -27,12 +29,31 @@ def default_log_dir() -> Path:
     return Path(state) / "ggufpipe" / "runs"
 
 
+#: How many run logs a directory keeps, and how many bytes the older ones
+#: may take: a long session (a server's thousands of prompts) rotates them.
+MAX_RUN_LOGS = 256
+MAX_RUN_LOG_BYTES = 256 << 20
+_NAME = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{16}\.jsonl$")
+
+
 class RunLog:
     """Events before the first run (agents connecting, the model) are kept
-    and written at the top of every run's log."""
+    and written at the top of every run's log.
 
-    def __init__(self, directory: Path | str | None = None) -> None:
+    A log holds prompts and outputs: it is created 0600 (its directory 0700
+    when this creates it). Opening a run's log removes the oldest run logs
+    of the directory beyond ``keep`` files or ``keep_bytes`` bytes (only
+    files named like run logs; the current one never)."""
+
+    def __init__(
+        self,
+        directory: Path | str | None = None,
+        keep: int = MAX_RUN_LOGS,
+        keep_bytes: int = MAX_RUN_LOG_BYTES,
+    ) -> None:
         self.directory = Path(directory) if directory else default_log_dir()
+        self.keep = max(1, keep)
+        self.keep_bytes = keep_bytes
         self.path: Path | None = None
         self._file: IO[str] | None = None
         self._session: list[str] = []
@@ -47,14 +68,35 @@ class RunLog:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.path = self.directory / f"{stamp}-{run_id:016x}.jsonl"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("w", encoding="utf-8")
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+            self._file = os.fdopen(os.open(self.path, flags, 0o600), "w", encoding="utf-8")
             for line in self._session:
                 self._file.write(line)
             self._file.flush()
         except OSError as error:
             self.disable(str(error))
             raise
+        self._rotate()
+
+    def _rotate(self) -> None:
+        """Remove the oldest run logs past the directory's bounds."""
+        logs = []
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.directory):
+                if _NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
+                    if self.path is not None and entry.name == self.path.name:
+                        continue
+                    info = entry.stat(follow_symlinks=False)
+                    logs.append((info.st_mtime_ns, entry.name, info.st_size))
+        logs.sort()  # oldest first
+        count, total = len(logs), sum(size for _, _, size in logs)
+        for _, name, size in logs:
+            if count < self.keep and total <= self.keep_bytes:  # with the current one: at most keep
+                break
+            with contextlib.suppress(OSError):
+                (self.directory / name).unlink()
+            count, total = count - 1, total - size
 
     def disable(self, reason: str) -> None:
         """Stop logging (a full disk, an unwritable directory); runs go on."""

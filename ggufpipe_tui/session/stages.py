@@ -15,14 +15,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ggufpipe_agent.deliverywire import CacheReport
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter
-from ggufpipe_agent.protocol import Hello, Message, ModelInfo, RequestFailed, Tokenized
+from ggufpipe_agent.heartbeat import Silence
+from ggufpipe_agent.protocol import Heartbeat, Hello, Message, ModelInfo, RequestFailed, Tokenized
+from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core.inventory import HostSpec
 from ggufpipe_tui.transports.link import AgentLink, TransportError
 
 #: Replies that answer a request by its request_id.
-REPLIES = (ModelInfo, Tokenized, RequestFailed)
+REPLIES = (ModelInfo, Tokenized, RequestFailed, CacheReport)
+#: How long a control message may take to be written before heartbeats
+#: (and timeouts.heartbeat) apply.
+DEFAULT_SEND_TIMEOUT = 30.0
+
+
+def heartbeat_interval(timeout: float) -> float:
+    """How often each side beats for a silence bound of ``timeout``."""
+    return timeout / 5
 
 
 class PipelineError(GgufpipeError):
@@ -66,6 +77,10 @@ class StageHandle:
         self._on_lost = on_lost
         self._requests: dict[int, asyncio.Future[Message]] = {}
         self._request_ids = itertools.count(1)
+        # Until heartbeats start: sends are bounded, silence is not.
+        self.send_timeout = DEFAULT_SEND_TIMEOUT
+        self.silence: Silence | None = None
+        self.silent_for = 0.0  # set when the stage is lost for saying nothing
 
     @property
     def label(self) -> str:
@@ -104,18 +119,31 @@ class StageHandle:
     # ------------------------------------------------------------ control
 
     async def send(self, message: Message) -> None:
-        await self.link.send(message)
+        """A control message, written within :attr:`send_timeout`: an agent
+        that stops reading (stopped, or its network gone) is a broken stream,
+        never a wait without end."""
+        try:
+            await asyncio.wait_for(self.link.send(message), self.send_timeout)
+        except asyncio.TimeoutError:
+            raise ConnectionError(
+                f"the control stream took no {message.tag} for {self.send_timeout:g}s"
+            ) from None
 
     async def request(self, make: Callable[[int], Message], timeout: float) -> Message:
-        """Send ``make(request_id)`` and wait for the reply with that id."""
+        """Send ``make(request_id)`` and wait for the reply with that id (both
+        within ``timeout``)."""
         request_id = next(self._request_ids)
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._requests[request_id] = future
+
+        async def ask() -> Message:
+            await self.send(make(request_id))
+            return await future
+
         try:
             if self.lost:
                 raise PipelineError(self.lost)
-            await self.link.send(make(request_id))
-            return await asyncio.wait_for(future, timeout)
+            return await asyncio.wait_for(ask(), timeout)
         except asyncio.TimeoutError:
             raise PipelineError(f"{self.label}: no answer to a request within {timeout:g}s") from None
         except (ConnectionError, OSError) as error:
@@ -123,15 +151,44 @@ class StageHandle:
         finally:
             self._requests.pop(request_id, None)
 
+    def start_heartbeat(self, tasks: TaskOwner, timeout: float) -> None:
+        """Beat every ``timeout``/5 s; from now on a stage that sends nothing
+        for ``timeout`` s is lost, and no send to it waits longer."""
+        self.send_timeout = timeout
+        self.silence = Silence(timeout)
+        tasks.spawn(self._beat(heartbeat_interval(timeout), timeout), f"heartbeat of stage {self.index}")
+        tasks.spawn(self._watch(self.silence), f"silence watch of stage {self.index}")
+
+    async def _watch(self, silence: Silence) -> None:
+        bound = await silence.expired()
+        if not self.lost:
+            self.silent_for = bound
+            self.report_lost(f"no answer for {bound:g} s")
+
+    async def _beat(self, interval: float, timeout: float) -> None:
+        while not self.lost:
+            try:
+                await self.send(Heartbeat(interval, timeout))
+            except (ConnectionError, OSError) as error:
+                self.report_lost(f"cannot send a heartbeat ({error})")
+                return
+            await asyncio.sleep(interval)
+
     async def read_control(self) -> None:
         """The control reader: replies resolve their requests, everything else
-        goes to the pipeline. Ends when the stream does; then the stage is lost."""
+        goes to the pipeline. Ends when the stream does; then the stage is
+        lost (and so it is when the agent says nothing, not even a heartbeat,
+        for the heartbeat bound: :meth:`_watch`)."""
         reason = ""
         try:
             while True:
                 message = await self.link.receive()
+                if self.silence is not None:
+                    self.silence.heard()
                 if message is None:
                     break
+                if isinstance(message, Heartbeat):
+                    continue
                 if isinstance(message, REPLIES):
                     future = self._requests.get(message.request_id)
                     if future is not None and not future.done():
@@ -157,6 +214,8 @@ class StageHandle:
                 break
             await asyncio.sleep(0.05)
         if link.alive():
+            if self.silent_for:
+                return f"no answer from {link.label} for {self.silent_for:g} s"
             return f"{link.label}: {symptom}{link.exit_detail()}"
         return f"{link.label}: {link.gone_reason()}"
 

@@ -18,10 +18,18 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ggufpipe_agent import PROTOCOL_VERSION, __version__
+from ggufpipe_agent import PROTOCOL_VERSION, __version__, credential
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter
-from ggufpipe_agent.protocol import DataAttach, Hello, Message, Refused
+from ggufpipe_agent.protocol import (
+    AuthChallenge,
+    AuthProof,
+    AuthResponse,
+    DataAttach,
+    Hello,
+    Message,
+    Refused,
+)
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core.inventory import HostSpec
 
@@ -29,6 +37,8 @@ log = logging.getLogger("ggufpipe.transport")
 
 LogLine = Callable[[str], None]
 STREAM_LIMIT = 1 << 20
+#: The largest frame read while connecting, before the agent is known.
+CONNECT_FRAME_LIMIT = 4096
 # The agent's own routine log records ("2026-01-01 12:00:00,000 INFO name: ...").
 ROUTINE_LOG = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (DEBUG|INFO) ")
 
@@ -55,6 +65,8 @@ class AgentLink:
 
     @property
     def label(self) -> str:
+        if self.stage < 0:  # an agent for something else than a stage (ggufpipe-tui cache)
+            return f"agent on {self.host.name} ({self.host.where})"
         return f"stage {self.stage} on {self.host.name} ({self.host.where})"
 
     def _task_failed(self, name: str, error: BaseException) -> None:
@@ -68,12 +80,13 @@ class AgentLink:
 
     # -------------------------------------------------------------- control
 
-    async def handshake(self, timeout: float) -> Hello:
+    async def _first(self, timeout: float, what: str, limit: int = CONNECT_FRAME_LIMIT) -> Message:
+        """The next control message while connecting, small and within ``timeout``."""
         try:
-            first = await asyncio.wait_for(self._control_reader.message(), timeout)
+            first = await asyncio.wait_for(self._control_reader.message(limit), timeout)
         except asyncio.TimeoutError:
             raise TransportError(
-                f"{self.label}: the agent sent no Hello within {timeout:g}s{self._tail()}"
+                f"{self.label}: the agent sent no {what} within {timeout:g}s{self._tail()}"
             ) from None
         except ProtocolError as error:
             raise TransportError(
@@ -81,19 +94,82 @@ class AgentLink:
                 f"'{self.host.agent}' a ggufpipe agent?{self._tail()}"
             ) from None
         if first is None:
-            raise TransportError(f"{self.label}: the agent exited before its Hello{self._tail()}")
+            raise TransportError(f"{self.label}: the agent exited before its {what}{self._tail()}")
+        return first
+
+    def _refused(self, message: Refused) -> TransportError:
+        return TransportError(f"{self.label}: the agent refused the connection: {message.reason}")
+
+    def _check_protocol(self, protocol: int, version: str) -> None:
+        if protocol != PROTOCOL_VERSION:
+            raise TransportError(
+                f"{self.label}: the agent speaks protocol {protocol}{version}, this orchestrator "
+                f"speaks {PROTOCOL_VERSION}: install ggufpipe=={__version__} on {self.host.name}"
+            )
+
+    async def handshake(self, timeout: float) -> Hello:
+        first = await self._first(timeout, "Hello", limit=1 << 20)
         if isinstance(first, Refused):
-            raise TransportError(f"{self.label}: the agent refused the connection: {first.reason}")
+            raise self._refused(first)
         if not isinstance(first, Hello):
             raise TransportError(f"{self.label}: the agent's first message is {first.tag}, not Hello")
-        if first.protocol != PROTOCOL_VERSION:
-            raise TransportError(
-                f"{self.label}: the agent speaks protocol {first.protocol} (ggufpipe "
-                f"{first.version}), this orchestrator speaks {PROTOCOL_VERSION}: install "
-                f"ggufpipe=={__version__} on {self.host.name}"
-            )
+        self._check_protocol(first.protocol, f" (ggufpipe {first.version})")
         self.hello = first
         return first
+
+    @property
+    def listen_key_path(self) -> str:
+        return self.host.listen_key or credential.default_key_path(self.host.listen)
+
+    async def read_listen_key(self, timeout: float) -> bytes:
+        """The key file of the hand-started agent, read where it runs."""
+        raise NotImplementedError
+
+    async def authenticate(self, timeout: float) -> None:
+        """A hand-started agent (``listen:``): prove we hold its listen key and
+        check that it does, before anything is sent to it or believed from it
+        (ggufpipe_agent/credential.py). Whoever else took the endpoint gets
+        nothing but our proof for its own challenge, which it cannot use."""
+        where = f"{self.host.listen} on {self.host.name}"
+        challenge = await self._first(timeout, "challenge")
+        if isinstance(challenge, Refused):
+            raise self._refused(challenge)
+        if isinstance(challenge, Hello):
+            raise TransportError(
+                f"{self.label}: the endpoint {where} sent a Hello without asking for the listen key: "
+                f"an agent of another ggufpipe (protocol {challenge.protocol}) or not a ggufpipe agent "
+                "at all; nothing was sent to it"
+            )
+        if not isinstance(challenge, AuthChallenge):
+            raise TransportError(
+                f"{self.label}: the endpoint {where} sent {challenge.tag}, not the challenge of a "
+                "hand-started agent; nothing was sent to it"
+            )
+        self._check_protocol(challenge.protocol, "")
+        if len(challenge.nonce) != credential.NONCE_BYTES:
+            raise TransportError(f"{self.label}: the endpoint {where} sent a malformed challenge")
+        key = await self.read_listen_key(timeout)
+        nonce = credential.new_nonce()
+        response = AuthResponse(nonce, credential.proof(key, credential.ORCHESTRATOR, challenge.nonce, nonce))
+        assert self.control is not None
+        try:
+            await asyncio.wait_for(self.control.send(response), timeout)
+        except (asyncio.TimeoutError, ConnectionError, OSError) as error:
+            raise TransportError(f"{self.label}: the connection to {where} broke ({error})") from None
+        answer = await self._first(timeout, "proof of the listen key")
+        if isinstance(answer, Refused):
+            raise TransportError(
+                f"{self._refused(answer)}; the key file {self.listen_key_path} on {self.host.name} "
+                "is not the one that agent printed when it started (restarted since, or another one?)"
+            )
+        if not isinstance(answer, AuthProof) or not credential.verify(
+            key, credential.AGENT, challenge.nonce, nonce, answer.proof
+        ):
+            raise TransportError(
+                f"{self.label}: the endpoint {where} does not hold the listen key in "
+                f"{self.listen_key_path}: it is not the agent that wrote it (did something else take "
+                "the port?); nothing was sent to it"
+            )
 
     async def send(self, message: Message) -> None:
         assert self.control is not None, "the link has not started"

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
+from ggufpipe_agent import credential
 from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.protocol import Hello
 from ggufpipe_tui.core.inventory import HostSpec
@@ -48,6 +51,7 @@ class LocalAgent(AgentLink):
                     f"start one with: ggufpipe-agent --listen {self.host.listen}"
                 ) from None
             self._streams(reader, writer)
+            await self.authenticate(timeout)
             return await self.handshake(timeout)
         command = self.command()
         try:
@@ -64,6 +68,15 @@ class LocalAgent(AgentLink):
         self._streams(self.process.stdout, self.process.stdin)
         self.tasks.spawn(self.pump_stderr(self.process.stderr), "stderr pump")
         return await self.handshake(timeout)
+
+    async def read_listen_key(self, timeout: float) -> bytes:
+        try:
+            return credential.read_key_file(Path(os.path.expanduser(self.listen_key_path)))
+        except credential.CredentialError as error:
+            raise TransportError(
+                f"{self.label}: {error}; the agent started with --listen {self.host.listen} prints "
+                "the path of its key file (give it as listen_key: when it is not the default)"
+            ) from None
 
     async def _connect_data(self, endpoint: str) -> tuple[Any, Any]:
         try:

@@ -27,6 +27,7 @@ from typing import Any
 
 import asyncssh
 
+from ggufpipe_agent import credential
 from ggufpipe_agent.protocol import Hello
 from ggufpipe_tui.core.inventory import HostSpec
 from ggufpipe_tui.transports.link import AgentLink, LogLine, TransportError
@@ -55,6 +56,13 @@ def _shell_path(path: str) -> str:
     if path.startswith("~/"):
         return "~/" + shlex.quote(path[2:])
     return shlex.quote(path)
+
+
+def _text(output: bytes | str | None) -> str:
+    """An exec session's output (bytes with encoding=None) as text."""
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
 
 
 class SshAgent(AgentLink):
@@ -92,6 +100,8 @@ class SshAgent(AgentLink):
         prefix = "bridge: " if listen else ""
         self.tasks.spawn(self.pump_stderr(SshReader(self.process.stderr), prefix), "stderr pump")
         try:
+            if listen:
+                await self.authenticate(timeout)
             return await self.handshake(timeout)
         except TransportError as error:
             raise await self._explain(error) from None
@@ -120,6 +130,32 @@ class SshAgent(AgentLink):
                 f"{self.label}: sshd did not start '{command}' within {timeout:g}s"
             ) from None
         return process
+
+    async def read_listen_key(self, timeout: float) -> bytes:
+        """The hand-started agent's key file, read with ``cat`` on an exec
+        session as the SSH user (the agent's user: the file is 0600)."""
+        assert self.connection is not None
+        path, name = self.listen_key_path, self.host.name
+        try:
+            done = await asyncio.wait_for(
+                self.connection.run(f"cat -- {_shell_path(path)}", check=False, encoding=None), timeout
+            )
+        except (asyncio.TimeoutError, asyncssh.Error, OSError) as error:
+            raise TransportError(
+                f"{self.label}: cannot read the listen key {path} on {name} ({error})"
+            ) from None
+        if done.exit_status != 0:
+            said = _text(done.stderr).strip().splitlines()
+            raise TransportError(
+                f"{self.label}: cannot read the listen key {path} on {name}"
+                f"{': ' + said[-1] if said else ''}; the agent started with --listen {self.host.listen} "
+                "prints the path of its key file (give it as listen_key: when it is not the default, "
+                "and log in as the user who started it)"
+            )
+        try:
+            return credential.parse_key(_text(done.stdout).encode(), f"{path} on {name}")
+        except credential.CredentialError as error:
+            raise TransportError(f"{self.label}: {error}") from None
 
     async def _settle(self, process: asyncssh.SSHClientProcess[bytes]) -> None:
         """Let the exit status and the last stderr lines of a process arrive."""

@@ -151,7 +151,7 @@ class GgufpipeApp(App[int]):
 
     @property
     def results(self) -> list[RunResult]:
-        return self.state.results
+        return list(self.state.results)
 
     @property
     def agent_pids(self) -> dict[int, int]:
@@ -217,6 +217,7 @@ class GgufpipeApp(App[int]):
         if cut is not None and not cut.view.finished:
             said = "stopped by the restart: this turn is left out of the conversation"
             self._say(cut.view, Text(said, style="grey58"))
+        self.state.tickets.clear()  # the new session gives them new tickets
         self.active = None
         self.state.new_session(self.now())
         self._draw()
@@ -446,6 +447,11 @@ class GgufpipeApp(App[int]):
             widget = self._widgets[id(view)] = Exchange(view)
             transcript.add(widget)
         state.mount.clear()
+        for view in state.unmount:  # scrolled out of a long session
+            gone = self._widgets.pop(id(view), None)
+            if gone is not None:
+                gone.remove()
+        state.unmount.clear()
         for view in state.touched.values():
             shown = self._widgets.get(id(view))
             if shown is not None:

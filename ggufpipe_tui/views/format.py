@@ -7,7 +7,7 @@ these strings, headless mode prints them.
 from __future__ import annotations
 
 from ggufpipe_agent.protocol import Hello, ModelFacts
-from ggufpipe_tui.core.events import AgentConnected, RunResult
+from ggufpipe_tui.core.events import AgentConnected, RunResult, StageDelivery
 from ggufpipe_tui.core.plan import StagePlan
 
 STOP_WORDS = {"eos": "end of text", "max_tokens": "max tokens", "stopped": "stopped"}
@@ -81,3 +81,41 @@ def result_summary(result: RunResult) -> str:
 def reuse_line(result: RunResult) -> str:
     """What a run kept of the previous one (prefix reuse)."""
     return f"reused {result.prompt_reused} of {len(result.prompt_tokens)} prompt tokens"
+
+
+def format_rate(bytes_per_second: float) -> str:
+    """A transfer rate in MB/s (10^6 bytes, as network rates are quoted)."""
+    digits = 0 if bytes_per_second >= 10e6 else 1
+    return f"{bytes_per_second / 1e6:.{digits}f} MB/s"
+
+
+def _part_of(done: int, size: int) -> str:
+    """``3.1/12.4 GiB`` (``41.0/62.1 MiB`` under a GiB)."""
+    unit, scale = ("GiB", 2**30) if size >= 2**30 else ("MiB", 2**20)
+    return f"{done / scale:.1f}/{size / scale:.1f} {unit}"
+
+
+def delivery_line(event: StageDelivery) -> str:
+    """Where a stage file's delivery stands: ``sending 3.1/12.4 GiB, 240 MB/s,
+    ETA 38 s`` while it goes, what it took once done."""
+    if event.state == "checking":
+        return f"checking what the host has of {format_bytes(event.size)}"
+    if event.state == "waiting":
+        return "waiting: another transfer is writing this file on the host"
+    if event.state == "sending":
+        text = f"sending {_part_of(event.done, event.size)}"
+        if event.rate > 0:
+            text += f", {format_rate(event.rate)}"
+        eta = event.eta
+        if eta is not None:
+            text += f", ETA {'<1 s' if eta < 1 else f'{eta:.0f} s' if eta < 60 else format_seconds(eta)}"
+        return text
+    if event.outcome == "cached":
+        return f"on the host already ({format_bytes(event.size)}), nothing sent"
+    took = format_seconds(event.seconds)
+    rate = f", {format_rate(event.sent / event.seconds)}" if event.seconds > 0 and event.sent else ""
+    if event.outcome == "resumed":
+        kept = format_bytes(event.size - event.sent)
+        whole = format_bytes(event.size)
+        return f"resumed: sent {format_bytes(event.sent)} of {whole} in {took}{rate} ({kept} were there)"
+    return f"sent {format_bytes(event.sent)} in {took}{rate}"

@@ -13,6 +13,7 @@ import contextlib
 import json
 import signal
 import sys
+import time
 from typing import IO
 
 from ggufpipe_agent.errors import GgufpipeError
@@ -24,6 +25,7 @@ from ggufpipe_tui.core.events import (
     Notice,
     PlanMade,
     RunResult,
+    StageDelivery,
     StageStateChanged,
     TokenStreamed,
 )
@@ -71,6 +73,9 @@ class Printer:
         self.out, self.err = out, err
         self.as_json, self.verbose, self.quiet = as_json, verbose, quiet
         self.wrote_text = False
+        self.delivered: dict[int, StageDelivery] = {}  # each stage's last delivery event
+        self._shown: dict[int, float] = {}  # when each stage's progress was last printed
+        self._last_progress = 0.0
 
     def progress(self, text: str) -> None:
         if not self.quiet:
@@ -90,6 +95,8 @@ class Printer:
         elif isinstance(event, PlanMade):
             for stage in event.plan.stages:
                 self.progress(fmt.stage_plan_line(stage))
+        elif isinstance(event, StageDelivery):
+            self.delivery(event)
         elif isinstance(event, StageStateChanged):
             if self.verbose or event.state in ("Ready", "Faulted"):
                 self.progress(fmt.stage_state_line(event.stage, event.state, event.detail))
@@ -98,6 +105,35 @@ class Printer:
                 print(f"[stage {event.stage} {event.host}] {event.line}", file=self.err, flush=True)
         elif isinstance(event, Notice) and (self.verbose or event.level == "warning"):
             print(f"ggufpipe: {event.level}: {event.text}", file=self.err, flush=True)
+
+
+    def delivery(self, event: StageDelivery) -> None:
+        """A stage file's delivery on stderr: each step, and while it is sent
+        at most a line a second per stage and a few a second in all."""
+        before = self.delivered.get(event.stage)
+        self.delivered[event.stage] = event
+        now = time.monotonic()
+        if event.state == "sending" and before is not None and before.state == "sending":
+            if now - self._shown.get(event.stage, 0.0) < 1.0 or now - self._last_progress < 0.3:
+                return
+        elif before is not None and before.state == event.state:
+            return
+        self._shown[event.stage] = self._last_progress = now
+        self.progress(f"stage {event.stage} on {event.host}: {fmt.delivery_line(event)}")
+
+    def delivery_json(self) -> list[dict[str, object]]:
+        return [
+            {
+                "stage": event.stage,
+                "host": event.host,
+                "file": event.name,
+                "size": event.size,
+                "bytes_sent": event.sent,
+                "seconds": round(event.seconds, 3),
+                "outcome": event.outcome or event.state,
+            }
+            for _, event in sorted(self.delivered.items())
+        ]
 
 
 async def run_headless(
@@ -139,7 +175,9 @@ async def run_headless(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.remove_signal_handler(signal.SIGINT)
     if as_json:
-        print(json.dumps(result_json(result), ensure_ascii=False), file=out, flush=True)
+        report = result_json(result)
+        report["delivery"] = printer.delivery_json()  # model send: true; [] when hosts hold the model
+        print(json.dumps(report, ensure_ascii=False), file=out, flush=True)
     elif printer.wrote_text:
         print(file=out, flush=True)
     if result.ok:

@@ -1,7 +1,8 @@
 """``--plan``: connect the agents, read the model, print the placement, exit.
 
-Nothing is provisioned: no stage file is written and no weights are loaded
-into llama.cpp (the agents read the GGUF header and the vocabulary only).
+Nothing is provisioned: no stage file is written or sent (``send: true``)
+and no weights are loaded into llama.cpp (the agents read the GGUF header
+and the vocabulary only; with ``send: true``, this machine does).
 The text goes to stdout; ``--json`` prints one JSON object instead.
 """
 
@@ -160,7 +161,7 @@ async def run_plan(
         elif isinstance(event, AgentLog) and verbose:
             print(f"[stage {event.stage} {event.host}] {event.line}", file=err, flush=True)
 
-    pipeline = Pipeline(inventory, consume, log_dir=log_dir)
+    pipeline = Pipeline(inventory, consume, log_dir=log_dir, deliver=False)  # sends no stage file
     refusal = ""
     try:
         await pipeline.start()

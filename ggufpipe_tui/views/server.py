@@ -176,7 +176,9 @@ class Server:
 
     async def health(self, request: web.Request) -> web.Response:
         if self.ready and not self.pipeline.queue.stopped and not self.closing:
-            return web.json_response({"status": "ok"})
+            # requests: being answered or waiting (a load balancer's measure
+            # of how busy this pipeline is); past queue + 1 the next is a 503.
+            return web.json_response({"status": "ok", "requests": self.admitted, "queue": self.queue})
         status = "loading" if not self.ready else "unavailable"
         return web.json_response(api.error_body(f"the pipeline is {status}", "unavailable_error"), status=503)
 

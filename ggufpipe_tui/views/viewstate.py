@@ -30,6 +30,7 @@ from ggufpipe_tui.core.events import (
     RunFinished,
     RunPhaseChanged,
     RunResult,
+    StageDelivery,
     StageLoadProgress,
     StageStateChanged,
     StageStats,
@@ -48,6 +49,13 @@ STAGE_STYLES = {
     "Stopped": "grey58",
     "Lost": "bold white on red3",  # not an FSM state: the agent process is gone
 }
+#: What a long session keeps: the newest exchanges in the transcript (older
+#: ones scroll out, their widgets unmounted), run records, and each stage's
+#: state history. The log pane keeps its own last lines (widgets.LogPane).
+MAX_EXCHANGES = 200
+MAX_RUNS = 200
+MAX_HISTORY = 64
+
 PHASE_STYLES = {
     "Connecting": "bold black on yellow",
     "Planning": "bold black on yellow",
@@ -79,6 +87,7 @@ class StageRow:
     load_detail: str = ""
     load_fraction: float | None = None
     counters: StepCounters | None = None
+    delivery: StageDelivery | None = None  # sending its stage file (model send: true)
     activity: int = 0  # StageStats received while the run is running
     history: list[str] = field(default_factory=list)  # every state it passed through
 
@@ -144,13 +153,15 @@ class ViewState:
         self.exchanges: dict[int, ExchangeView] = {}  # by run id
         self.tickets: dict[int, ExchangeView] = {}  # submitted, by the session's ticket
         self.runs: dict[int, RunStats] = {}
-        self.results: list[RunResult] = []
+        self.results: deque[RunResult] = deque(maxlen=MAX_RUNS)
+        self.shown: deque[ExchangeView] = deque()  # in the transcript, oldest first
         self.latest: RunStats | None = None
         self.agent_pids: dict[int, int] = {}
         self._load_detail: dict[int, str] = {}
         # What the screen has to catch up with (drained by the app).
         self.log: deque[tuple[int | None, Text]] = deque()
         self.mount: list[ExchangeView] = []
+        self.unmount: list[ExchangeView] = []  # scrolled out of a long session
         self.touched: dict[int, ExchangeView] = {}
         self.dirty = True  # the stage table and the status line
         self._handlers: dict[type, Callable[[Any, float], None]] = {
@@ -162,6 +173,7 @@ class ViewState:
             RunPhaseChanged: self._phase,
             StageStateChanged: self._stage_state,
             StageLoadProgress: self._load,
+            StageDelivery: self._delivery,
             StageStats: self._stats,
             RunFinished: self._finished,
             Notice: self._notice,
@@ -187,7 +199,7 @@ class ViewState:
         self.run_id, self.run_phase = None, None
         for row in self.rows:
             row.state, row.connected, row.fault, row.load_fraction = "Unprovisioned", False, "", None
-            row.counters, row.activity = None, 0
+            row.counters, row.activity, row.delivery = None, 0, None
             row.history.clear()
         self.agent_pids.clear()
         self.dirty = True
@@ -205,7 +217,7 @@ class ViewState:
         row = self.rows[stage]
         if row.connected and row.state != "Lost":
             row.state, row.fault = "Lost", f"agent gone {status}".strip()
-            row.history.append("Lost")
+            self._record(row, "Lost")
             self.dirty = True
 
     def submitted(self, text: str) -> ExchangeView:
@@ -220,6 +232,35 @@ class ViewState:
         if not view.shown:
             view.shown = True
             self.mount.append(view)
+            self.shown.append(view)
+            self._scroll_out()
+
+    def _scroll_out(self) -> None:
+        """Past MAX_EXCHANGES, the oldest finished exchanges leave the
+        transcript (and the state): a long session stays the same size."""
+        excess = len(self.shown) - MAX_EXCHANGES
+        if excess <= 0:
+            return
+        kept: deque[ExchangeView] = deque()
+        for old in self.shown:
+            if excess <= 0 or not old.finished:  # one still running (or waiting) stays
+                kept.append(old)
+                continue
+            excess -= 1
+            if old.run_id is not None and self.exchanges.get(old.run_id) is old:
+                del self.exchanges[old.run_id]
+            self.touched.pop(id(old), None)
+            if old in self.mount:
+                self.mount.remove(old)  # never drawn: nothing to unmount
+            else:
+                self.unmount.append(old)
+        self.shown = kept
+
+    @staticmethod
+    def _record(row: StageRow, state: str) -> None:
+        row.history.append(state)
+        if len(row.history) > MAX_HISTORY:
+            del row.history[: len(row.history) - MAX_HISTORY]
 
     # ------------------------------------------------------------- events
 
@@ -271,6 +312,8 @@ class ViewState:
         if event.phase == "Running":
             stats = RunStats(event.run_id, started=now)
             self.runs[event.run_id] = self.latest = stats
+            while len(self.runs) > MAX_RUNS:
+                del self.runs[next(iter(self.runs))]
             for row in self.rows:
                 row.counters, row.activity = None, 0
         line = Text(f"run {event.run_id:016x} → ")
@@ -283,7 +326,7 @@ class ViewState:
     def _stage_state(self, event: StageStateChanged, now: float) -> None:
         row = self.rows[event.stage]
         row.state = event.state
-        row.history.append(event.state)
+        self._record(row, event.state)
         if event.state == "Preparing":
             row.load_fraction, row.fault = None, ""
             self._load_detail.pop(event.stage, None)
@@ -302,6 +345,15 @@ class ViewState:
         if self._load_detail.get(event.stage) != event.detail:
             self._load_detail[event.stage] = event.detail
             self.note(event.stage, Text(f"stage {event.stage}: {event.detail}", style="grey70"))
+        self.dirty = True
+
+    def _delivery(self, event: StageDelivery, now: float) -> None:
+        row = self.rows[event.stage]
+        before = row.delivery
+        row.delivery = event
+        if before is None or before.state != event.state:  # the log gets each step, not each update
+            line = f"stage {event.stage}: {event.name}: {fmt.delivery_line(event)}"
+            self.note(event.stage, Text(line, style="bold" if event.state == "done" else "grey70"))
         self.dirty = True
 
     def _stats(self, event: StageStats, now: float) -> None:
@@ -340,6 +392,7 @@ class ViewState:
         if view is not None:
             view.finished, view.summary = True, summary
             self.touched[id(view)] = view
+            self._scroll_out()
         line = Text(f"run {result.run_id:016x} {result.outcome}", style=style)
         self.note(None, line + Text(f": {result.failure}" if result.failure else f": {summary.plain}"))
         if result.log_path:
@@ -354,6 +407,10 @@ class ViewState:
     def hint(self, now: float) -> str:
         n = len(self.rows)
         if self.session_phase == "Connecting":
+            sending = [row.delivery for row in self.rows if row.delivery is not None]
+            if sending and any(d.state != "done" for d in sending):
+                done, size = sum(d.done for d in sending), sum(d.size for d in sending)
+                return f"sending stage files · {fmt.format_bytes(done)} of {fmt.format_bytes(size)}"
             connected = sum(row.connected for row in self.rows)
             return f"{connected}/{n} agents up · {fmt.format_seconds(now - self.session_started)}"
         if self.session_phase == "Closing":

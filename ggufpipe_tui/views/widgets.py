@@ -21,7 +21,7 @@ from textual.widget import Widget
 from textual.widgets import RichLog, Static
 
 from ggufpipe_tui.core.placement import MARGIN
-from ggufpipe_tui.views.format import format_bytes, format_seconds
+from ggufpipe_tui.views.format import delivery_line, format_bytes, format_seconds
 from ggufpipe_tui.views.viewstate import PHASE_STYLES, STAGE_STYLES, ExchangeView, StageRow
 
 SPINNER = "◐◓◑◒"
@@ -124,6 +124,15 @@ class StageTable(Static):
     def _detail(self, row: StageRow, compact: bool) -> RenderableType:
         if row.state in ("Faulted", "Lost"):
             return Text(row.fault or row.state, style="red")
+        delivery = row.delivery
+        if delivery is not None and row.state == "Unprovisioned":  # its stage file going to its host
+            if delivery.state == "done":
+                return Text(delivery_line(delivery), style="green")
+            if delivery.state != "sending" or compact:
+                return Text(delivery_line(delivery), style="yellow")
+            text = bar(delivery.done / (delivery.size or 1), 10)
+            text.append(f" {delivery_line(delivery)}", style="yellow")
+            return text
         if row.state == "Preparing" and row.load_fraction is not None:
             label = "file" if row.load_detail.startswith("writing") else "load"
             width = 8 if compact else 16
