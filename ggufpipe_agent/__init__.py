@@ -10,6 +10,8 @@ __version__ = "0.1.0"
 
 #: Bumped whenever a control message or the object record layout changes in a
 #: way an older peer cannot read. The orchestrator refuses a mismatched agent.
-PROTOCOL_VERSION = 6  # 2: ModelFacts.memory; 3: Tokenize.messages; 4: listen key, heartbeats;
-# 5: model delivery (deliverywire), ModelInfo.identity, ProvisionStage.stage_file, cache requests
-# 6: direct links (link_messages), ProvisionStage.ring, StageFault.link_peer
+#: 2: ModelFacts.memory; 3: Tokenize.messages; 4: listen key, heartbeats;
+#: 5: model delivery (deliverywire), ModelInfo.identity, ProvisionStage.stage_file, cache requests;
+#: 6: positions in the object header, prefix reuse in ProvisionStage (reuse) and StageReady (held);
+#: 7: direct links (link_messages), ProvisionStage.ring, StageFault.link_peer.
+PROTOCOL_VERSION = 7

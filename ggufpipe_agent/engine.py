@@ -9,9 +9,11 @@ context; :meth:`StageEngine.step` runs one sequence:
   the graph right there (final norm and vocabulary projection are skipped);
 * the last stage returns the token sampled by llama.cpp's sampler chain.
 
-Sequence 0 is the prefill over the whole prompt; each later sequence is one
-token at the next position. :meth:`StageEngine.reset` empties the KV cache for
-a new run and keeps the loaded weights.
+Sequence 0 is the prefill over the prompt; each later sequence is one token
+at the next position. :meth:`StageEngine.reset` starts a new run with the
+loaded weights, and either empties the KV cache or keeps it for
+:meth:`StageEngine.keep`, which trims it to a prefix the new run shares with
+the previous one (prefix reuse, docs/worker.md).
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ggufpipe_agent.errors import ContextOverflow, EngineError, ProtocolError
+from ggufpipe_agent.errors import ContextOverflow, EngineError, GgufpipeError, ProtocolError
 from ggufpipe_agent.protocol import EngineOptions, SamplingParams
 
 log = logging.getLogger("ggufpipe.engine")
 
 Progress = Callable[[float], None]
+#: Rows of the batch-invariance probe compared between batch shapes.
+PROBE_ROWS = 4
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -136,6 +141,9 @@ class StageEngine:
         context_params.n_threads = threads
         context_params.n_threads_batch = threads
         context_params.no_perf = True
+        # A full-size sliding-window cache (gemma3) never drops a position, so
+        # a kept prefix is laid out cell for cell as a cold run lays it out.
+        context_params.swa_full = True
         self._eval_thunk = None
         if not shape.last:
             self._eval_thunk = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
@@ -149,6 +157,11 @@ class StageEngine:
         # llama.cpp may round the context up; the plan's size is the limit.
         self.n_ctx = min(options.n_ctx, llama_cpp.llama_n_ctx(self.context))
         self.n_batch = min(options.n_batch, self.n_ctx)
+        self.n_ubatch = min(options.n_ubatch, self.n_batch)
+        # A cold run computes its prompt in ubatches that start at multiples of
+        # this (prefill chunks are aligned to absolute positions, see step()).
+        self.granularity = self.n_ubatch if self.n_batch % self.n_ubatch == 0 else self.n_batch
+        self._exact_end = 0  # positions [0, this) were computed as a cold run computes them
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0 if shape.first else n_embd, 1)
         self._tokens = (
             np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,)) if shape.first else None
@@ -165,15 +178,29 @@ class StageEngine:
         from ggufpipe_agent.ggml import ggml
 
         self._ggml = ggml()
+        # Whether a row comes out bit for bit alike in any batch: probed the
+        # first time a run may keep a prefix (None: not yet), so a load and a
+        # run that keeps nothing pay nothing for it.
+        self.batch_invariant: bool | None = None
+        self.probe_note = ""
         self.reset(SamplingParams())
 
     # ------------------------------------------------------------------ run
 
-    def reset(self, sampling: SamplingParams) -> None:
-        """Start a new run: empty KV cache and a fresh sampler chain."""
+    @property
+    def n_past(self) -> int:
+        """Positions in the KV cache: 0 .. n_past-1."""
+        return self._n_past
+
+    def reset(self, sampling: SamplingParams, keep: bool = False) -> None:
+        """Start a new run: a fresh sampler chain and an empty KV cache, or
+        (``keep``) the cache as the last run left it, to be trimmed by
+        :meth:`keep` when the new run's prompt says where it starts."""
         lib = self._lib
-        lib.llama_memory_clear(lib.llama_get_memory(self.context), True)
-        self._n_past = 0
+        if not keep:
+            lib.llama_memory_clear(lib.llama_get_memory(self.context), True)
+            self._n_past = 0
+            self._exact_end = 0
         self._abort.clear()
         if not self.shape.last:
             return
@@ -191,16 +218,67 @@ class StageEngine:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
         self._sampler = chain
 
+    def keepable(self) -> tuple[int, str]:
+        """How many leading positions of the cache a new run may keep and
+        still compute exactly what a cold run of the same tokens computes,
+        and why fewer than all when fewer. A new run keeps K of them only if
+        K is a multiple of :attr:`keep_granularity`."""
+        lib = self._lib
+        if self._n_past == 0:
+            return 0, "its cache is empty"
+        lowest = lib.llama_memory_seq_pos_min(lib.llama_get_memory(self.context), 0)
+        if lowest > 0:
+            # Not with swa_full; kept as a guard should llama.cpp ever evict.
+            return 0, f"its sliding-window cache dropped the positions before {lowest}"
+        if self.batch_invariant is None:
+            self._probe_keeping_the_cache()
+            if self._n_past == 0:
+                return 0, f"its cache was lost to the batch-invariance probe ({self.probe_note})"
+        if self.batch_invariant or self._exact_end == self._n_past:
+            return self._n_past, ""
+        return self._exact_end, (
+            f"only the first {self._exact_end} of its {self._n_past} positions were computed in whole "
+            f"ubatches as a cold run computes them ({self.probe_note})"
+        )
+
+    @property
+    def keep_granularity(self) -> int:
+        """1 where a row comes out bit for bit the same in any batch; else (or
+        not probed yet) a kept prefix must end where a cold run's ubatch
+        ends, so that the new run's ubatches are the cold run's."""
+        return 1 if self.batch_invariant else self.granularity
+
+    def keep(self, positions: int) -> None:
+        """Keep the first ``positions`` positions of the cache and drop the
+        rest (``llama_memory_seq_rm``); the run's first step starts there."""
+        lib = self._lib
+        if not 0 <= positions <= self._n_past:
+            raise EngineError(f"cannot keep {positions} positions: the cache holds {self._n_past}")
+        memory = lib.llama_get_memory(self.context)
+        if positions == 0:
+            lib.llama_memory_clear(memory, True)
+        elif positions < self._n_past and not lib.llama_memory_seq_rm(memory, 0, positions, -1):
+            raise EngineError(f"llama.cpp could not drop positions {positions}.. of the KV cache")
+        self._n_past = positions
+        self._exact_end = min(self._exact_end, positions)
+
     def abort(self) -> None:
         """Make a running prefill stop at its next graph node (StopRun)."""
         self._abort.set()
 
-    def step(self, inputs: np.ndarray | list[int]) -> np.ndarray | int:
+    def step(self, inputs: np.ndarray | list[int], position: int | None = None) -> np.ndarray | int:
         """Run one sequence. ``inputs`` is token ids (stage 0) or float32
-        activations [n, hidden]. Returns activations [n, hidden] float32, or
-        the sampled token id in the last stage."""
+        activations [n, hidden]; ``position`` is where its first row goes
+        (None: the next position), which must be the next position. Returns
+        activations [n, hidden] float32, or the sampled token id in the last
+        stage."""
         if self._closed:
             raise EngineError("the stage engine is closed")
+        if position is not None and position != self._n_past:
+            raise EngineError(
+                f"an object at position {position}, this stage is at position {self._n_past} "
+                "(the stages disagree on positions)"
+            )
         if self.shape.first:
             tokens = np.asarray(inputs, dtype=np.int32).reshape(-1)
             n = int(tokens.shape[0])
@@ -227,9 +305,14 @@ class StageEngine:
         if not self.shape.last:
             self._capture = np.empty((n, self.shape.hidden), dtype=np.float32)
             self._capture_row = 0
+        start = self._n_past
         try:
-            for begin in range(0, n, self.n_batch):
-                count = min(self.n_batch, n - begin)
+            begin = 0
+            while begin < n:
+                # Chunks end at multiples of n_batch (absolute positions), so a
+                # prompt that starts after a kept prefix is cut where a cold
+                # run cuts it; llama.cpp cuts each chunk into ubatches.
+                count = min(n - begin, self.n_batch - self._n_past % self.n_batch)
                 if self.shape.first:
                     assert self._tokens is not None
                     self._tokens[:count] = tokens[begin : begin + count]
@@ -256,9 +339,13 @@ class StageEngine:
                         )
                     raise EngineError(f"llama_decode failed with status {status}")
                 self._n_past += count
+                begin += count
         finally:
             if long_step:
                 lib.llama_set_abort_callback(self.context, lib.ggml_abort_callback(), None)  # NULL: none
+        if start == self._exact_end and start % self.granularity == 0:
+            # Whole ubatches from an aligned start are what a cold run computes.
+            self._exact_end = start + (n // self.granularity) * self.granularity
         if self.shape.last:
             return int(lib.llama_sampler_sample(self._sampler, self.context, -1))
         captured, self._capture = self._capture, None
@@ -288,6 +375,100 @@ class StageEngine:
         # non-last stage are dead work. llama_decode still returns 0 and the KV
         # cache of every block in the stage is written.
         return False
+
+    def _probe_keeping_the_cache(self) -> None:
+        """Probe batch invariance once, with the cache saved and put back."""
+        saved, positions, exact_end = self._sequence_state(), self._n_past, self._exact_end
+        try:
+            self.probe_note = self._probe_batch_invariance()
+            self.batch_invariant = not self.probe_note
+        except GgufpipeError as error:
+            self.batch_invariant, self.probe_note = False, f"the probe failed: {error}"
+        try:
+            self._restore_sequence(saved, positions)
+            self._exact_end = exact_end
+        except GgufpipeError:
+            self.reset(SamplingParams())  # nothing kept rather than something wrong
+        log.info(
+            "%s: %s",
+            self.path,
+            "rows come out alike in any batch: decoded positions can be kept"
+            if self.batch_invariant
+            else f"{self.probe_note}: only whole prefilled ubatches can be kept",
+        )
+
+    def _probe_batch_invariance(self) -> str:
+        """Whether a row's results depend on the batch around it: '' when the
+        last rows of a ubatch come out bit for bit the same (KV cache and
+        outputs: activations, or the last row's logits) computed in the
+        ubatch, one by one, and in a small batch; else what differed.
+        Kernels that switch with the batch size (llamafile's sgemm, repacked
+        weights, a tiled attention, GPU batch kernels) make a decode step's
+        KV differ from a prefill's; only where this holds may a new run keep
+        the positions the last run decoded (docs/worker.md, "Prefix reuse")."""
+        lib = self._lib
+        rows = min(self.n_ubatch, self.n_ctx)
+        tail = min(PROBE_ROWS, rows - 1)
+        random = np.random.default_rng(0)
+        inputs: np.ndarray | list[int]
+        if self.shape.first:
+            vocabulary = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+            inputs = random.integers(1, max(2, vocabulary), rows).tolist()
+        else:
+            inputs = random.standard_normal((rows, self.shape.hidden)).astype(np.float32)
+        n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+
+        def result(outputs: list[Any]) -> tuple[bytes, bytes]:
+            """The KV cache and the outputs (activations, or the last row's logits)."""
+            if self.shape.last:
+                logits = lib.llama_get_logits_ith(self.context, -1)
+                out = np.ctypeslib.as_array(logits, shape=(n_vocab,)).tobytes()
+            else:
+                out = np.concatenate(outputs).tobytes()
+            return self._sequence_state(), out
+
+        try:
+            self.reset(SamplingParams())
+            reference = result([self.step(inputs)])
+            if tail == 0:
+                return ""
+            self.reset(SamplingParams())
+            head = self.step(inputs[: rows - tail])
+            after_head = self._sequence_state()
+            arms = {"one by one": [1] * tail, "in a small batch": [tail] if tail > 1 else []}
+            for name, sizes in arms.items():
+                if not sizes:
+                    continue
+                self._restore_sequence(after_head, rows - tail)
+                outputs = [head]
+                begin = rows - tail
+                for size in sizes:
+                    outputs.append(self.step(inputs[begin : begin + size]))
+                    begin += size
+                cache, out = result(outputs)
+                if cache != reference[0]:
+                    return f"its KV cache differs when rows are computed {name} and in one ubatch"
+                if out != reference[1]:
+                    return f"its outputs differ when rows are computed {name} and in one ubatch"
+            return ""
+        finally:
+            self.reset(SamplingParams())
+
+    def _sequence_state(self) -> bytes:
+        """The KV cache of the sequence, as llama.cpp serializes it."""
+        lib = self._lib
+        size = lib.llama_state_seq_get_size(self.context, 0)
+        buffer = (ctypes.c_uint8 * size)()
+        written = lib.llama_state_seq_get_data(self.context, buffer, size, 0)
+        return bytes(buffer)[:written]
+
+    def _restore_sequence(self, state: bytes, positions: int) -> None:
+        lib = self._lib
+        lib.llama_memory_clear(lib.llama_get_memory(self.context), True)
+        buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if lib.llama_state_seq_set_data(self.context, buffer, len(state), 0) != len(state):
+            raise EngineError("llama.cpp could not restore a KV cache it saved")
+        self._n_past = positions
 
     # -------------------------------------------------------------- cleanup
 

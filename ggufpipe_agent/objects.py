@@ -8,10 +8,17 @@ A record is a fixed 44-byte little-endian header followed by raw payload bytes::
     dtype              u8   1 int32, 2 float32, 3 float16
     run_id             u64
     edge_id            u32
-    sequence           u64
+    sequence           u32  the object's place in its edge's stream (0: the prompt)
+    position           u32  the sequence position of the object's first row
     rows               u32  tokens in the object
     cols               u32  1 for tokens, hidden_dim for activations
     nbytes             u64  payload length == rows * cols * itemsize
+
+Version 2 split version 1's u64 sequence into a u32 sequence and a u32
+position, so the header is still 44 bytes. Positions travel in-band because a
+run may start after a prefix its stages kept from the previous run: the
+prompt object says where it starts, and every object after it says where it
+is, so a stage never guesses (docs/protocol.md, docs/worker.md).
 
 This is the only module that turns payload bytes into arrays. The relay in the
 orchestrator reads headers only and forwards payloads untouched.
@@ -28,8 +35,8 @@ from ggufpipe_agent.errors import ProtocolError
 from ggufpipe_agent.protocol import ObjectSpec
 
 OBJECT_MAGIC = b"GPOB"
-OBJECT_VERSION = 1
-_HEADER = struct.Struct("<4sHBBQIQIIQ")
+OBJECT_VERSION = 2
+_HEADER = struct.Struct("<4sHBBQIIIIIQ")
 HEADER_SIZE = _HEADER.size
 
 #: Bound on any payload before an edge's own max_extent is known.
@@ -59,6 +66,9 @@ class ObjectHeader:
     rows: int
     cols: int
     nbytes: int
+    # Last among the fields (not on the wire) so that records built by
+    # position keep their meaning; 0 is the start of the sequence.
+    position: int = 0
 
     def pack(self) -> bytes:
         return _HEADER.pack(
@@ -69,6 +79,7 @@ class ObjectHeader:
             self.run_id,
             self.edge_id,
             self.sequence,
+            self.position,
             self.rows,
             self.cols,
             self.nbytes,
@@ -84,7 +95,7 @@ class ObjectHeader:
 
     def describe(self) -> str:
         return (
-            f"{self.kind_name} object seq {self.sequence} on edge {self.edge_id} "
+            f"{self.kind_name} object seq {self.sequence} at position {self.position} on edge {self.edge_id} "
             f"({self.rows}x{self.cols} {self.dtype_name}, {self.nbytes} bytes)"
         )
 
@@ -97,7 +108,9 @@ def unpack_header(data: bytes, max_payload: int) -> ObjectHeader:
     """
     if len(data) != HEADER_SIZE:
         raise ProtocolError(f"truncated object header ({len(data)} of {HEADER_SIZE} bytes)")
-    magic, version, kind, dtype, run_id, edge_id, sequence, rows, cols, nbytes = _HEADER.unpack(data)
+    (magic, version, kind, dtype, run_id, edge_id, sequence, position, rows, cols, nbytes) = _HEADER.unpack(
+        data
+    )
     if magic != OBJECT_MAGIC:
         raise ProtocolError(f"bad object magic {magic!r}")
     if version != OBJECT_VERSION:
@@ -110,7 +123,7 @@ def unpack_header(data: bytes, max_payload: int) -> ObjectHeader:
         raise ProtocolError(f"object of {nbytes} bytes exceeds the limit of {max_payload}")
     if nbytes != rows * cols * DTYPES[dtype].itemsize:
         raise ProtocolError(f"object says {rows}x{cols} {DTYPE_NAMES[dtype]} but {nbytes} payload bytes")
-    return ObjectHeader(kind, dtype, run_id, edge_id, sequence, rows, cols, nbytes)
+    return ObjectHeader(kind, dtype, run_id, edge_id, sequence, rows, cols, nbytes, position)
 
 
 def check_spec(header: ObjectHeader, spec: ObjectSpec) -> None:
@@ -127,22 +140,22 @@ def check_spec(header: ObjectHeader, spec: ObjectSpec) -> None:
         raise ProtocolError(f"{header.describe()}: exceeds max_extent {spec.max_extent}")
 
 
-def tokens_record(run_id: int, edge_id: int, sequence: int, tokens: list[int]) -> bytes:
+def tokens_record(run_id: int, edge_id: int, sequence: int, tokens: list[int], *, position: int = 0) -> bytes:
     payload = np.asarray(tokens, dtype="<i4").tobytes()
     header = ObjectHeader(
-        KIND_TOKENS, DTYPE_CODES["int32"], run_id, edge_id, sequence, len(tokens), 1, len(payload)
+        KIND_TOKENS, DTYPE_CODES["int32"], run_id, edge_id, sequence, len(tokens), 1, len(payload), position
     )
     return header.pack() + payload
 
 
 def activation_record(
-    run_id: int, edge_id: int, sequence: int, rows: np.ndarray, dtype: str
+    run_id: int, edge_id: int, sequence: int, rows: np.ndarray, dtype: str, *, position: int = 0
 ) -> tuple[bytes, memoryview]:
     """Header and payload (no concatenation copy) for ``rows`` of shape [n, hidden]."""
     code = DTYPE_CODES[dtype]
     array = np.ascontiguousarray(rows, dtype=DTYPES[code])
     n, width = array.shape
-    header = ObjectHeader(KIND_ACTIVATION, code, run_id, edge_id, sequence, n, width, array.nbytes)
+    header = ObjectHeader(KIND_ACTIVATION, code, run_id, edge_id, sequence, n, width, array.nbytes, position)
     return header.pack(), array.data.cast("B")
 
 

@@ -235,9 +235,36 @@ class ModelFacts:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixOffer:
+    """In a provision: the stage may keep up to ``positions`` positions of
+    its KV cache written by run ``run_id`` (the previous run on this chain;
+    0: none, start empty). What it keeps is decided when the prompt comes,
+    by the prompt object's position (docs/worker.md, "Prefix reuse")."""
+
+    run_id: int = 0
+    positions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHeld:
+    """In StageReady: what a stage still holds of the offered run. A prompt
+    may start at position K only if K is 0, or K <= ``positions`` and K is a
+    multiple of ``granularity`` (1 where the stage's kernels are exact at
+    any batch size, else the ubatch: see docs/worker.md). ``reason`` says
+    why it holds less than it was offered ("" when it holds all of it)."""
+
+    run_id: int = 0
+    positions: int = 0
+    granularity: int = 1
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class StepCounters:
     """A stage's work in one run. ``steps``, ``total_ms`` and ``mean_ms`` count
-    decode steps only; the prefill (sequence 0) has its own ``prefill_ms``."""
+    decode steps only; the prefill (sequence 0) has its own ``prefill_ms``,
+    ``prefill_rows`` (rows it computed) and ``kept`` (positions it kept from
+    the previous run instead of computing them)."""
 
     steps: int = 0
     last_ms: float = 0.0
@@ -245,6 +272,8 @@ class StepCounters:
     bytes_in: int = 0
     bytes_out: int = 0
     prefill_ms: float = 0.0
+    prefill_rows: int = 0
+    kept: int = 0
 
     @property
     def mean_ms(self) -> float:
@@ -311,6 +340,7 @@ class StageReady(Message):
     run_id: int
     stage_index: int
     node_id: str
+    held: PrefixHeld = PrefixHeld()  # what it holds of the provision's PrefixOffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,6 +433,7 @@ class ProvisionStage(Message):
     # Set when the orchestrator sent the stage file (model send: true): the
     # stage loads that cache entry and never reads gguf_source.
     stage_file: StageFileRef | None = None
+    reuse: PrefixOffer = PrefixOffer()  # what the stage may keep of the previous run
 
 
 @dataclass(frozen=True, slots=True)

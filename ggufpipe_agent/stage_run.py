@@ -25,6 +25,8 @@ from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.model import read_model_facts
 from ggufpipe_agent.protocol import (
     Message,
+    PrefixHeld,
+    PrefixOffer,
     ProvisionStage,
     Refused,
     StageFault,
@@ -93,7 +95,8 @@ class LocalFeed:
 
 
 class EngineSlot:
-    """The loaded engine, kept across runs so a new prompt reloads nothing.
+    """The loaded engine, kept across runs so a new prompt reloads nothing,
+    and which run's positions its KV cache holds (prefix reuse).
 
     One slot per agent: a host runs one stage, and a different range evicts
     the old engine (its memory is freed before the new one loads). Used from
@@ -103,23 +106,46 @@ class EngineSlot:
     def __init__(self) -> None:
         self.key: tuple[Any, ...] | None = None
         self.engine: StageEngine | None = None
+        self.written_by = 0  # the run whose positions the KV cache holds; 0: none to trust
+        self.unheld = "its cache holds no earlier run"  # why, when written_by is 0
 
     def get(
         self, path: Path, shape: StageShape, options: Any, progress: Callable[[float], None]
-    ) -> StageEngine:
+    ) -> tuple[StageEngine, bool]:
+        """The engine, and whether it was (re)loaded now."""
         key = (str(path), shape, options)
         if self.key == key and self.engine is not None:
-            return self.engine  # loaded by an earlier run: nothing to load, nothing to report
+            return self.engine, False  # loaded by an earlier run: nothing to load, nothing to report
         self.close()
         self.engine = StageEngine(str(path), shape, options, progress)
         self.key = key
-        return self.engine
+        return self.engine, True
+
+    def forget(self, why: str) -> None:
+        """The KV cache holds nothing a later run may keep."""
+        self.written_by = 0
+        self.unheld = why
+
+    def held(self, engine: StageEngine, offer: PrefixOffer, loaded: bool) -> PrefixHeld:
+        """What this engine can keep of the run ``offer`` names."""
+        if not offer.run_id:
+            return PrefixHeld()
+        if loaded:
+            return PrefixHeld(offer.run_id, reason="its engine was loaded for this run")
+        if self.written_by != offer.run_id:
+            why = f"its cache holds run {self.written_by:016x}" if self.written_by else self.unheld
+            return PrefixHeld(offer.run_id, reason=why)
+        positions, why = engine.keepable()
+        if positions > offer.positions:
+            positions = offer.positions
+        return PrefixHeld(offer.run_id, positions, engine.keep_granularity, why)
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
         self.engine = None
         self.key = None
+        self.forget("its cache holds no earlier run")
 
 
 @dataclass
@@ -130,20 +156,31 @@ class Counters:
     bytes_in: int = 0
     bytes_out: int = 0
     prefill_ms: float = 0.0
+    prefill_rows: int = 0
+    kept: int = 0
     sent_at: float = field(default=0.0)
 
-    def count(self, sequence: int, elapsed_ms: float, sent: int) -> None:
+    def count(self, sequence: int, elapsed_ms: float, sent: int, rows: int, position: int) -> None:
         self.last_ms = elapsed_ms
         self.bytes_out += sent
         if sequence == 0:
             self.prefill_ms = elapsed_ms
+            self.prefill_rows = rows
+            self.kept = position
         else:
             self.steps += 1
             self.total_ms += elapsed_ms
 
     def snapshot(self) -> StepCounters:
         return StepCounters(
-            self.steps, self.last_ms, self.total_ms, self.bytes_in, self.bytes_out, self.prefill_ms
+            self.steps,
+            self.last_ms,
+            self.total_ms,
+            self.bytes_in,
+            self.bytes_out,
+            self.prefill_ms,
+            self.prefill_rows,
+            self.kept,
         )
 
 
@@ -179,6 +216,7 @@ class StageRun:
         self._feed: FeedToken | None = None
         self.counters = Counters()
         self.engine: StageEngine | None = None
+        self.held = PrefixHeld()  # what this run may keep of the offered run (set by _prepare)
         self._ready = asyncio.Event()
         self._current: tuple[objects.ObjectHeader, bytes] | None = None
         self.tasks = TaskOwner(self._task_failed, f"stage {self.index} run")
@@ -228,7 +266,7 @@ class StageRun:
             if self._prepare_task is not None:
                 self._prepare_task.cancel()
         elif isinstance(effect, EmitReady):
-            self._post(StageReady(self.run_id, self.index, p.node_id))
+            self._post(StageReady(self.run_id, self.index, p.node_id, self.held))
             if self._pump_task is None:
                 self._pump_task = self._spawn(self._pump())
         elif isinstance(effect, EmitFault):
@@ -306,12 +344,26 @@ class StageRun:
             )
             progress = self._load_progress(loop, "loading into llama.cpp")
 
-            def load() -> StageEngine:
-                engine = self._engines.get(stage_path, shape, p.engine, progress)
-                engine.reset(p.sampling)
-                return engine
+            def load() -> tuple[StageEngine, PrefixHeld]:
+                engine, loaded = self._engines.get(stage_path, shape, p.engine, progress)
+                held = self._engines.held(engine, p.reuse, loaded)
+                engine.reset(p.sampling, keep=held.positions > 0)
+                if not held.positions:
+                    self._engines.forget(f"its cache was emptied for run {self.run_id:016x}")
+                return engine, held
 
-            self.engine = await loop.run_in_executor(self._worker, load)
+            self.engine, self.held = await loop.run_in_executor(self._worker, load)
+            held = self.held
+            if held.run_id:
+                log.info(
+                    "run %016x stage %d: holds %d positions of run %016x (in steps of %d)%s",
+                    self.run_id,
+                    self.index,
+                    held.positions,
+                    held.run_id,
+                    held.granularity,
+                    f": {held.reason}" if held.reason else "",
+                )
         except asyncio.CancelledError:
             return
         except GgufpipeError as error:
@@ -393,7 +445,7 @@ class StageRun:
             # llama.cpp's OpenMP team belongs to the calling thread, and a
             # second team (decode steps inline on the event loop) measured
             # half the tokens/s of one team, whatever the thread hops save.
-            result = await loop.run_in_executor(self._worker, engine.step, inputs)
+            result = await loop.run_in_executor(self._worker, self._step, engine, sequence, header, inputs)
         except GgufpipeError as error:
             self._apply_if_alive(StepFailed(f"step {sequence}: {error}"))
             return
@@ -413,7 +465,11 @@ class StageRun:
             self.apply(TokenSampled(sequence, int(result)))
             feed = self._feed
             if feed is not None:
-                record = objects.tokens_record(self.run_id, p.ring.edge_id, feed.sequence, [feed.token])
+                # Stage 0's next input, at the position after the rows that made it.
+                position = header.position + header.rows
+                record = objects.tokens_record(
+                    self.run_id, p.ring.edge_id, feed.sequence, [feed.token], position=position
+                )
                 try:
                     if self.ring_out is None:
                         raise ConnectionError("the token ring is not connected")
@@ -427,13 +483,25 @@ class StageRun:
             if self.outbound is None:
                 raise ConnectionError("outbound edge is not connected")
             if self.last:
-                record = objects.tokens_record(self.run_id, p.outbound.edge_id, sequence, [int(result)])
+                # The sampled token is fed back at the position after the rows that made it.
+                record = objects.tokens_record(
+                    self.run_id,
+                    p.outbound.edge_id,
+                    sequence,
+                    [int(result)],
+                    position=header.position + header.rows,
+                )
                 await self.outbound.write(record)
                 sent += len(record) - objects.HEADER_SIZE
             else:
                 assert not isinstance(result, int)  # a non-last stage returns activations
                 head, body = objects.activation_record(
-                    self.run_id, p.outbound.edge_id, sequence, result, p.outbound.object_spec.dtype
+                    self.run_id,
+                    p.outbound.edge_id,
+                    sequence,
+                    result,
+                    p.outbound.object_spec.dtype,
+                    position=header.position,
                 )
                 await self.outbound.write(head, body)
                 sent += len(body)
@@ -442,12 +510,44 @@ class StageRun:
             self._apply_if_alive(OutputFault(f"outbound edge {p.outbound.edge_id}: {error}"))
             return
         counters = self.counters
-        counters.count(sequence, elapsed, sent)
+        counters.count(sequence, elapsed, sent, header.rows, header.position)
         self.apply(StepCompleted(sequence))
         now = time.monotonic()
         if now - counters.sent_at >= STATS_INTERVAL_S:
             counters.sent_at = now
             self._post(StepStats(self.run_id, self.index, counters.snapshot()))
+
+    def _step(self, engine: StageEngine, sequence: int, header: objects.ObjectHeader, inputs: Any) -> Any:
+        """One step, on the worker thread. The prompt object (sequence 0) says
+        where the run starts: at 0, or after a prefix this stage said it holds
+        (StageReady), which is kept and the rest of the cache dropped. The
+        slot then records that this run wrote the cache; a step that fails
+        leaves nothing a later run may keep."""
+        slots = self._engines
+        try:
+            if sequence == 0:
+                slots.written_by = 0  # the cache changes now
+                held, start = self.held, header.position
+                if start and (start > held.positions or start % held.granularity):
+                    raise ProtocolError(
+                        f"the prompt starts at position {start}, but this stage holds "
+                        f"{held.positions} positions of run {held.run_id:016x} (in steps of "
+                        f"{held.granularity})"
+                    )
+                engine.keep(start)
+                log.info(
+                    "run %016x stage %d: prefill of %d rows after %d kept positions",
+                    self.run_id,
+                    self.index,
+                    header.rows,
+                    start,
+                )
+            result = engine.step(inputs, header.position)
+        except BaseException:
+            slots.forget(f"a step of run {self.run_id:016x} failed or was aborted")
+            raise
+        slots.written_by = self.run_id
+        return result
 
     async def _stop_local(self) -> None:
         """Stop local edges, let a running step end, then report stopped."""

@@ -76,6 +76,9 @@ def _field_problem(p: ProvisionStage) -> str:
         return f"top_p {sampling.top_p} is not a finite number"
     if not 0 <= sampling.top_k < 1 << 31:
         return f"top_k {sampling.top_k} is out of range"
+    offer = p.reuse
+    if not fits_bits(offer.run_id, 64) or not 0 <= offer.positions <= model.max_seq_len:
+        return f"a prefix offer of {offer.positions} positions of run {offer.run_id} is out of bounds"
     if p.stage_file is not None:  # model send: true (the entry itself is checked as it loads)
         try:
             p.stage_file.key.check()
@@ -95,6 +98,8 @@ def validate_provision(message: ProvisionStage) -> str:
         return problem
     if not 0 <= p.stage_index < p.stage_count:
         return f"stage index {p.stage_index} outside a pipeline of {p.stage_count}"
+    if p.reuse.run_id and p.reuse.run_id == p.run_id:
+        return f"run {p.run_id:016x} is offered a prefix of its own"
     if p.inbound.edge_id == p.outbound.edge_id:
         return f"inbound and outbound edges share id {p.inbound.edge_id}"
     want_in = "TokenIn" if p.stage_index == 0 else "Activation"

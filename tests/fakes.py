@@ -12,6 +12,7 @@ from pathlib import Path
 from ggufpipe_agent.protocol import (
     Message,
     ModelFacts,
+    PrefixHeld,
     ProvisionStage,
     StageProgress,
     StageReady,
@@ -23,6 +24,7 @@ from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core.events import Event
 from ggufpipe_tui.core.inventory import Inventory, RunOptions, Timeouts, parse_inventory
 from ggufpipe_tui.core.plan import RunPlan, build_plan
+from ggufpipe_tui.core.reuse import ReuseSource
 from ggufpipe_tui.session.driver import RunDriver
 
 FACTS = ModelFacts(
@@ -109,18 +111,20 @@ class FakeEdges:
     def __init__(self) -> None:
         self.opened: list[int] = []
         self.written: list[tuple[int, list[int]]] = []
+        self.positions: list[int] = []  # where each written object starts
         self.fail_writes = False
         self.stalled = False  # stage 0 reads nothing: token-in writes never complete
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None:
         self.opened.append(stage)
 
-    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int]) -> None:
+    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None:
         if self.fail_writes:
             raise BrokenPipeError("token-in gone")
         if self.stalled:
             await asyncio.Event().wait()
         self.written.append((sequence, list(tokens)))
+        self.positions.append(position)
 
 
 class Rig:
@@ -136,11 +140,14 @@ class Rig:
         feedback: str = "orchestrator",
         run: RunOptions | None = None,
         heartbeat: float = 30.0,
+        source: ReuseSource | None = None,
     ) -> None:
         self.inventory = inventory(stages, max_tokens, step, feedback, heartbeat)
         if run is not None:  # a prompt's own run options
             self.inventory = replace(self.inventory, run=run)
         self.plan = plan_for(self.inventory, run_id)
+        if source is not None:
+            self.plan = replace(self.plan, reuse=source.offer())
         self.stages = [FakeStage(i) for i in range(stages)]
         self.edges = FakeEdges()
         self.events: list[Event] = []
@@ -152,7 +159,9 @@ class Rig:
             if emit is not None:
                 emit(event)
 
-        self.driver = RunDriver(self.plan, self.stages, self.edges, timeouts, self.tasks, record, PIECES)
+        self.driver = RunDriver(
+            self.plan, self.stages, self.edges, timeouts, self.tasks, record, PIECES, source=source
+        )
 
     def start(self, problem: str = "") -> asyncio.Task[None]:
         return self.tasks.spawn(self.driver.drive(problem), "drive")
@@ -165,11 +174,13 @@ class Rig:
         assert sent, f"stage {stage} was not provisioned"
         return sent[-1]
 
-    def make_ready(self) -> None:
+    def make_ready(self, held: list[PrefixHeld] | None = None) -> None:
+        """Every stage takes its provision and is ready, holding ``held[i]``
+        of the offered run."""
         run_id = self.plan.run_id
         for index in range(len(self.stages)):
             self.agent_says(index, StageProgress(run_id, index, "Preparing", "", -1.0))
-            self.agent_says(index, StageReady(run_id, index, "a"))
+            self.agent_says(index, StageReady(run_id, index, "a", held[index] if held else PrefixHeld()))
 
     async def timed_out(self) -> None:
         """Until the run has faulted (a timeout fired)."""
@@ -211,8 +222,8 @@ class Autopilot:
             stage.send = send  # type: ignore[method-assign]
         write = rig.edges.write_tokens
 
-        async def write_tokens(plan: RunPlan, sequence: int, tokens: list[int]) -> None:
-            await write(plan, sequence, tokens)
+        async def write_tokens(plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None:
+            await write(plan, sequence, tokens, position)
             loop.call_soon(self._token, sequence)
 
         rig.edges.write_tokens = write_tokens  # type: ignore[method-assign]

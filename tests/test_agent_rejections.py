@@ -23,6 +23,7 @@ from ggufpipe_agent.protocol import (
     LinkListening,
     ObjectSpec,
     OpenEdge,
+    PrefixOffer,
     Refused,
     RewireEdge,
     RingSpec,
@@ -278,6 +279,9 @@ BAD_PROVISIONS = {
     ),
     "ring without a stop": (lambda m: _with(m, ring=_ring(m, max_tokens=0)), "max_tokens"),
     "ring stop outside the vocabulary": (lambda m: _with(m, ring=_ring(m, eog_token_ids=(2, 10**9))), "vocabulary"),
+    "prefix offer past the context": (lambda m: _with(m, reuse=PrefixOffer(7, 10**6)), "prefix offer"),
+    "prefix offer of a negative run": (lambda m: _with(m, reuse=PrefixOffer(-7, 3)), "prefix offer"),
+    "a prefix of its own run": (lambda m: _with(m, reuse=PrefixOffer(m.run_id, 3)), "a prefix of its own"),
 }
 
 

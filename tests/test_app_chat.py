@@ -33,7 +33,9 @@ ITALY = "And of Italy?"
 async def test_the_second_answer_uses_the_first_and_ctrl_n_starts_fresh(
     tmp_path: Path, model_path: Path, no_agent_left: None
 ) -> None:
-    inventory = write_inventory(tmp_path, model_path, "{max_tokens: 40}")
+    # ubatch 32: SmolLM2's CPU kernels give a row the same bits in any batch
+    # there, so a stage may keep every position it holds (docs/worker.md).
+    inventory = write_inventory(tmp_path, model_path, "{max_tokens: 40, ubatch: 32}")
     app = GgufpipeApp(inventory, log_dir=tmp_path / "runs")
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: ready_for_prompt(app), READY_TIMEOUT, "the stages to load")
@@ -56,6 +58,10 @@ async def test_the_second_answer_uses_the_first_and_ctrl_n_starts_fresh(
         assert italy.prompt_tokens[: len(france.prompt_tokens)] == france.prompt_tokens
         assert len(italy.prompt_tokens) > len(france.prompt_tokens) + len(france.tokens)
         assert app.turns.conversation.exchanges == 2
+        # The stages kept the first turn (prefix reuse) and the summary says so.
+        assert france.prompt_reused == 0 and italy.prompt_reused > len(france.prompt_tokens)
+        said = second.view.summary.plain if second.view.summary else ""
+        assert f"reused {italy.prompt_reused} of {len(italy.prompt_tokens)} prompt tokens" in said, said
 
         # ctrl+n: the transcript says so, and the same question alone is not understood.
         await pilot.press("ctrl+n")
@@ -70,6 +76,7 @@ async def test_the_second_answer_uses_the_first_and_ctrl_n_starts_fresh(
         assert alone.ok and "Rome" not in alone.text, alone.text
         assert fresh.text == alone.text
         assert len(alone.prompt_tokens) < len(france.prompt_tokens), "the fresh prompt carries no history"
+        assert 0 < alone.prompt_reused < len(alone.prompt_tokens), "only the template's system prompt is shared"
         assert app.turns.conversation.number == 2 and app.turns.conversation.exchanges == 1
 
         await pilot.press("ctrl+q")

@@ -5,8 +5,18 @@ from __future__ import annotations
 
 import asyncio
 
-from ggufpipe_agent.protocol import ProvisionStage, StageFault, StageStopped, StepCounters, StepStats, StopRun
+from ggufpipe_agent.protocol import (
+    PrefixHeld,
+    PrefixOffer,
+    ProvisionStage,
+    StageFault,
+    StageStopped,
+    StepCounters,
+    StepStats,
+    StopRun,
+)
 from ggufpipe_tui.core.events import Notice, RunFinished, RunPhaseChanged, StageStats, TokenStreamed
+from ggufpipe_tui.core.reuse import ReuseSource
 from tests.fakes import Rig, settle
 
 
@@ -195,6 +205,23 @@ async def test_in_a_token_ring_the_orchestrator_reads_and_never_injects():
     assert result.tokens == (9, 10, 11)
 
 
+async def test_on_the_token_ring_a_run_leaves_every_token_it_read_but_the_last_for_the_next():
+    """The last stage fed stage 0 each token but the one it ended on, so the
+    stages hold the prompt and those: the next run's prefix offer."""
+    rig = Rig(stages=2, max_tokens=3, feedback="ring")
+    rig.start()
+    rig.make_ready()
+    rig.driver.give_prompt([5, 6])
+    await settle()
+    assert rig.edges.written == [(0, [5, 6])] and rig.edges.positions == [0]
+    for sequence, token in enumerate((9, 10, 11)):
+        rig.driver.on_token(sequence, token)
+        await settle()
+    await finish(rig)
+    assert rig.edges.written == [(0, [5, 6])], "nothing fed back by the orchestrator"
+    assert rig.driver.next_source() == ReuseSource(rig.plan.run_id, (5, 6, 9, 10))
+
+
 async def test_a_broken_link_to_a_dead_peer_is_reported_as_the_peer_lost(monkeypatch):
     from ggufpipe_tui.core import run_fsm as fsm
     from ggufpipe_tui.session import driver as driver_module
@@ -230,6 +257,59 @@ async def test_a_broken_link_between_live_stages_is_the_reason(monkeypatch):
     await finish(rig)
     result = rig.driver.result
     assert result is not None and result.failure == "stage 0 on fake (local): outbound edge 5: link reset"
+
+
+async def test_a_run_keeps_what_every_stage_holds_of_the_last_run():
+    source = ReuseSource(0x99, (5, 6, 7, 9, 10))  # run 0x99 fed prompt 5, 6, 7 and tokens 9, 10
+    rig = Rig(stages=2, max_tokens=3, source=source)
+    rig.start()
+    await settle()
+    assert [rig.provisioned(i).reuse for i in range(2)] == [PrefixOffer(0x99, 5)] * 2
+    rig.make_ready([PrefixHeld(0x99, 5), PrefixHeld(0x99, 4, reason="it holds 4")])
+    # The next turn: all of run 0x99 and two new tokens.
+    rig.driver.give_prompt([5, 6, 7, 9, 10, 11, 12])
+    await settle()
+    assert rig.edges.written == [(0, [10, 11, 12])] and rig.edges.positions == [4]
+    rig.driver.on_token(0, 20)
+    rig.driver.on_token(1, 21)
+    await settle()
+    assert rig.edges.positions == [4, 7, 8], "each fed token at the position after the ones before"
+    rig.driver.on_token(2, 22)
+    await finish(rig)
+    result = rig.driver.result
+    assert result is not None and result.prompt_reused == 4 and result.prompt_computed == 3
+    assert any(
+        isinstance(e, Notice) and "reused 4 of 7 prompt tokens from run 0000000000000099 (stage 1: it holds 4)" in e.text
+        for e in rig.events
+    )
+    # What the stages now hold: the prompt and every token but the last.
+    assert rig.driver.next_source() == ReuseSource(rig.plan.run_id, (5, 6, 7, 9, 10, 11, 12, 20, 21))
+
+
+async def test_what_a_run_leaves_for_the_next_one():
+    source = ReuseSource(0x99, (5, 6))
+    torn = Rig(source=source)
+    torn.start()
+    torn.make_ready([PrefixHeld(0x99, 2)] * 2)
+    await settle()
+    torn.driver.stop("no prompt after all")
+    await finish(torn)
+    assert torn.driver.next_source() == source, "a run that wrote nothing leaves the stages as they were"
+    faulted = Rig(source=source)
+    faulted.start()
+    faulted.make_ready([PrefixHeld(0x99, 2)] * 2)
+    faulted.driver.give_prompt([5, 6, 7])
+    await settle()
+    faulted.agent_says(1, StageFault(faulted.plan.run_id, 1, "a", "step 0: out of memory"))
+    await finish(faulted)
+    assert faulted.driver.next_source() is None
+    offered_nothing = Rig()
+    offered_nothing.start()
+    offered_nothing.make_ready()
+    await settle()
+    offered_nothing.driver.stop("no prompt")
+    await finish(offered_nothing)
+    assert offered_nothing.driver.next_source() is None
 
 
 # ------------------------------------------- a peer that reads nothing (14.7)

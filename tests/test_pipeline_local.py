@@ -106,6 +106,7 @@ def test_headless_json(tmp_path, model_path, no_agent_left):
     result = json.loads(done.stdout)
     assert result["outcome"] == "completed" and result["architecture"] == "llama"
     assert result["prompt_tokens"] and 0 < len(result["tokens"]) <= 12
+    assert result["prompt_reused"] == 0, "one prompt: nothing to reuse"
     assert set(result["timings"]) == {
         "ttft_ms",
         "prefill_ms",

@@ -26,11 +26,14 @@ from ggufpipe_agent.protocol import (
     ModelInfo,
     ObjectSpec,
     OutboundEdgeProvision,
+    PrefixHeld,
+    PrefixOffer,
     ProvisionStage,
     RingSpec,
     SamplingParams,
     StageFault,
     StageModelFacts,
+    StageReady,
     StageStopped,
     StepCounters,
     StopRun,
@@ -73,10 +76,12 @@ SAMPLES = [
         model=StageModelFacts("m", "llama", 30, 8, 100, "float", 4, 16),
         engine=EngineOptions(16, 16, 8, threads=2, gpu_layers=-1),
         sampling=SamplingParams(0.7, 40, 0.9, 3),
+        reuse=PrefixOffer(7, 120),
     ),
     StopRun(5, "completed"),
+    StageReady(5, 1, "gpu-a", PrefixHeld(7, 96, 32, "only the first 96 ...")),
     StageFault(5, 0, "here", "oom"),
-    StageStopped(5, 2, "here", StepCounters(3, 1.5, 4.5, 10, 20)),
+    StageStopped(5, 2, "here", StepCounters(3, 1.5, 4.5, 10, 20, 2.5, 30, 96)),
     ModelInfo(9, FACTS, (b"a", b"\xe2\x82", b"")),
     Tokenize(3, "/m.gguf", "", True, (ChatMessage("user", "Hi"), ChatMessage("assistant", " Hello! "))),
 ]
@@ -139,17 +144,19 @@ def test_stream_reader_refuses_without_waiting_for_an_oversize_payload():
 
 
 def test_token_record_round_trip():
-    record = objects.tokens_record(7, 3, 0, [1, 2, 49151])
+    record = objects.tokens_record(7, 3, 0, [1, 2, 49151], position=2**32 - 3)
     header = objects.unpack_header(record[: objects.HEADER_SIZE], 1 << 20)
     assert (header.run_id, header.edge_id, header.sequence, header.rows) == (7, 3, 0, 3)
+    assert header.position == 2**32 - 3 and objects.HEADER_SIZE == 44 and objects.OBJECT_VERSION == 2
     assert objects.decode_tokens(header, record[objects.HEADER_SIZE :]) == [1, 2, 49151]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_activation_record_round_trip(dtype):
     rows = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
-    head, body = objects.activation_record(1, 2, 3, rows, dtype)
+    head, body = objects.activation_record(1, 2, 3, rows, dtype, position=140)
     header = objects.unpack_header(head, 1 << 20)
+    assert (header.sequence, header.position) == (3, 140)
     assert header.nbytes == len(body) == rows.size * (4 if dtype == "float32" else 2)
     decoded = objects.decode_activation(header, bytes(body))
     assert decoded.dtype == np.float32 and decoded.shape == (5, 8)
@@ -171,6 +178,7 @@ def header_bytes(**changes: int) -> bytes:
     [
         (b"XXXX" + header_bytes()[4:], "bad object magic"),
         (header_bytes()[:4] + struct.pack("<H", 9) + header_bytes()[6:], "version 9"),
+        (header_bytes()[:4] + struct.pack("<H", 1) + header_bytes()[6:], "version 1, this side speaks 2"),
         (header_bytes(kind=9), "unknown object kind"),
         (header_bytes(dtype=9), "unknown object dtype"),
         (header_bytes(rows=10**6, nbytes=10**6 * 32), "exceeds the limit"),

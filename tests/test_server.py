@@ -23,7 +23,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.conftest import REPO, agent_pids, wait_no_new_agents
+from tests.conftest import REPO, agent_pids, wait_no_new_agents, whole_model_greedy
 from tests.test_pipeline_local import UNEVEN, run_cli, write_inventory
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -189,7 +189,43 @@ def test_chat_plain_and_streamed_equal_headless(server: Served, headless: dict[s
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 3, "streamed, not in one piece"
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [plain.choices[0].finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        plain.usage.prompt_tokens,
+        plain.usage.completion_tokens,
+        plain.usage.total_tokens,
+    )
+    # The same messages again: the stages kept all of the prompt but its last
+    # token from the request before (prefix reuse), and the text is the cold run's.
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+
+
+def test_a_follow_up_request_reuses_the_conversation_so_far(server: Served, model_path: Path) -> None:
+    """A chat client sends the whole conversation each time; the stages keep
+    what the previous request computed and prefill only the rest, and the
+    answer is the one a cold run of the same tokens gives."""
+    client = server.client()
+    first: list[dict[str, str]] = [{"role": "user", "content": FRANCE}]
+    france = client.chat.completions.create(model="m", messages=first, max_tokens=24)  # type: ignore[arg-type]
+    assert france.usage is not None and "Paris" in str(france.choices[0].message.content)
+    turns = [*first, {"role": "assistant", "content": str(france.choices[0].message.content)},
+             {"role": "user", "content": "And of Italy?"}]
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=turns, max_tokens=24)  # type: ignore[arg-type]
+    italy = raw.parse()
+    assert "Rome" in str(italy.choices[0].message.content), italy.choices[0].message.content
+    assert italy.usage is not None and italy.usage.prompt_tokens_details is not None
+    cached = italy.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and france.usage.prompt_tokens < cached < italy.usage.prompt_tokens, cached
+    run = raw.headers["x-ggufpipe-run"]
+    line = server.wait_line(lambda text: run in text and " 200 " in text, 10, "the request's log line")
+    assert f"reused {cached} of {italy.usage.prompt_tokens} prompt tokens" in line, line
+    (finished,) = [e for e in server.run_log(run) if e["event"] == "RunFinished"]
+    result = finished["result"]
+    assert isinstance(result, dict) and result["prompt_reused"] == cached
+    cold = whole_model_greedy(model_path, result["prompt_tokens"], len(result["tokens"]), n_ctx=512, n_ubatch=32)
+    assert result["tokens"] == cold, "the follow-up differs from a cold run of the same tokens"
 
 
 def test_a_completion_and_stop_strings(server: Served, headless: dict[str, dict[str, object]]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ggufpipe_tui.core.events import (
     PlanMade,
     PromptAssigned,
@@ -94,6 +96,19 @@ def test_a_new_session_resets_the_rows_but_keeps_the_transcript():
     assert all(row.state == "Unprovisioned" and not row.history for row in state.rows)
     assert state.results, "finished runs stay on screen"
     assert state.hint(4.0) == "0/2 agents up · 1.0 s"
+
+
+def test_a_run_that_kept_a_prefix_says_how_much():
+    state = planned_state()
+    view = state.submitted("and then?")
+    state.tickets[8] = view
+    state.apply(PromptAssigned(RUN, "and then?", 8), 1.0)
+    kept = dataclasses.replace(result(), prompt_tokens=(1, 2, 3, 4, 5, 6, 7), prompt_reused=5)
+    state.apply(RunFinished(kept), 1.3)
+    assert view.summary is not None
+    assert view.summary.plain == (
+        "max tokens · 2 tokens · first after 12 ms · 50.0 tok/s · reused 5 of 7 prompt tokens"
+    )
 
 
 def test_a_long_session_keeps_a_bounded_transcript_and_history():

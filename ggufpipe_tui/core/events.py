@@ -159,6 +159,12 @@ class RunResult:
     model: str = ""
     log_path: str = ""
     notes: tuple[str, ...] = field(default=())
+    prompt_reused: int = 0  # leading prompt tokens kept from the previous run, not computed
+
+    @property
+    def prompt_computed(self) -> int:
+        """Prompt tokens the stages computed (the prefill)."""
+        return len(self.prompt_tokens) - self.prompt_reused
 
     @property
     def ok(self) -> bool:

@@ -23,6 +23,7 @@ from ggufpipe_agent.protocol import (
     ModelFacts,
     ObjectSpec,
     OutboundEdgeProvision,
+    PrefixOffer,
     ProvisionStage,
     RingSpec,
     SamplingParams,
@@ -109,6 +110,7 @@ class RunPlan:
     engine: EngineOptions
     sampling: SamplingParams
     ring: EdgePlan | None = None  # the token ring; None: the orchestrator feeds tokens back
+    reuse: PrefixOffer = PrefixOffer()  # what the stages may keep of the previous run
 
     def edge(self, edge_id: int) -> EdgePlan:
         for edge in (*self.edges, *((self.ring,) if self.ring else ())):
@@ -360,6 +362,7 @@ def provision_message(plan: RunPlan, index: int) -> ProvisionStage:
         sampling=plan.sampling,
         ring=_ring_provision(plan, index),
         stage_file=stage.stage_file,
+        reuse=plan.reuse,
     )
 
 

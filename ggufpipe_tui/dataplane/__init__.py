@@ -53,8 +53,9 @@ class DataPlane(Protocol):
         """Set up stage ``stage``'s edge ends for ``plan`` (it has taken its
         provision). Raises ConnectionError when its stream is broken."""
 
-    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int]) -> None:
-        """Write a token object on the token-in edge. Raises ConnectionError."""
+    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None:
+        """Write a token object on the token-in edge, its first token at
+        sequence position ``position``. Raises ConnectionError."""
 
     def on_message(self, stage: int, message: Message) -> bool:
         """A control message from stage ``stage`` that may be the data plane's

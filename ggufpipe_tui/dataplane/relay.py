@@ -70,8 +70,10 @@ class RelayPlane:
             ends.append(OpenEdge(plan.run_id, plan.ring.edge_id, "ring-out"))
         return ends
 
-    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int]) -> None:
-        record = objects.tokens_record(plan.run_id, plan.stages[0].inbound_edge, sequence, tokens)
+    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None:
+        record = objects.tokens_record(
+            plan.run_id, plan.stages[0].inbound_edge, sequence, tokens, position=position
+        )
         await self._stream(0).writer.write(record)
 
     def on_message(self, stage: int, message: Message) -> bool:

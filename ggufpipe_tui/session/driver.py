@@ -21,6 +21,7 @@ from typing import Protocol
 from ggufpipe_agent.errors import TransitionError
 from ggufpipe_agent.protocol import (
     Message,
+    PrefixHeld,
     StageFault,
     StageProgress,
     StageReady,
@@ -45,6 +46,7 @@ from ggufpipe_tui.core.events import (
 )
 from ggufpipe_tui.core.inventory import Timeouts
 from ggufpipe_tui.core.plan import RunPlan, provision_message
+from ggufpipe_tui.core.reuse import ReuseSource, choose_kept
 from ggufpipe_tui.session.stages import StagePort
 
 #: How long a StopRun may take to be written to a stage.
@@ -111,7 +113,7 @@ class RunEdges(Protocol):
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None: ...
 
-    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int]) -> None: ...
+    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None: ...
 
 
 class Detokenizer:
@@ -141,6 +143,7 @@ class RunDriver:
         emit: Emit,
         pieces: tuple[bytes, ...] = (),
         log_path: Callable[[], str] = lambda: "",
+        source: ReuseSource | None = None,
     ) -> None:
         self.plan = plan
         self.stages = stages
@@ -156,6 +159,13 @@ class RunDriver:
         self.result: RunResult | None = None
         self.prompt: list[int] = []
         self.tokens: list[int] = []
+        # Prefix reuse: the run the provision offered (plan.reuse), what each
+        # stage holds of it, what this run kept, and what it fed the stages.
+        self.source = source
+        self.holds: dict[int, PrefixHeld] = {}
+        self.kept = 0
+        self.fed: list[int] = []
+        self.injected = False
         self.text: list[str] = []
         self.detokenizer = Detokenizer(pieces)
         self.counters: dict[int, StepCounters] = {}
@@ -205,6 +215,7 @@ class RunDriver:
             else:
                 self.emit(StageLoadProgress(run_id, stage, message.detail, message.fraction))
         elif isinstance(message, StageReady):
+            self.holds[stage] = message.held
             self.feed(fsm.StageReadyEvent(stage))
         elif isinstance(message, StageFault):
             if 0 <= message.link_peer < len(self.stages):
@@ -301,9 +312,11 @@ class RunDriver:
                 timer.cancel()
         elif isinstance(effect, fsm.InjectPrompt):
             self._injected = time.perf_counter()
-            self._write_tokens(0, self.prompt)
+            self._inject_prompt()
         elif isinstance(effect, fsm.InjectToken):
-            self._write_tokens(effect.sequence, [effect.token])
+            # Token k is fed at the position after the prompt and the tokens before it.
+            self.fed.append(effect.token)
+            self._write_tokens(effect.sequence, [effect.token], len(self.prompt) + effect.sequence - 1)
         elif isinstance(effect, fsm.AcceptToken):
             self._accept(effect.sequence, effect.token)
         elif isinstance(effect, fsm.FinalizeOutput):
@@ -366,11 +379,49 @@ class RunDriver:
         loop = asyncio.get_running_loop()
         self._timers[kind] = loop.call_later(seconds, self.feed, fsm.Timeout(kind))
 
-    def _write_tokens(self, sequence: int, tokens: list[int]) -> None:
+    def _inject_prompt(self) -> None:
+        """The prompt object: what the stages do not keep of the last run, at
+        the position where the kept prefix ends (every stage keeps as much)."""
+        holds = [self.holds.get(index, PrefixHeld()) for index in range(len(self.plan.stages))]
+        source = self.source if self.plan.reuse.run_id else None
+        reuse = choose_kept(source, self.prompt, holds)
+        self.kept, self.fed, self.injected = reuse.kept, list(self.prompt), True
+        if source is not None:
+            why = f" ({reuse.reason})" if reuse.reason else ""
+            self.emit(
+                Notice(
+                    "info",
+                    f"run {self.plan.run_id:016x}: reused {reuse.kept} of {len(self.prompt)} prompt tokens "
+                    f"from run {source.run_id:016x}{why}",
+                )
+            )
+        self._write_tokens(0, self.prompt[reuse.kept :], reuse.kept)
+
+    def next_source(self) -> ReuseSource | None:
+        """What the stages hold once this run is done, for the next run's
+        offer: this run's fed tokens; what the run was offered when it never
+        wrote to the stages; nothing after a fault."""
+        if not self.injected:
+            # Nothing written: the stages hold what they held, unless they
+            # were offered nothing and emptied their caches.
+            return self.source if self.plan.reuse.run_id else None
+        if self.run.outcome == "faulted":
+            return None
+        if self.plan.ring is not None:
+            # The last stage fed every token it sampled round the ring, but
+            # the one it ended on; the orchestrator read them all, in order.
+            # (After a stop it may have fed the last one read too: offering
+            # one position fewer than the stages hold is safe.)
+            return ReuseSource(self.plan.run_id, (*self.fed, *self.tokens[:-1]))
+        return ReuseSource(self.plan.run_id, tuple(self.fed))
+
+    def _write_tokens(self, sequence: int, tokens: list[int], position: int) -> None:
         def failed(error: BaseException) -> None:
             self.stages[0].report_lost(f"token-in edge: {error}")
 
-        self._lane("token-in edge").post(lambda: self.edges.write_tokens(self.plan, sequence, tokens), failed)
+        self._lane("token-in edge").post(
+            lambda: self.edges.write_tokens(self.plan, sequence, tokens, position), failed
+        )
 
     def _accept(self, sequence: int, token: int) -> None:
         now = time.perf_counter()
@@ -411,6 +462,7 @@ class RunDriver:
             model=self.plan.model.model_id,
             log_path=self.log_path(),
             notes=run.notes,
+            prompt_reused=self.kept,
         )
         self.emit(RunFinished(self.result))
         self.done.set()

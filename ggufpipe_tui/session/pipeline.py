@@ -88,6 +88,7 @@ class Pipeline:
         prepare_ahead: bool = False,
         data_plane: DataPlaneFactory = DirectPlane,
         deliver: bool = True,
+        prefix_reuse: bool = True,
     ) -> None:
         self.inventory = inventory
         self.link_factory = link_factory
@@ -107,6 +108,10 @@ class Pipeline:
         self.runlog = RunLog(log_dir)
         self.tasks = TaskOwner(self._task_failed, "pipeline")
         self.queue = RunQueue(self, prepare_ahead)
+        # Each stage keeps its KV cache between runs; a run keeps the prefix
+        # it shares with the one before (core/reuse.py). False: every run
+        # starts from an empty cache (a cold run, for comparisons).
+        self.prefix_reuse = prefix_reuse
         self._subscribers: list[Emit] = [emit] if emit is not None else []
         self._handles: dict[int, RunHandle] = {}
 
@@ -262,7 +267,11 @@ class Pipeline:
             raise PipelineError("the pipeline is not running")
         if self.driver is not None and not self.driver.done.is_set():
             raise PipelineError("a run is already active")
+        previous = self.driver
+        source = previous.next_source() if previous is not None and self.prefix_reuse else None
         plan = self.make_plan(options)
+        if source is not None:
+            plan = replace(plan, reuse=source.offer())
         driver = RunDriver(
             plan,
             self.stages,
@@ -272,6 +281,7 @@ class Pipeline:
             self._run_emitter(plan.run_id),
             self.pieces,
             log_path=lambda: "" if self.runlog.disabled else str(self.runlog.path or ""),
+            source=source,
         )
         self.driver = driver
         try:

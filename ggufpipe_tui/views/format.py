@@ -89,10 +89,16 @@ def result_summary(result: RunResult) -> str:
         return f"{result.outcome}: {result.failure or 'stopped before the first token'}"
     t = result.timings
     why = STOP_WORDS.get(result.stop_reason, result.outcome)
-    return (
+    summary = (
         f"{why} · {len(result.tokens)} tokens · first after {t.ttft_ms:.0f} ms · "
         f"{t.decode_tokens_per_s:.1f} tok/s"
     )
+    return summary + (f" · {reuse_line(result)}" if result.prompt_reused else "")
+
+
+def reuse_line(result: RunResult) -> str:
+    """What a run kept of the previous one (prefix reuse)."""
+    return f"reused {result.prompt_reused} of {len(result.prompt_tokens)} prompt tokens"
 
 
 def format_rate(bytes_per_second: float) -> str:

@@ -70,6 +70,7 @@ def result_json(
         "stop_reason": result.stop_reason,
         "failure": result.failure,
         "prompt_tokens": list(result.prompt_tokens),
+        "prompt_reused": result.prompt_reused,
         "tokens": list(result.tokens),
         "text": result.text,
         "timings": {

@@ -266,18 +266,26 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The answer's ``usage``; ``cached_tokens``: leading prompt tokens the
+    stages kept from the previous run instead of computing them (prefix
+    reuse), where OpenAI reports its prompt caching."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
-def timings(prompt_tokens: int, prompt_ms: float, predicted: int, predicted_ms: float) -> dict[str, float]:
-    """llama.cpp's server's ``timings``: prefill and decode, as measured here."""
+def timings(
+    prompt_tokens: int, prompt_ms: float, predicted: int, predicted_ms: float, cached_tokens: int = 0
+) -> dict[str, float]:
+    """llama.cpp's server's ``timings``: prefill and decode, as measured here;
+    ``cache_n`` prompt tokens were kept, ``prompt_n`` computed."""
     return {
-        "prompt_n": prompt_tokens,
+        "cache_n": cached_tokens,
+        "prompt_n": prompt_tokens - cached_tokens,
         "prompt_ms": round(prompt_ms, 3),
         "predicted_n": predicted,
         "predicted_ms": round(predicted_ms, 3),
@@ -288,7 +296,7 @@ def timings(prompt_tokens: int, prompt_ms: float, predicted: int, predicted_ms: 
 
 
 def answer(
-    request: Request, ident: str, created: int, model: str, text: str, finish: str, counts: dict[str, int]
+    request: Request, ident: str, created: int, model: str, text: str, finish: str, counts: dict[str, Any]
 ) -> dict[str, Any]:
     """The whole answer of a request that is not streamed."""
     if request.chat:
@@ -339,7 +347,7 @@ def chunk(
 
 
 def usage_chunk(
-    request: Request, ident: str, created: int, model: str, counts: dict[str, int]
+    request: Request, ident: str, created: int, model: str, counts: dict[str, Any]
 ) -> dict[str, Any]:
     """The last event when ``stream_options.include_usage``: no choices, the usage."""
     kind = "chat.completion.chunk" if request.chat else "text_completion"

@@ -53,6 +53,7 @@ from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.session.runs import REFUSE, SHORTEN, ContextOverflow, Prompt, RunHandle
 from ggufpipe_tui.session.stages import PipelineError
 from ggufpipe_tui.views import openai_api as api
+from ggufpipe_tui.views.format import reuse_line
 from ggufpipe_tui.views.headless import EXIT_FAULTED, EXIT_OK, EXIT_SETUP, Printer
 
 #: Seconds the running request may take to finish once SIGTERM came.
@@ -157,6 +158,8 @@ class Server:
             f"queued {exchange.queued_s:.2f} s"
         )
         result = exchange.result
+        if result is not None and result.prompt_reused:
+            line += f" · {reuse_line(result)}"
         if result is not None and result.tokens:
             line += (
                 f" · first token {result.timings.ttft_ms:.0f} ms · prefill {result.timings.prefill_ms:.0f} ms"
@@ -296,10 +299,12 @@ class Server:
         exchange.result = result
         exchange.prompt_tokens, exchange.completion_tokens = len(result.prompt_tokens), counted
         tail = scanner.flush()
-        counts = api.usage(len(result.prompt_tokens), counted)
+        counts = api.usage(len(result.prompt_tokens), counted, result.prompt_reused)
         finish = "stop" if scanner.stopped else STOP_WORDS.get(result.stop_reason, "length")
         spent = result.timings
-        measured = api.timings(len(result.prompt_tokens), spent.prefill_ms, counted, spent.decode_ms)
+        measured = api.timings(
+            len(result.prompt_tokens), spent.prefill_ms, counted, spent.decode_ms, result.prompt_reused
+        )
         if result.outcome == "faulted":
             exchange.status, exchange.detail = 500, f"faulted: {result.failure}"
             error = api.ApiError(500, f"the pipeline faulted: {result.failure}", "server_error")
