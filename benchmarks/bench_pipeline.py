@@ -22,7 +22,8 @@ pipeline), decode tokens/s over 128 tokens (EOS ignored), the ratio to one
 process and to the raw ring, the per-token overhead against the raw ring and
 per link (three links per token: 0->1, 1->2 and the token back to stage 0),
 and the stages' own mean step times. Every pipeline is started (and warmed
-up) once; then each round samples every configuration in turn, so the
+up) once, with prefix reuse off (every run prefills its whole prompt, as the
+references do); then each round samples every configuration in turn, so the
 machine's noise hits them alike; medians of --repeats rounds, and the spread
 (slowest to fastest decode of a configuration) says how noisy the run was.
 
@@ -194,7 +195,9 @@ class Hosts:
 
 
 async def start_pipeline(inventory: Inventory, prompts: dict[int, list[int]], log_dir: str) -> Pipeline:
-    pipeline = Pipeline(inventory, lambda event: None, log_dir=log_dir)
+    # Cold runs: every round prefills its prompts whole, as the references do
+    # (prefix reuse would keep the shared start of the 128- and 512-token prompts).
+    pipeline = Pipeline(inventory, lambda event: None, log_dir=log_dir, prefix_reuse=False)
     try:
         await pipeline.start()
         pipeline.inventory = with_run_options(inventory, max_tokens=4)
@@ -258,7 +261,8 @@ def table(results: dict[str, list[Sample]], single: list[Sample], ring: list[Sam
     header = (
         f"SmolLM2-135M-Instruct Q4_1 (30 blocks, hidden 576), {STAGES} stages split evenly, float32 "
         f"activations, context {CONTEXT}, ubatch {UBATCH}, {DECODE} decode tokens with EOS ignored, median "
-        f"of {repeats} rounds that interleave every row (every pipeline started and warmed up once), "
+        f"of {repeats} rounds that interleave every row (every pipeline started and warmed up once, prefix "
+        "reuse off), "
         f"{os.cpu_count()} cores ({platform.machine()}), llama-cpp-python "
         f"{llama_cpp.__version__}, agents on every core each. Load average at the end "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min): others use this machine too; the "
