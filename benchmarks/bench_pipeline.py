@@ -167,8 +167,13 @@ class Hosts:
                 f"cache_dir: {cache}}}\n"
             )
 
-        plain = Sshd(Path(tempfile.mkdtemp(prefix="ggufpipe-bench-sshd-"))).start()
-        forwarding = Sshd(Path(tempfile.mkdtemp(prefix="ggufpipe-bench-sshd-")), forwarding=True).start()
+        # Every pipeline is started up front, in one event loop, and the SSH
+        # transport shares one connection per host within a loop: sessions of
+        # several pipelines add up past sshd's default MaxSessions of 10.
+        plain = Sshd(Path(tempfile.mkdtemp(prefix="ggufpipe-bench-sshd-")), max_sessions=64).start()
+        forwarding = Sshd(
+            Path(tempfile.mkdtemp(prefix="ggufpipe-bench-sshd-")), forwarding=True, max_sessions=64
+        ).start()
         self.servers = [plain, forwarding]
         self.entries["ssh"] = entry("gpu", plain)
         self.stage_hosts["ssh"] = ["gpu"] * STAGES

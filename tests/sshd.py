@@ -52,7 +52,9 @@ def sshd_missing() -> str:
 class Sshd:
     """One sshd process; ``start()`` returns once it answers with its banner."""
 
-    def __init__(self, base: Path, forwarding: bool = False, extra_users: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, base: Path, forwarding: bool = False, extra_users: tuple[str, ...] = (), max_sessions: int = 10
+    ) -> None:
         self.base = base
         self.forwarding = forwarding  # stream-local (Unix socket) forwarding allowed
         self.port = free_port()
@@ -60,6 +62,7 @@ class Sshd:
         # Other accounts that may log in, each with the client key in its own
         # ~/.ssh/authorized_keys (sshd reads that file as the user).
         self.extra_users = extra_users
+        self.max_sessions = max_sessions  # sessions per connection (sshd's default: 10)
         self.host_key = base / "ssh_host_ed25519_key"
         self.client_key = base / "client_ed25519"
         self.stranger_key = base / "stranger_ed25519"  # a key sshd does not accept
@@ -97,6 +100,7 @@ class Sshd:
                     "PidFile none",
                     "PrintMotd no",
                     "LogLevel VERBOSE",
+                    f"MaxSessions {self.max_sessions}",
                     # Locked down: no port, socket, X11 or agent forwarding, no tunnels.
                     # The forwarding server allows local forwarding: OpenSSH checks
                     # AllowTcpForwarding for sockets too (the "local" permission set).
