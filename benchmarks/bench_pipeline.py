@@ -190,7 +190,10 @@ class Hosts:
             f"context: {CONTEXT}, ubatch: {UBATCH}, chat: false, ignore_eos: true, feedback: {config.feedback}"
             "}\n"
             f"data: {config.data}\n"
-            "timeouts: {connect: 30, ready: 300, step: 120, teardown: 15}\n"
+            # The references run in this process's event loop and hold it for
+            # tens of seconds on a busy machine: the idle pipelines' agents must
+            # not take that for a frozen orchestrator (heartbeat) and leave.
+            "timeouts: {connect: 30, ready: 300, step: 120, teardown: 15, heartbeat: 900}\n"
         )
         return parse_inventory(text, REPO / "benchmarks" / "bench.yaml")
 
