@@ -14,4 +14,5 @@ __version__ = "0.1.0"
 #: 5: model delivery (deliverywire), ModelInfo.identity, ProvisionStage.stage_file, cache requests;
 #: 6: positions in the object header, prefix reuse in ProvisionStage (reuse) and StageReady (held);
 #: 7: direct links (link_messages), ProvisionStage.ring, StageFault.link_peer.
-PROTOCOL_VERSION = 7
+#: 8: Refused.run_id.
+PROTOCOL_VERSION = 8

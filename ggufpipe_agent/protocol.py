@@ -386,6 +386,10 @@ class Refused(Message):
 
     what: str
     reason: str
+    # The run the refused message named, 0 for none: a refusal that arrives
+    # after its run was replaced (a prepared run torn down for other sampling)
+    # is about that old run, not the one now being set up.
+    run_id: int = 0
 
 
 # --------------------------------------------------------------------------- #

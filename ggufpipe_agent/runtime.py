@@ -204,9 +204,9 @@ class Session:
                     self._writer_lost.set_result(f"the control stream broke ({error})")
                 return
 
-    def refuse(self, what: str, reason: str) -> None:
+    def refuse(self, what: str, reason: str, run_id: int = 0) -> None:
         log.warning("refused %s: %s", what, reason)
-        self.post(Refused(what, reason))
+        self.post(Refused(what, reason, run_id))
 
     # ------------------------------------------------------------ control
 
@@ -341,7 +341,7 @@ class Session:
                 self.agent.seen_runs.add(message.run_id)
             return
         if message.run_id in self.agent.seen_runs:
-            self.refuse("ProvisionStage", f"stale run id {message.run_id:016x}")
+            self.refuse("ProvisionStage", f"stale run id {message.run_id:016x}", message.run_id)
             return
         self.agent.seen_runs.add(message.run_id)
         run = StageRun(message, self.post, self.agent.worker, self.agent.engines, self.agent.cache_dir)
@@ -448,7 +448,7 @@ class Session:
         run = self.run
         problem = self._run_problem(message.run_id)
         if problem:
-            self.refuse("OpenEdge", problem)
+            self.refuse("OpenEdge", problem, message.run_id)
             return
         assert run is not None
         expected = run.edge_ids(from_link).get(message.role)
@@ -476,7 +476,7 @@ class Session:
         run = self.run
         problem = self._run_problem(message.run_id)
         if problem:
-            self.refuse("LinkEdge", problem)
+            self.refuse("LinkEdge", problem, message.run_id)
             return
         assert run is not None
         await self.links.edge(run, message, self.refuse, self.inbound_object)
