@@ -370,10 +370,10 @@ class Server:
             for handle in running:
                 if not handle.done:
                     handle.stop("the server is shutting down")
+            if late:  # stopped: wait for it to end, then give up on it
+                await asyncio.wait(late, timeout=SHUTDOWN_GRACE)
             for wait in waits:
                 wait.cancel()
-            if late:
-                await asyncio.wait(late, timeout=SHUTDOWN_GRACE)
 
 
 # ------------------------------------------------------------------ running

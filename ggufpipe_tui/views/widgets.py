@@ -99,7 +99,11 @@ class StageTable(DrawnOnce):
     def show(self, rows: list[StageRow], running: bool) -> None:
         """Draw ``rows``. A layout pass (the whole screen) only when the table's
         height can change: new numbers and the spinner repaint the table alone."""
-        shape = tuple((row.state, row.fault, row.connected, row.load_fraction is None) for row in rows)
+        shape = tuple(
+            (row.state, row.fault, row.connected, row.load_fraction is None)
+            + (row.delivery.state if row.delivery else None,)  # a sending line can wrap
+            for row in rows
+        )
         layout, self._shape = shape != self._shape, shape
         self.rows, self.running = rows, running
         self.refresh(layout=layout)
@@ -107,7 +111,7 @@ class StageTable(DrawnOnce):
     def content_key(self) -> object:
         rows = tuple(
             (r.index, r.host, r.where, r.layers, r.estimated_bytes, r.available_bytes, r.device, r.state)
-            + (r.connected, r.fault, r.load_detail, r.load_fraction, r.counters, r.activity)
+            + (r.connected, r.fault, r.load_detail, r.load_fraction, r.counters, r.activity, r.delivery)
             for r in self.rows
         )
         return self.running, rows
