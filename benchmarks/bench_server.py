@@ -15,8 +15,9 @@ Measures, on this machine, with SmolLM2-135M, greedy, a reply of at most
   * throughput with 4 clients at once (requests are served one at a time, in
     order: the same tokens/s as one client, the latency is the queue's);
   * one conversation of 4 turns over the API: each turn's prompt is the whole
-    conversation, so its prefill grows with it (no prefix reuse yet: the
-    figure prefix reuse is to improve on).
+    conversation; the stages keep the prefix it shares with the last request
+    (prefix reuse, in whole ubatches), and each turn says how many prompt
+    tokens were reused (usage.prompt_tokens_details.cached_tokens).
 Medians; ratios against the baseline. Writes docs/bench-server.md.
 """
 
@@ -156,6 +157,7 @@ async def ask(http: aiohttp.ClientSession, url: str, messages: list[dict[str, st
         "text": text,
         "prompt_tokens": usage.get("prompt_tokens", 0),
         "completion_tokens": usage.get("completion_tokens", 0),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
     }
 
 
@@ -226,14 +228,15 @@ def report(base: dict[str, float], served: dict[str, Any], args: argparse.Namesp
         "(served one at a time, in order: the latency is the queue's).",
         "",
         "One conversation over the API, each turn's prompt the whole conversation so far",
-        "(no prefix reuse yet: every turn prefills everything):",
+        "(the stages keep what they can of the last request's prefix: the reused column):",
         "",
-        "| turn | prompt tokens | reply tokens | first token ms (client) | first token ms (run) |",
-        "|---:|---:|---:|---:|---:|",
+        "| turn | prompt tokens | reused | reply tokens | first token ms (client) | first token ms (run) |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for index, turn in enumerate(served["turns"], 1):
         lines.append(
-            f"| {index} | {turn['prompt_tokens']} | {turn['completion_tokens']} | {turn['ttft_ms']:.0f} | "
+            f"| {index} | {turn['prompt_tokens']} | {turn['cached_tokens']} | {turn['completion_tokens']} | "
+            f"{turn['ttft_ms']:.0f} | "
             f"{turn['run_ttft_ms']:.0f} |"
         )
     return "\n".join(lines) + "\n"

@@ -23,7 +23,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,32 +70,23 @@ async def headless(inv: Inventory, log_dir: str) -> tuple[RunResult, float]:
 
 async def tui(inv: Inventory, log_dir: str) -> tuple[RunResult, float]:
     from ggufpipe_tui.views.app import GgufpipeApp
+    from tests.test_app import ready_for_prompt, wait_for
 
     app = GgufpipeApp(inv, log_dir=log_dir)
 
-    async def until(condition: Callable[[], bool], timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the TUI did not get there ({app.fault})")
-            await asyncio.sleep(0.05)
-
-    def ready() -> bool:
-        return app.run_phase == "WaitingReady" and all(row.state == "Ready" for row in app.rows)
-
     async with app.run_test(size=(120, 40)) as pilot:
-        await until(ready)
+        await wait_for(pilot, lambda: ready_for_prompt(app), 300, "the stages to load")
         await pilot.press(*PROMPT, "enter")  # a warm-up run, as headless has
-        await until(lambda: len(app.results) == 1)
-        await until(ready)
+        await wait_for(pilot, lambda: len(app.results) == 1, 300, "the warm-up run")
+        await wait_for(pilot, lambda: ready_for_prompt(app), 300, "the stages to load")
         await pilot.press(*PROMPT)
         before = cpu()
         await pilot.press("enter")
-        await until(lambda: len(app.results) == 2)
+        await wait_for(pilot, lambda: len(app.results) == 2, 300, "the measured run")
         spent = cpu() - before
         result = app.results[1]
         await pilot.press("ctrl+q")
-        await until(lambda: app.return_code is not None, 60)
+        await wait_for(pilot, lambda: app.return_code is not None, 60, "the app to quit")
     return result, spent
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from ggufpipe_agent.errors import ProtocolError
 
@@ -51,7 +51,6 @@ def to_plain(value: Any, text_bytes: bool = False) -> Any:
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
-T = TypeVar("T")
 
 
 def _hints(cls: type) -> dict[str, Any]:

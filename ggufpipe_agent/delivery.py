@@ -140,7 +140,8 @@ async def serve_delivery(
                     raise TransferError(
                         f"chunk {message.index} of {message.size} bytes; chunks are {receiver.chunk_size}"
                     )
-                data = await _read_exactly(frames, message.size, f"chunk {message.index}")
+                chunk = frames.exactly(message.size, f"chunk {message.index}")  # the bytes after the frame
+                data = await asyncio.wait_for(chunk, FRAME_TIMEOUT)
                 if pending is not None:
                     await pending  # in order; at most one chunk written while the next is read
                 pending = run(receiver.accept, message.index, data, message.digest)
@@ -182,14 +183,6 @@ def _allow_whole_chunks(frames: FrameReader, chunk_size: int) -> None:
     if isinstance(stream, asyncio.StreamReader):
         limit = getattr(stream, "_limit", 0)
         setattr(stream, "_limit", max(limit, 2 * min(chunk_size, MAX_CHUNK)))  # noqa: B010
-
-
-async def _read_exactly(frames: FrameReader, count: int, what: str) -> bytes:
-    """The raw bytes that follow a StageData frame."""
-    try:
-        return bytes(await asyncio.wait_for(frames.stream.readexactly(count), FRAME_TIMEOUT))
-    except asyncio.IncompleteReadError:
-        raise TruncatedFrame(f"{frames.what} ended inside {what}") from None
 
 
 async def _close(

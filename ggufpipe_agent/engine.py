@@ -410,13 +410,12 @@ class StageEngine:
         rows = min(self.n_ubatch, self.n_ctx)
         tail = min(PROBE_ROWS, rows - 1)
         random = np.random.default_rng(0)
+        n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
         inputs: np.ndarray | list[int]
         if self.shape.first:
-            vocabulary = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
-            inputs = random.integers(1, max(2, vocabulary), rows).tolist()
+            inputs = random.integers(1, max(2, n_vocab), rows).tolist()
         else:
             inputs = random.standard_normal((rows, self.shape.hidden)).astype(np.float32)
-        n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
 
         def result(outputs: list[Any]) -> tuple[bytes, bytes]:
             """The KV cache and the outputs (activations, or the last row's logits)."""
@@ -460,7 +459,7 @@ class StageEngine:
         size = lib.llama_state_seq_get_size(self.context, 0)
         buffer = (ctypes.c_uint8 * size)()
         written = lib.llama_state_seq_get_data(self.context, buffer, size, 0)
-        return bytes(buffer)[:written]
+        return ctypes.string_at(buffer, written)  # one copy (the KV cache may be large)
 
     def _restore_sequence(self, state: bytes, positions: int) -> None:
         lib = self._lib

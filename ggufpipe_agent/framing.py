@@ -50,7 +50,8 @@ class FrameReader:
         self.stream = stream
         self.what = what
 
-    async def _exactly(self, count: int, inside: str) -> bytes:
+    async def exactly(self, count: int, inside: str) -> bytes:
+        """``count`` raw bytes (a frame's body, or what follows it)."""
         try:
             return bytes(await self.stream.readexactly(count))
         except asyncio.IncompleteReadError:
@@ -76,8 +77,8 @@ class FrameReader:
         return await self._control(magic, limit)
 
     async def _control(self, magic: bytes, limit: int = MAX_CONTROL_BYTES) -> Message:
-        prefix = magic + await self._exactly(CONTROL_PREFIX_SIZE - 4, "a frame prefix")
-        return decode_payload(await self._exactly(parse_prefix(prefix, limit), "a frame"))
+        prefix = magic + await self.exactly(CONTROL_PREFIX_SIZE - 4, "a frame prefix")
+        return decode_payload(await self.exactly(parse_prefix(prefix, limit), "a frame"))
 
     async def frame(self, object_limit: int) -> Message | objects.ObjectHeader | None:
         """The next frame of a data stream: a control message, or an object's
@@ -90,7 +91,7 @@ class FrameReader:
             return await self._control(magic)
         if magic != objects.OBJECT_MAGIC:
             raise ProtocolError(f"bad frame magic {magic!r} on the {self.what}")
-        head = magic + await self._exactly(objects.HEADER_SIZE - 4, "an object header")
+        head = magic + await self.exactly(objects.HEADER_SIZE - 4, "an object header")
         return objects.unpack_header(head, object_limit)
 
     async def header(self, object_limit: int) -> objects.ObjectHeader | None:
@@ -101,7 +102,7 @@ class FrameReader:
         return frame
 
     async def payload(self, header: objects.ObjectHeader) -> bytes:
-        return await self._exactly(header.nbytes, header.describe())
+        return await self.exactly(header.nbytes, header.describe())
 
     async def record(self, object_limit: int) -> tuple[objects.ObjectHeader, bytes] | None:
         """A whole object record; None on a clean end."""

@@ -135,7 +135,6 @@ class Link:
         self.reader = FrameReader(reader, what)
         self.writer = FrameWriter(writer, what=what)
         self.peer = peer
-        self.what = what
 
 
 class Links:
@@ -154,7 +153,6 @@ class Links:
         self.serve = serve
         self.spawn = spawn
         self.outbound: Link | None = None
-        self.inbound: Link | None = None
         self._servers: list[asyncio.AbstractServer] = []
         self._writers: list[Any] = []
         self.closing = False
@@ -190,7 +188,6 @@ class Links:
             accepted.set()
             server.close()
             link = Link(reader, writer, request.peer, f"link from stage {request.peer}")
-            self.inbound = link
             self._writers.append(writer)
             try:
                 await link.writer.send(LinkAttach(request.token))
@@ -302,7 +299,7 @@ class Links:
         self,
         run: StageRun,
         message: LinkEdge,
-        refuse: Callable[[str, str], None],
+        refuse: Callable[[str, str, int], None],
         deliver: Callable[[ObjectHeader, bytes], Awaitable[None]],
     ) -> None:
         """``run``'s outbound (or ring-out) end on the outbound link: the
@@ -310,10 +307,11 @@ class Links:
         cannot overtake anything the consumer was sent before."""
         expected = run.edge_ids(False).get(message.role)
         if message.role not in ("outbound", "ring-out") or expected != message.edge_id:
-            refuse("LinkEdge", f"edge {message.edge_id} ({message.role}) is not this stage's to link")
+            reason = f"edge {message.edge_id} ({message.role}) is not this stage's to link"
+            refuse("LinkEdge", reason, message.run_id)
             return
         if run.fsm.state is not StageState.PREPARING:
-            refuse("LinkEdge", f"edge {message.edge_id} set up outside Preparing")
+            refuse("LinkEdge", f"edge {message.edge_id} set up outside Preparing", message.run_id)
             return
         ring = run.provision.ring
         if message.role == "ring-out" and ring is not None and ring.consume:
@@ -324,7 +322,7 @@ class Links:
             return
         link = self.outbound
         if link is None:
-            refuse("LinkEdge", "this stage has no link (LinkConnect first)")
+            refuse("LinkEdge", "this stage has no link (LinkConnect first)", message.run_id)
             return
         consumer_role = "inbound" if message.role == "outbound" else "ring-in"
         try:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufpipe_agent import objects
+from ggufpipe_agent.delivery import answer_cache_request, serve_delivery
 from ggufpipe_agent.deliverywire import CacheRequest, ReceiveStage
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
@@ -172,7 +173,7 @@ class Session:
         # order it was posted: a stage's StageFault is always read before the
         # refusal of an OpenEdge that arrived after the fault.
         self._outbox: asyncio.Queue[Message | None] = asyncio.Queue()
-        self.links = Links(agent.private_dir, self.post, self._serve_link, self.tasks.spawn)
+        self.links = Links(agent.private_dir, self.post, self.serve_data, self.tasks.spawn)
         self.silence = Silence(DEFAULT_SILENCE_S)
         self._beat_interval = 0.0
         self._beating: asyncio.Task[None] | None = None
@@ -329,15 +330,17 @@ class Session:
                 reason = f"run {message.run_id:016x} is already provisioned (StopRun it first)"
             else:
                 reason = f"stage is busy with run {run.run_id:016x} (one run at a time)"
-            self.refuse("ProvisionStage", reason)
+            self.refuse("ProvisionStage", reason, message.run_id)
             return
         problem = validate_provision(message)
         if problem:
             # Nothing of it is taken: the stage stays as it was, free for a
             # sound provision (a field the wire cannot carry must never reach
             # struct.pack or llama.cpp and fault a step).
-            self.refuse("ProvisionStage", f"run {message.run_id:#x}: {problem}")
-            if fits_bits(message.run_id, 64):
+            sound_id = fits_bits(message.run_id, 64)
+            refused_id = message.run_id if sound_id else 0
+            self.refuse("ProvisionStage", f"run {message.run_id:#x}: {problem}", refused_id)
+            if sound_id:
                 self.agent.seen_runs.add(message.run_id)
             return
         if message.run_id in self.agent.seen_runs:
@@ -418,17 +421,12 @@ class Session:
                 await self.open_edge(frame, outbound, from_link=peer >= 0)
             elif isinstance(frame, ReceiveStage) and peer < 0:
                 # A delivery connection (model send: true): a stage file, not edges.
-                from ggufpipe_agent.delivery import serve_delivery
-
                 await serve_delivery(frame, frames, outbound, self.agent.cache_dir)
                 return "the stage file was delivered"
             elif isinstance(frame, Message):
                 self.refuse(frame.tag, f"not a message for the {what}")
             else:
                 await self.inbound_object(frame, payload)
-
-    async def _serve_link(self, reader: Any, writer: Any, peer: int) -> str:
-        return await self.serve_data(reader, writer, peer)
 
     async def _data_fault(self, reason: str, peer: int = -1) -> None:
         """A frame that cannot be parsed: the stream is lost, and with it the run."""
@@ -457,10 +455,11 @@ class Session:
                 "OpenEdge",
                 f"edge {message.edge_id} ({message.role}) is not in the provision message of run "
                 f"{run.run_id:016x}",
+                message.run_id,
             )
             return
         if run.fsm.state is not StageState.PREPARING:
-            self.refuse("OpenEdge", f"edge {message.edge_id} set up outside Preparing")
+            self.refuse("OpenEdge", f"edge {message.edge_id} set up outside Preparing", message.run_id)
             return
         if message.role == "outbound":
             run.outbound = writer
@@ -469,7 +468,7 @@ class Session:
         try:
             run.apply(EdgeEstablished(message.role))
         except GgufpipeError as error:
-            self.refuse("OpenEdge", str(error))
+            self.refuse("OpenEdge", str(error), message.run_id)
 
     async def link_edge(self, message: LinkEdge) -> None:
         """This run's outbound (or ring-out) end on the stage's link."""
@@ -518,8 +517,6 @@ def _answer(request: Inspect | Tokenize | CacheRequest, cache_dir: Path | None) 
     from ggufpipe_agent.vocab import vocabulary
 
     if isinstance(request, CacheRequest):
-        from ggufpipe_agent.delivery import answer_cache_request
-
         return answer_cache_request(cache_dir, request)
     facts = read_model_facts(request.path)
     if isinstance(request, Inspect):

@@ -113,7 +113,7 @@ class RunPlan:
     reuse: PrefixOffer = PrefixOffer()  # what the stages may keep of the previous run
 
     def edge(self, edge_id: int) -> EdgePlan:
-        for edge in (*self.edges, *((self.ring,) if self.ring else ())):
+        for edge in self.edges:  # the ring has its own field, looked up there
             if edge.edge_id == edge_id:
                 return edge
         raise KeyError(edge_id)

@@ -7,8 +7,8 @@
   same model as stage 0's: a copy whose identity differs (metadata or tensor
   table, :mod:`ggufpipe_agent.identity`) is refused before anything loads,
   naming both hosts and what differs.
-* :class:`LocalModel`: the model lies here. Its facts, vocabulary, chat
-  template and identity are read here (the agent package's own functions, in
+* :class:`LocalModel`: the model lies here. Its facts, vocabulary and chat
+  template are read here (the agent package's own functions, in
   a thread), prompts are tokenized here, and each host is then sent only its
   stage file (:mod:`ggufpipe_tui.session.delivery`).
 """
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.identity import ModelIdentity, describe_difference, model_identity
+from ggufpipe_agent.identity import describe_difference
 from ggufpipe_agent.modelfiles import ModelFiles, read_model_files
 from ggufpipe_agent.protocol import (
     ChatMessage,
@@ -39,7 +39,6 @@ from ggufpipe_tui.session.stages import PipelineError, StageHandle
 class ModelRead:
     facts: ModelFacts
     pieces: tuple[bytes, ...]  # token id -> bytes
-    identity: ModelIdentity | None
     where: str  # the model, for messages: "PATH on HOST" or "PATH on this machine"
 
 
@@ -79,7 +78,7 @@ class HostCopies:
             self._check_copy(reference_stage, reference, stage, info)
         facts = reference.facts
         where = f"{facts.path} on {reference_stage.host.name}"
-        return ModelRead(facts, reference.pieces, reference.identity, where)
+        return ModelRead(facts, reference.pieces, where)
 
     def _check_copy(
         self, first: StageHandle, expected: ModelInfo, stage: StageHandle, info: ModelInfo
@@ -108,7 +107,8 @@ class HostCopies:
 
 
 def _read_local(path: str) -> tuple[ModelRead, ModelFiles]:
-    """In a thread: facts, vocabulary and identity of the model here."""
+    """In a thread: facts and vocabulary of the model here (its identity is
+    the stage files' business: :mod:`ggufpipe_agent.stagefile`)."""
     from ggufpipe_agent.model import read_model_facts
     from ggufpipe_agent.vocab import vocabulary
 
@@ -116,7 +116,7 @@ def _read_local(path: str) -> tuple[ModelRead, ModelFiles]:
     facts = read_model_facts(path)
     vocab = vocabulary(facts.path)
     facts = replace(facts, eog_token_ids=vocab.eog_tokens())
-    read = ModelRead(facts, vocab.pieces(), model_identity(files), f"{facts.path} on this machine")
+    read = ModelRead(facts, vocab.pieces(), f"{facts.path} on this machine")
     return read, files
 
 

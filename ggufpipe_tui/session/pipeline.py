@@ -331,7 +331,7 @@ class Pipeline:
             setting_up = (fsm.RunPhase.PROVISIONING, fsm.RunPhase.WAITING_READY)
             if (
                 driver is not None
-                and message.run_id in (0, driver.plan.run_id)  # not about a run replaced since
+                and message.run_id == driver.plan.run_id  # not about a run replaced since
                 and driver.run.phase in setting_up
                 and message.what in ("ProvisionStage", "OpenEdge", "LinkEdge")
                 # A stage that faulted refuses its later edge ends; its own

@@ -94,7 +94,6 @@ class ThreadedHandle:
         self._handle = handle
         self._loop = loop
         self.ticket = handle.ticket
-        self.prompt = handle.prompt
 
     @property
     def done(self) -> bool:
@@ -123,7 +122,6 @@ class ThreadedPipeline:
     Same constructor as :class:`Pipeline` (a ``pipeline_factory`` of the app)."""
 
     def __init__(self, inventory: Inventory, emit: Emit | None = None, log_dir: Any = None, **options: Any):
-        self.inventory = inventory
         self._app_loop = asyncio.get_running_loop()
         self._emit = emit
         self._loop = _new_loop()
