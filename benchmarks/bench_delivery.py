@@ -152,8 +152,11 @@ class HostCpu:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
         if not any(v.startswith(b"SSH_CONNECTION=") and v.split()[-1] == self.port for v in environ.split(b"\0")):
             return ""
-        if b" bridge " in command.replace(b"\0", b" "):
+        words = command.replace(b"\0", b" ") + b" "
+        if b" bridge " in words:
             return "bridge"
+        if b" receive " in words:
+            return "receive"
         return "agent" if b"ggufpipe_agent" in command else command.split(b"\0")[0].rsplit(b"/", 1)[-1].decode()
 
     def _poll(self, baseline: bool = False) -> None:

@@ -7,6 +7,9 @@ ggufpipe-agent --listen ADDR        started by hand: wait for an orchestrator on
                                     must prove it holds the listen key first
 ggufpipe-agent bridge ENDPOINT      copy stdin/stdout to a local socket (the
                                     orchestrator's data channel over SSH)
+ggufpipe-agent receive [--cache-dir DIR]
+                                    receive one stage file into the cache on
+                                    stdin/stdout (model: {send: true} over SSH)
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ subcommands:
                     and the socket to stdout; the orchestrator runs this on an
                     SSH exec channel to reach the agent's data socket, so no port
                     forwarding is needed on the host.
+  receive [--cache-dir DIR]
+                    receive one stage file into the cache, speaking the delivery
+                    protocol on stdin/stdout; the orchestrator runs this on an SSH
+                    exec channel for model: {send: true} (docs/model-delivery.md).
 
 environment:
   GGUFPIPE_CACHE_DIR  where stage files are cached (default
@@ -55,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         from ggufpipe_agent.bridge import bridge_main
 
         return bridge_main(args[1:])
+    if args[:1] == ["receive"]:
+        from ggufpipe_agent.receive import receive_main
+
+        _die_with_parent()
+        return receive_main(args[1:])
     parser = argparse.ArgumentParser(
         prog="ggufpipe-agent",
         description=DESCRIPTION,

@@ -37,7 +37,6 @@ from ggufpipe_agent.deliverywire import (
     CacheReport,
     CacheRequest,
     ReceiveAnswer,
-    ReceiveFailed,
     ReceiveStage,
     StageData,
     StageDataEnd,
@@ -45,7 +44,6 @@ from ggufpipe_agent.deliverywire import (
 )
 from ggufpipe_agent.errors import (
     CacheError,
-    DiskFull,
     GgufpipeError,
     ModelError,
     ProtocolError,
@@ -54,9 +52,15 @@ from ggufpipe_agent.errors import (
 from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
 from ggufpipe_agent.modelfiles import read_model_files
 from ggufpipe_agent.protocol import Message, ProvisionStage
-from ggufpipe_agent.receiver import MAX_CHUNK, ReceiveStatus, StageFileReceiver
+from ggufpipe_agent.receive import (
+    FRAME_TIMEOUT,
+    cache_directory,
+    describe_status,
+    failure_message,
+    open_receiver,
+)
+from ggufpipe_agent.receiver import MAX_CHUNK, StageFileReceiver
 from ggufpipe_agent.stagecache import (
-    default_cache_dir,
     free_bytes,
     private_cache_dir,
     remove_entry,
@@ -66,42 +70,6 @@ from ggufpipe_agent.stagecache import (
 
 log = logging.getLogger("ggufpipe.delivery")
 T = TypeVar("T")
-
-#: How long a delivery connection may wait for its next frame. The sender may
-#: be hashing locally (a resumed send re-hashes the prefix it skips, a first
-#: check of a cached entry hashes the whole stage file) before it sends more.
-FRAME_TIMEOUT = 600.0
-#: A checkpoint (fdatasync, then the progress record) at least this often, so
-#: an agent killed with its connection resumes from at most a second back.
-CHECKPOINT_SECONDS = 1.0
-
-
-def cache_directory(cache_dir: Path | None) -> Path:
-    return Path(cache_dir) if cache_dir is not None else default_cache_dir()
-
-
-def _open_receiver(directory: Path, offer: ReceiveStage) -> tuple[StageFileReceiver, ReceiveStatus]:
-    stage = offer.offer
-    receiver = StageFileReceiver(
-        directory,
-        stage.key,
-        stage.size,
-        stage.chunk_size,
-        checkpoint_seconds=CHECKPOINT_SECONDS,
-        background_checkpoints=True,
-    )
-    if offer.replace:
-        remove_entry(receiver.target, "the sender has another file under this name")
-    return receiver, receiver.open()
-
-
-def _failure(error: GgufpipeError) -> ReceiveFailed:
-    if isinstance(error, DiskFull):
-        return ReceiveFailed(str(error), "disk_full", error.path, error.needed, error.available)
-    if isinstance(error, TransferError | ProtocolError):
-        return ReceiveFailed(str(error), "transfer")
-    return ReceiveFailed(str(error), "cache")
-
 
 async def serve_delivery(
     first: ReceiveStage, frames: FrameReader, writer: FrameWriter, cache_dir: Path | None
@@ -128,8 +96,9 @@ async def serve_delivery(
                 if receiver is not None:
                     await run(receiver.close)
                     receiver = None
-                opened, status = await run(_open_receiver, directory, message)
-                log.info("offered %s (%d bytes): %s", status.name, message.offer.size, _said(status))
+                opened, status = await run(open_receiver, directory, message)
+                said = describe_status(status)
+                log.info("offered %s (%d bytes): %s", status.name, message.offer.size, said)
                 # A complete entry or a busy partial holds nothing open here.
                 receiver = opened if status.state in ("partial", "empty") else None
                 await writer.send(ReceiveAnswer(status, str(opened.directory), free_bytes(opened.directory)))
@@ -164,7 +133,7 @@ async def serve_delivery(
     except GgufpipeError as error:
         log.error("cannot receive the stage file: %s", error)
         with contextlib.suppress(ConnectionError, OSError):
-            await writer.send(_failure(error))
+            await writer.send(failure_message(error))
     except asyncio.TimeoutError:
         log.warning("delivery connection: no frame for %.0f s; the transfer is abandoned", FRAME_TIMEOUT)
     except (ConnectionError, OSError) as error:
@@ -208,14 +177,6 @@ async def _close(
                 closing.result(timeout=30)
             raise
     executor.shutdown(wait=False)
-
-
-def _said(status: ReceiveStatus) -> str:
-    if status.state == "partial":
-        return f"partial, resuming at byte {status.verified_bytes}"
-    if status.state == "busy":
-        return "another transfer is writing it"
-    return status.state
 
 
 # ------------------------------------------------------------------ loading

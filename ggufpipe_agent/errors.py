@@ -15,6 +15,11 @@ class ProtocolError(GgufpipeError):
     """A frame or message that does not follow the wire protocol."""
 
 
+class TruncatedFrame(ProtocolError):
+    """The stream ended inside a frame: the peer went away mid-write (a lost
+    stream), as opposed to a frame that is malformed (a protocol fault)."""
+
+
 class ModelError(GgufpipeError):
     """A GGUF file that is missing, unreadable, unsupported or inconsistent."""
 

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ggufpipe_agent import objects
-from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.errors import ProtocolError, TruncatedFrame
 from ggufpipe_agent.protocol import (
     CONTROL_MAGIC,
     CONTROL_PREFIX_SIZE,
@@ -36,11 +36,6 @@ from ggufpipe_agent.protocol import (
 
 #: How much of an object's payload a relay moves per read.
 CHUNK = 1 << 18
-
-
-class TruncatedFrame(ProtocolError):
-    """The stream ended inside a frame: the peer went away mid-write (a lost
-    stream), as opposed to a frame that is malformed (a protocol fault)."""
 
 
 class FrameReader:

@@ -269,7 +269,7 @@ class StageFileReceiver:
 
     # -------------------------------------------------------------- chunks
 
-    def accept(self, index: int, data: bytes, digest: str) -> None:
+    def accept(self, index: int, data: bytes | memoryview, digest: str) -> None:
         """Chunk ``index`` (in order) with the digest the sender computed;
         TransferError (and nothing written) when it is out of order, of the
         wrong size, or does not match."""

@@ -8,11 +8,12 @@ before its file is there, and the ranges do not change for the session, so
 the files are sent before any run exists (a run's ready timeout never counts
 a transfer). All stages are sent in parallel.
 
-One stage's delivery (:func:`deliver_stage`) has a connection of its own:
-a second data connection to the agent (``AgentLink.open_data()``: an exec
-session running ``ggufpipe-agent bridge`` over SSH, or the local socket),
-attached with the Hello's token, so gigabytes of chunks never hold up a
-control message. On it::
+One stage's delivery (:func:`deliver_stage`) has a connection of its own
+(``AgentLink.open_delivery()``), so gigabytes of chunks never hold up a
+control message: over SSH an exec session running ``ggufpipe-agent receive``,
+which writes the file into the agent's cache itself
+(:mod:`ggufpipe_agent.receive`); locally, and to a hand-started agent, a data
+connection to the agent attached with the Hello's token. On it::
 
     ReceiveStage(offer)  ->            what the host has:
                          <-  ReceiveAnswer(complete+digest | partial+verified | empty | busy)
@@ -167,7 +168,7 @@ async def deliver_stage(
         progress = _Progress(stage, emit, offer.key.file_name, offer.size)
         progress.show("checking", force=True)
         try:
-            reader, stream = await asyncio.wait_for(stage.link.open_data(), timeouts.connect)
+            reader, stream = await asyncio.wait_for(stage.link.open_delivery(), timeouts.connect)
         except asyncio.TimeoutError:
             raise DeliveryError(
                 f"{stage.label}: the delivery channel did not open within {timeouts.connect:g}s"

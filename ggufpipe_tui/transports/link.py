@@ -210,6 +210,11 @@ class AgentLink:
         await FrameWriter(writer).send(DataAttach(self.hello.data_token))
         return reader, writer
 
+    async def open_delivery(self) -> tuple[Any, Any]:
+        """The stream a stage file is sent on (``model: {send: true}``): by
+        default a data stream to the agent, which writes it into its cache."""
+        return await self.open_data()
+
     async def start(self, timeout: float) -> Hello:
         """Start (or reach) the agent and return its Hello."""
         raise NotImplementedError

@@ -83,8 +83,8 @@ class SshAgent(AgentLink):
         self._entry: PooledConnection | None = None
         self._control_stream: SshReader | None = None
 
-    def agent_command(self) -> str:
-        command = self.host.agent
+    def agent_command(self, subcommand: str = "") -> str:
+        command = self.host.agent + (f" {subcommand}" if subcommand else "")
         if self.host.cache_dir:
             command += f" --cache-dir {_shell_path(self.host.cache_dir)}"
         return command
@@ -216,6 +216,20 @@ class SshAgent(AgentLink):
                 return SshReader(reader), self.forwarded[-1]
         self.data_route = "exec bridge"
         return await self.open_bridge(endpoint, 60.0)
+
+    async def open_delivery(self) -> tuple[Any, Any]:
+        """A stage file's stream: ``<agent> receive`` on a new exec session
+        writes it into the same cache as the agent's (same ``--cache-dir``),
+        straight from sshd's pipe: no bridge process, no socket hop, no event
+        loop on the host's side (less than half the host's CPU per byte,
+        docs/bench-delivery.md). A hand-started agent (listen:) may use
+        another cache: it receives on its data socket, as before."""
+        if self.host.listen:
+            return await super().open_delivery()
+        process = await self._exec(self.agent_command("receive"), 60.0)
+        self.bridges.append(process)  # closed with the stage, like a bridge
+        self.tasks.spawn(self.pump_stderr(SshReader(process.stderr), "receive: "), "receive stderr pump")
+        return SshReader(process.stdout), SshWriter(process.stdin)
 
     async def open_bridge(self, endpoint: str, timeout: float) -> tuple[SshReader, SshWriter]:
         """A byte stream to ``endpoint`` (a socket on the host) through
