@@ -10,8 +10,8 @@ serve_delivery` (ReceiveStage, StageData + bytes, StageDataEnd; answers
 ReceiveAnswer, StageStored or one ReceiveFailed) and the cache library is the
 same (:class:`~ggufpipe_agent.receiver.StageFileReceiver`), so what is
 checked, kept for a resume and refused is the same too; only the reading
-differs: blocking reads into two reused chunk buffers, one chunk hashed and
-written on a thread while the next is read. Measured with
+differs: blocking reads of a quarter MiB at a time into one reused buffer,
+each piece hashed and written while it is still in the CPU's cache. Measured with
 benchmarks/bench_delivery.py: the host side of a delivery costs less than
 half the CPU of the bridge and the agent together (docs/bench-delivery.md).
 
@@ -28,7 +28,6 @@ import logging
 import os
 import select
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ggufpipe_agent.deliverywire import (
@@ -54,7 +53,7 @@ from ggufpipe_agent.protocol import (
     encode_message,
     parse_prefix,
 )
-from ggufpipe_agent.receiver import MAX_CHUNK, ReceiveStatus, StageFileReceiver
+from ggufpipe_agent.receiver import ReceiveStatus, StageFileReceiver
 from ggufpipe_agent.stagecache import default_cache_dir, free_bytes, remove_entry
 
 log = logging.getLogger("ggufpipe.receive")
@@ -62,6 +61,9 @@ log = logging.getLogger("ggufpipe.receive")
 #: sshd writes into our stdin pipe; a larger pipe lets it keep writing while
 #: a read waits for the hashing thread (best effort: /proc/sys/fs/pipe-max-size).
 PIPE_SIZE = 1 << 20
+#: What one read takes off the pipe: small enough to stay in the CPU's cache
+#: from the read through the hash to the write.
+PIECE = 256 << 10
 _F_SETPIPE_SZ = 1031
 
 
@@ -163,69 +165,56 @@ def send(fd: int, message: Message) -> None:
 
 
 class Delivery:
-    """The state of one delivery connection: the open receiver, the chunk
-    being written, the two chunk buffers."""
+    """The state of one delivery connection: the open receiver and the one
+    buffer every piece of every chunk passes through."""
 
     def __init__(self, frames: BlockingFrames, out: int, directory: Path) -> None:
         self.frames = frames
         self.out = out
         self.directory = directory
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="ggufpipe-receive")
         self.receiver: StageFileReceiver | None = None
-        self.pending: Future[None] | None = None
-        self.buffers: list[bytearray] = []
-        self.turn = 0
-
-    def settle(self) -> None:
-        """Wait for the chunk being written (its error, if any, is raised)."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.result()
+        self.buffer = memoryview(bytearray(PIECE))
 
     def offer(self, message: ReceiveStage) -> None:
-        self.settle()
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
         opened, status = open_receiver(self.directory, message)
         log.info("offered %s (%d bytes): %s", status.name, message.offer.size, describe_status(status))
         self.receiver = opened if status.state in ("partial", "empty") else None
-        size = min(message.offer.chunk_size, MAX_CHUNK)
-        if not self.buffers or len(self.buffers[0]) != size:
-            self.buffers = [bytearray(size), bytearray(size)]
         send(self.out, ReceiveAnswer(status, str(opened.directory), free_bytes(opened.directory)))
 
     def chunk(self, message: StageData) -> None:
+        """The chunk's bytes off the pipe, a piece at a time: each piece
+        hashed and written while it is in the CPU's cache."""
         receiver = self.receiver
         if receiver is None:
             raise TransferError(f"chunk {message.index} arrived without an open offer")
-        if not 0 < message.size <= min(receiver.chunk_size, len(self.buffers[0])):
+        if not 0 < message.size <= receiver.chunk_size:
             raise TransferError(
                 f"chunk {message.index} of {message.size} bytes; chunks are {receiver.chunk_size}"
             )
-        # The buffer of two chunks ago: its write was settled before the last one began.
-        view = memoryview(self.buffers[self.turn])[: message.size]
-        self.turn ^= 1
-        if not self.frames.readinto(view, f"chunk {message.index}"):
-            raise TruncatedFrame(f"the {self.frames.what} ended before chunk {message.index}")
-        self.settle()  # in order: at most one chunk written while the next is read
-        self.pending = self.executor.submit(receiver.accept, message.index, view, message.digest)
+        receiver.start_chunk(message.index, message.size)
+        left = message.size
+        while left:
+            piece = self.buffer[: min(left, PIECE)]
+            if not self.frames.readinto(piece, f"chunk {message.index}"):
+                raise TruncatedFrame(f"the {self.frames.what} ended inside chunk {message.index}")
+            receiver.write_piece(piece)
+            left -= len(piece)
+        receiver.end_chunk(message.index, message.digest)
 
     def end(self, message: StageDataEnd) -> None:
         receiver = self.receiver
         if receiver is None:
             raise TransferError("the end of a file arrived without an open offer")
-        self.settle()
         path = receiver.finish(message.digest)
         log.info("received %s (%d bytes), verified", path, receiver.size)
         send(self.out, StageStored(path.name, receiver.size, message.digest))
         self.receiver = None
 
     def close(self) -> None:
-        """Keep what was verified for a resume (a checkpoint, after the chunk
-        still being written)."""
-        with contextlib.suppress(Exception):
-            self.settle()
+        """Keep what was verified for a resume (a checkpoint)."""
         receiver, self.receiver = self.receiver, None
         if receiver is not None:
             if receiver.received:
@@ -234,7 +223,6 @@ class Delivery:
                     receiver.target.name, receiver.received, receiver.size,
                 )
             receiver.close()
-        self.executor.shutdown(wait=True)
 
 
 def serve(frames: BlockingFrames, out: int, directory: Path) -> int:

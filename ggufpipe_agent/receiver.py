@@ -43,7 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ggufpipe_agent.digest import LEAF, FileDigest, chunk_digest, leaf_digests
+from ggufpipe_agent.digest import LEAF, FileDigest, chunk_digest, leaf_digests, new_leaf
 from ggufpipe_agent.errors import CacheError, DiskFull, TransferError
 from ggufpipe_agent.stagecache import (
     DIGEST_ALGORITHM,
@@ -137,6 +137,9 @@ class StageFileReceiver:
         self._digest = FileDigest()
         self.received = 0  # bytes written and verified chunk by chunk
         self._durable = 0  # bytes the progress record vouches for
+        self._piece_at = self._piece_end = 0  # the chunk being written in pieces
+        self._leaves = bytearray()
+        self._leaf = new_leaf()
 
     def __enter__(self) -> StageFileReceiver:
         return self
@@ -273,23 +276,79 @@ class StageFileReceiver:
         """Chunk ``index`` (in order) with the digest the sender computed;
         TransferError (and nothing written) when it is out of order, of the
         wrong size, or does not match."""
+        length = self._expect(index, len(data))
+        leaves = leaf_digests(data)
+        if not hmac.compare_digest(chunk_digest(leaves), digest):
+            raise TransferError(f"{self.partial}: chunk {index} does not match its digest; rejected")
+        self._write(self.received, data)
+        self._count(length, leaves)
+
+    # A chunk in pieces, for a reader that takes it off a pipe a little at a
+    # time: each piece is hashed and written while it is still in the CPU's
+    # cache (one pass over 8 MiB per step cost 3-4 times the CPU of cat on
+    # this project's machine). The chunk's bytes are on disk before they are
+    # checked, but nothing counts them (not ``received``, not a checkpoint)
+    # until end_chunk has matched the digest: a rejected chunk is overwritten
+    # by its next try, as a resume overwrites what the record did not vouch for.
+
+    def start_chunk(self, index: int, size: int) -> None:
+        """Chunk ``index`` of ``size`` bytes begins; its pieces follow."""
+        self._expect(index, size)
+        self._piece_at = self.received
+        self._piece_end = self.received + size
+        self._leaves = bytearray()
+        self._leaf = new_leaf()
+
+    def write_piece(self, data: bytes | memoryview) -> None:
+        """The next bytes of the chunk begun by start_chunk, in order."""
+        if self._piece_at + len(data) > self._piece_end:
+            raise TransferError(f"{self.partial}: more bytes than the chunk announced")
+        self._write(self._piece_at, data)
+        view = memoryview(data)
+        while view:  # a chunk starts on a leaf boundary: leaves end every LEAF bytes from it
+            filled = (self._piece_at - self.received) % LEAF
+            take = min(LEAF - filled, len(view))
+            self._leaf.update(view[:take])
+            view = view[take:]
+            self._piece_at += take
+            if filled + take == LEAF:
+                self._leaves += self._leaf.digest()
+                self._leaf = new_leaf()
+
+    def end_chunk(self, index: int, digest: str) -> None:
+        """The chunk is whole: counted when it matches ``digest``, else TransferError."""
+        if self._piece_at != self._piece_end:
+            raise TransferError(f"{self.partial}: chunk {index} ended early")
+        length = self._piece_end - self.received
+        if length % LEAF:
+            self._leaves += self._leaf.digest()  # the file's last, short leaf
+        leaves, self._leaves = bytes(self._leaves), bytearray()
+        if not hmac.compare_digest(chunk_digest(leaves), digest):
+            raise TransferError(f"{self.partial}: chunk {index} does not match its digest; rejected")
+        self._count(length, leaves)
+
+    def _expect(self, index: int, size: int) -> int:
+        """Chunk ``index`` of ``size`` bytes may come now: its length, else TransferError."""
         if self._fd < 0:
             raise TransferError(f"{self.partial}: not open for chunks")
         expected_index = self.received // self.chunk_size
         if index != expected_index:
             raise TransferError(f"{self.partial}: chunk {index} arrived, chunk {expected_index} was expected")
         length = min(self.chunk_size, self.size - self.received)
-        if len(data) != length:
-            raise TransferError(f"{self.partial}: chunk {index} has {len(data)} bytes, not {length}")
-        leaves = leaf_digests(data)
-        if not hmac.compare_digest(chunk_digest(leaves), digest):
-            raise TransferError(f"{self.partial}: chunk {index} does not match its digest; rejected")
-        os.lseek(self._fd, self.received, os.SEEK_SET)
+        if size != length:
+            raise TransferError(f"{self.partial}: chunk {index} has {size} bytes, not {length}")
+        return length
+
+    def _write(self, offset: int, data: bytes | memoryview) -> None:
+        os.lseek(self._fd, offset, os.SEEK_SET)
         try:
             write_all(self._fd, data, self.target, self.size)
         except DiskFull:
             self._drop()
             raise
+
+    def _count(self, length: int, leaves: bytes) -> None:
+        """A verified chunk: into the file's digest, and a checkpoint when one is due."""
         self._digest.add_leaves(leaves)
         self.received += length
         if self.received < self.size and (

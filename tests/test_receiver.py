@@ -420,3 +420,31 @@ def test_chunk_sizes_are_whole_leaves(sender, model_path, tmp_path):
         StageFileReceiver(tmp_path / "cache", sender.key, sender.offer.size, (1 << 20) + 1)
     with pytest.raises(ValueError, match="not a positive multiple"):
         StageSender(model_path, *RANGE, chunk_size=64 << 10)
+
+
+def test_chunks_in_pieces_make_the_same_entry_and_a_bad_one_is_not_counted(model_path, tmp_path):
+    """What ``ggufpipe-agent receive`` does: each chunk written in pieces that
+    cross leaf boundaries anywhere, checked at its end. The entry is the one
+    whole chunks make; a damaged chunk counts for nothing, and its next try
+    (over the bytes it left) is taken."""
+    piece = 300 << 10  # not a divisor of a leaf: pieces straddle leaves
+    with StageSender(model_path, *RANGE, chunk_size=4 << 20, memo_dir=tmp_path / "sent") as sender:
+        with receiver_for(sender, tmp_path / "cache") as receiver:
+            assert receiver.open().state == "empty"
+            for chunk in sender.chunks(0):
+                if chunk.index == 2:
+                    receiver.start_chunk(chunk.index, len(chunk.data))
+                    receiver.write_piece(bytes([chunk.data[0] ^ 1]) + chunk.data[1:])
+                    with pytest.raises(TransferError, match="chunk 2 does not match its digest; rejected"):
+                        receiver.end_chunk(chunk.index, chunk.digest)
+                    assert receiver.received == 2 * (4 << 20)
+                    with pytest.raises(TransferError, match="chunk 3 arrived, chunk 2 was expected"):
+                        receiver.start_chunk(3, len(chunk.data))
+                receiver.start_chunk(chunk.index, len(chunk.data))
+                view = memoryview(chunk.data)
+                for offset in range(0, len(view), piece):
+                    receiver.write_piece(view[offset : offset + piece])
+                receiver.end_chunk(chunk.index, chunk.digest)
+            entry = receiver.finish(sender.digest)
+        assert digest_file(entry) == sender.digest
+        assert entry.read_bytes() == b"".join(chunk.data for chunk in sender.chunks(0))
