@@ -13,8 +13,9 @@ and each repeat times, interleaved:
   (what the orchestrator's SSH library can carry);
 * ggufpipe: ``deliver_stage`` to an agent started over SSH, as ``Pipeline``
   does for ``model: {send: true}``: read from the model, hashed, framed,
-  sent on its own data connection through ``ggufpipe-agent bridge``, checked
-  chunk by chunk and whole, fsynced, a cache entry. The orchestrator runs in
+  sent on an exec session running ``ggufpipe-agent receive`` (which writes
+  the agent's cache itself), checked chunk by chunk and whole, fsynced, a
+  cache entry. The orchestrator runs in
   a child process so its peak RSS during the delivery is its own; the agent's
   is read from /proc (VmHWM, reset before the transfer).
 
@@ -135,6 +136,7 @@ class HostCpu:
         self.sshd_pid, self.port = sshd_pid, str(port).encode()
         self.first: dict[int, tuple[str, float]] = {}
         self.last: dict[int, float] = {}
+        self.peak_kib = 0  # the largest peak RSS of a receiving process seen
         self._stop = threading.Event()
         self._poll(baseline=True)
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -171,6 +173,8 @@ class HostCpu:
                         continue
                     self.first[pid] = (kind, cpu_seconds(pid) if baseline else 0.0)
                 self.last[pid] = cpu_seconds(pid)
+                if self.first[pid][0] == "receive":
+                    self.peak_kib = max(self.peak_kib, rss_kib(pid, "VmHWM"))
             except (OSError, IndexError, ValueError):
                 continue
 
@@ -288,6 +292,7 @@ async def deliver_once(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": seconds, "outcome": delivered.outcome, "sent": delivered.sent, "size": delivered.ref.size,
             "rss_kib": before, "peak_kib": rss_kib("self", "VmHWM"),
             "agent_rss_kib": agent_before, "agent_peak_kib": rss_kib(hello.pid, "VmHWM"),
+            "receive_peak_kib": host.peak_kib,
         }
         read.cancel()
         return result
@@ -437,6 +442,7 @@ def main() -> int:
 
     peak = max(row["peak_kib"] - row["rss_kib"] for row in rows) / 1024
     agent_peak = max(row["agent_peak_kib"] - row["agent_rss_kib"] for row in rows) / 1024
+    receive_peak = max(row["receive_peak_kib"] for row in rows) / 1024
     lines = [
         "# Delivery benchmark",
         "",
@@ -455,14 +461,14 @@ def main() -> int:
     base = rate(times["openssh"])
     for name, label in ROWS.items():
         seconds = times[name]
-        host_kinds = ("sshd", "cat", "bridge", "agent", "sync")
+        host_kinds = ("sshd", "cat", "bridge", "agent", "receive", "sync")
         lines.append(
             f"| {label} | {statistics.median(seconds):.2f} | {rate(seconds):.0f} | {rate(seconds) / base:.2f} "
             f"| {cpu_cell(name, 'orchestrator')} | {cpu_cell(name, *host_kinds)} |"
         )
     breakdown = ", ".join(
         f"{kind} {statistics.median(sample.get(kind, 0.0) for sample in cpus['ggufpipe']):.2f}"
-        for kind in ("orchestrator", "sshd", "bridge", "agent")
+        for kind in ("orchestrator", "sshd", "receive", "agent")
     )
     lines += [
         "",
@@ -483,7 +489,8 @@ def main() -> int:
         "",
         "Memory during the delivery (peak RSS above the process's RSS when it began, largest of the "
         f"repeats): the orchestrator +{peak:.0f} MiB (of {rows[-1]['rss_kib'] / 1024:.0f} MiB), the agent "
-        f"+{agent_peak:.0f} MiB (of {rows[-1]['agent_rss_kib'] / 1024:.0f} MiB), for a "
+        f"+{agent_peak:.0f} MiB (of {rows[-1]['agent_rss_kib'] / 1024:.0f} MiB; it only waits meanwhile), "
+        f"the receiving process (`ggufpipe-agent receive`) {receive_peak:.0f} MiB in all, for a "
         f"{size / 2**30:.2f} GiB stage file of a {args.size_gib:g} GiB model.",
         "",
         "Per repeat (s): OpenSSH " + ", ".join(f"{s:.2f}" for s in times["openssh"])
