@@ -15,4 +15,4 @@ __version__ = "0.1.0"
 #: 6: positions in the object header, prefix reuse in ProvisionStage (reuse) and StageReady (held);
 #: 7: direct links (link_messages), ProvisionStage.ring, StageFault.link_peer.
 #: 8: Refused.run_id.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
