@@ -6,10 +6,12 @@ what the orchestrator's process spends per token.
 Three local stages of SmolLM2-135M; each round runs the same chat prompt
 headless (a Pipeline with no view) and in the app (Textual's run_test, a
 120x40 screen composed and rendered at its frame rate, not written to a
-terminal), alternately. Besides tokens/s (which the machine's other work
-moves), it reports the orchestrator process's CPU time per generated token
-(user + system, from getrusage), which does not depend on what else runs:
-on a machine with fewer cores than processes, every millisecond the view
+terminal), alternately. While the measured run streams, the harness waits
+with a plain sleep: Textual's ``Pilot.pause`` forces a screen update and
+walks every widget each time it is called, which no terminal does to the
+app. Besides tokens/s (which the machine's other work moves), it reports
+the orchestrator process's CPU time per generated token (user + system,
+from getrusage), which does not depend on what else runs: on a machine with fewer cores than processes, every millisecond the view
 spends is taken from the stages.
 """
 
@@ -23,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,6 +38,15 @@ from ggufpipe_tui.session.pipeline import Pipeline  # noqa: E402
 from tests.conftest import smollm_path  # noqa: E402
 
 PROMPT = "Count slowly from one to one thousand, one number per line."
+
+
+async def settle(condition: Callable[[], object], timeout: float, what: str) -> None:
+    """Wait for ``condition`` without touching the app (see the module's doc)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        await asyncio.sleep(0.05)
 
 
 def cpu() -> float:
@@ -53,7 +65,7 @@ def inventory(tokens: int, data: str, feedback: str) -> Inventory:
     return parse_inventory(text, REPO / "benchmarks" / "bench.yaml")
 
 
-async def headless(inv: Inventory, log_dir: str) -> tuple[RunResult, float]:
+async def headless(inv: Inventory, log_dir: str) -> tuple[RunResult, float, float]:
     pipeline = Pipeline(inv, lambda event: None, log_dir=log_dir)
     try:
         await pipeline.start()
@@ -61,14 +73,14 @@ async def headless(inv: Inventory, log_dir: str) -> tuple[RunResult, float]:
         pipeline.inventory = warm
         await pipeline.generate(PROMPT)
         pipeline.inventory = inv
-        before = cpu()
+        before, started = cpu(), time.perf_counter()
         result = await pipeline.generate(PROMPT)
-        return result, cpu() - before
+        return result, cpu() - before, time.perf_counter() - started
     finally:
         await pipeline.close()
 
 
-async def tui(inv: Inventory, log_dir: str) -> tuple[RunResult, float]:
+async def tui(inv: Inventory, log_dir: str) -> tuple[RunResult, float, float]:
     from ggufpipe_tui.views.app import GgufpipeApp
     from tests.test_app import ready_for_prompt, wait_for
 
@@ -80,14 +92,14 @@ async def tui(inv: Inventory, log_dir: str) -> tuple[RunResult, float]:
         await wait_for(pilot, lambda: len(app.results) == 1, 300, "the warm-up run")
         await wait_for(pilot, lambda: ready_for_prompt(app), 300, "the stages to load")
         await pilot.press(*PROMPT)
-        before = cpu()
+        before, started = cpu(), time.perf_counter()
         await pilot.press("enter")
-        await wait_for(pilot, lambda: len(app.results) == 2, 300, "the measured run")
-        spent = cpu() - before
+        await settle(lambda: len(app.results) == 2, 300, "the measured run")
+        spent, elapsed = cpu() - before, time.perf_counter() - started
         result = app.results[1]
         await pilot.press("ctrl+q")
         await wait_for(pilot, lambda: app.return_code is not None, 60, "the app to quit")
-    return result, spent
+    return result, spent, elapsed
 
 
 async def synthetic(rate: float, seconds: float) -> tuple[float, int]:
@@ -129,22 +141,32 @@ async def main_async(args: argparse.Namespace) -> int:
         return 0
     log_dir = tempfile.mkdtemp(prefix="ggufpipe-bench-tui-")
     inv = inventory(args.tokens, args.data, args.feedback)
-    rows: dict[str, list[tuple[float, float]]] = {"headless": [], "TUI": []}
+    # Per token and per second: the view's frames cost by the second, so its
+    # CPU per token grows when the stages are slowed by other work.
+    rows: dict[str, list[tuple[float, float, float]]] = {"headless": [], "TUI": []}
     for round_ in range(args.repeats):
         for name, run in (("headless", headless), ("TUI", tui)):
-            result, spent = await run(inv, log_dir)
+            result, spent, elapsed = await run(inv, log_dir)
             assert result.ok, result.failure
             rate = result.timings.decode_tokens_per_s
             per_token = spent / len(result.tokens) * 1000
-            rows[name].append((rate, per_token))
-            print(f"round {round_ + 1}: {name}: {rate:.1f} tok/s, orchestrator {per_token:.2f} ms CPU/token", flush=True)
+            rows[name].append((rate, per_token, spent / elapsed))
+            print(
+                f"round {round_ + 1}: {name}: {rate:.1f} tok/s, orchestrator {per_token:.2f} ms CPU/token, "
+                f"{spent / elapsed * 100:.1f}% of a core",
+                flush=True,
+            )
     load = os.getloadavg()[0]
     print(f"\n{args.data} data, {args.feedback} feedback, {args.tokens} tokens, load {load:.1f}")
-    base = statistics.median(r for r, _ in rows["headless"])
+    base = statistics.median(r for r, _, _ in rows["headless"])
     for name, samples in rows.items():
-        rate = statistics.median(r for r, _ in samples)
-        spent = statistics.median(c for _, c in samples)
-        print(f"{name:8s} {rate:6.1f} tok/s ({rate / base:.3f} of headless), {spent:.2f} ms CPU per token")
+        rate = statistics.median(r for r, _, _ in samples)
+        spent = statistics.median(c for _, c, _ in samples)
+        core = statistics.median(f for _, _, f in samples)
+        print(
+            f"{name:8s} {rate:6.1f} tok/s ({rate / base:.3f} of headless), {spent:.2f} ms CPU per token, "
+            f"{core * 100:.1f}% of a core"
+        )
     return 0
 
 

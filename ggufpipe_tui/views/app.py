@@ -66,9 +66,11 @@ from ggufpipe_tui.views.widgets import Exchange, LogPane, StageTable, StatusBar,
 
 PipelineFactory = Callable[..., AppPipeline]
 WELCOME = "Type a prompt below and press Enter. The stages load while you type."
-#: Tokens are drawn at most this often (30 frames a second): a fast pipeline
-#: must never wait for the screen.
-FRAME_SECONDS = 1 / 30
+#: Tokens are drawn at most this often (10 frames a second, as many as reading
+#: needs): a frame of this screen costs Textual 10-20 ms of CPU, and on a
+#: machine with fewer cores than stages every millisecond the view spends is
+#: taken from the stages (measured: benchmarks/bench_tui.py).
+FRAME_SECONDS = 1 / 10
 #: The stage table and the status line, while tokens stream: a few times a
 #: second (their numbers change with every step; a table costs more to draw
 #: than a line of text, and on a machine with few cores every millisecond

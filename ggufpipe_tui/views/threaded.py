@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import sys
 import threading
+from collections import deque
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
@@ -130,6 +131,10 @@ class ThreadedPipeline:
         sys.setswitchinterval(SWITCH_SECONDS)
         self._thread.start()
         self._closed = False
+        # Events on their way to the app's loop, and whether a wake-up of
+        # that loop is already on its way (one a batch, not one an event).
+        self._pending: deque[Event] = deque()
+        self._wake_sent = False
 
         async def make() -> Pipeline:
             return Pipeline(inventory, self._post, log_dir=log_dir, **options)
@@ -137,9 +142,27 @@ class ThreadedPipeline:
         self.pipeline: Pipeline = self._wait(make())
 
     def _post(self, event: Event) -> None:
-        """A pipeline event, on the pipeline's thread: to the app's loop."""
-        if self._emit is not None and not self._app_loop.is_closed():
-            self._app_loop.call_soon_threadsafe(self._emit, event)
+        """A pipeline event, on the pipeline's thread: to the app's loop. A
+        wake-up of the app's loop (a write to its self-pipe, a loop turn, a
+        thread switch) costs more than handing it an event, so the events
+        that come while one wake-up is on its way go with it."""
+        if self._emit is None or self._app_loop.is_closed():
+            return
+        self._pending.append(event)
+        if not self._wake_sent:
+            self._wake_sent = True
+            self._app_loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        """On the app's loop: every event posted so far, in order. The flag
+        is cleared before draining, so an event posted meanwhile is either
+        drained here or sends a wake-up of its own (deque appends and pops
+        are atomic under the interpreter lock)."""
+        assert self._emit is not None
+        self._wake_sent = False
+        pending = self._pending
+        while pending:
+            self._emit(pending.popleft())
 
     def _wait(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` on the pipeline's loop and wait for it here (short calls only)."""

@@ -20,6 +20,8 @@ from rich.table import Table
 from rich.text import Text
 from textual.containers import Vertical, VerticalScroll
 from textual.events import Resize
+from textual.geometry import Size
+from textual.reactive import Reactive
 from textual.widget import Widget
 from textual.widgets import RichLog, Static
 
@@ -269,12 +271,36 @@ class StatusBar(DrawnOnce):
 # ------------------------------------------------------------- transcript
 
 
-#: A reply's growing tail asks for a layout pass at most this often.
-LAYOUT_SECONDS = 1 / 5
+#: A reply's growing tail asks for a layout pass at most this often (the
+#: app's panels are drawn as often, in the same screen update when they fall
+#: together). A layout pass of this screen costs tens of milliseconds.
+LAYOUT_SECONDS = 1 / 4
 #: A reply's live tail is frozen (drawn once, never again) at its last line
-#: break once it is this long: each frame re-wraps the tail only, so a long
-#: reply costs no more per frame than a short one.
+#: break once it is this long, or has this many line breaks: each frame
+#: re-wraps and draws the whole tail (Textual draws a widget's every line, on
+#: screen or not), so a long reply costs no more per frame than a short one.
+#: A reply of short lines (a list, code, numbers) reaches the line count long
+#: before the length.
 FREEZE_CHARS = 1000
+FREEZE_LINES = 12
+
+
+def one_layout_pass() -> Reactive[Size]:
+    """A ``virtual_size`` without the layout pass Textual's own asks for.
+
+    Textual sets a widget's virtual size during a layout pass; its reactive
+    then asks for a second pass of the whole screen, which finds nothing to
+    move. The transcript's widgets grow with every line of a reply, so each
+    line paid for two passes (tens of milliseconds each here). The
+    transcript's scrollbars are updated in the same pass regardless
+    (``Widget._size_updated``)."""
+    return Reactive(Size(0, 0), layout=False)
+
+
+class Block(Static):
+    """A part of an exchange: its prompt, a block of reply, its summary."""
+
+    virtual_size = one_layout_pass()
 
 
 class Exchange(Vertical):
@@ -287,6 +313,8 @@ class Exchange(Vertical):
     Exchange > Static { height: auto; }
     """
 
+    virtual_size = one_layout_pass()
+
     def __init__(self, view: ExchangeView) -> None:
         super().__init__()
         self.view = view
@@ -296,9 +324,9 @@ class Exchange(Vertical):
         self._tail_lines = (0, 0)  # (width, wrapped lines) the tail was last laid out with
         self._laid_out = 0.0
         self.stale = False  # the tail grew a line it has no room for yet
-        self._prompt = Static(self._prompt_text(), classes="prompt")
-        self._reply = Static(Text("waiting for the first token…", style="grey50 italic"), classes="reply")
-        self._summary = Static("", classes="summary")
+        self._prompt = Block(self._prompt_text(), classes="prompt")
+        self._reply = Block(Text("waiting for the first token…", style="grey50 italic"), classes="reply")
+        self._summary = Block("", classes="summary")
 
     def compose(self) -> Iterable[Widget]:
         yield self._prompt
@@ -369,9 +397,10 @@ class Exchange(Vertical):
         if len(view.parts) != self._shown_parts:
             self._tail += "".join(view.parts[self._shown_parts :])
             self._shown_parts = len(view.parts)
-            if len(self._tail) > FREEZE_CHARS and "\n" in self._tail:
+            breaks = self._tail.count("\n")
+            if breaks and (breaks >= FREEZE_LINES or len(self._tail) > FREEZE_CHARS):
                 block, _, self._tail = self._tail.rpartition("\n")
-                self.mount(Static(Text(block), classes="reply"), before=self._reply)
+                self.mount(Block(Text(block), classes="reply"), before=self._reply)
                 self._tail_lines = (0, 0)
             self._show_tail()
         if view.finished:
@@ -384,6 +413,8 @@ class Transcript(VerticalScroll):
     """The prompts and their replies, newest at the bottom, kept in view."""
 
     DEFAULT_CSS = "Transcript { height: 1fr; }"
+
+    virtual_size = one_layout_pass()
 
     def add(self, exchange: Exchange) -> Exchange:
         self.query(".welcome").remove()
