@@ -15,4 +15,5 @@ __version__ = "0.1.0"
 #: 6: positions in the object header, prefix reuse in ProvisionStage (reuse) and StageReady (held);
 #: 7: direct links (link_messages), ProvisionStage.ring, StageFault.link_peer.
 #: 8: Refused.run_id.
-PROTOCOL_VERSION = 8
+#: 9: shared agent processes (Hello.share_endpoint, Hello.share_token, ShareAttach).
+PROTOCOL_VERSION = 9

@@ -82,11 +82,14 @@ class SshAgent(AgentLink):
         self.connection: asyncssh.SSHClientConnection | None = None
         self._entry: PooledConnection | None = None
         self._control_stream: SshReader | None = None
+        self._socket_bridges: dict[int, asyncssh.SSHClientProcess[bytes]] = {}  # by id(writer)
 
     def agent_command(self) -> str:
         command = self.host.agent
         if self.host.cache_dir:
             command += f" --cache-dir {_shell_path(self.host.cache_dir)}"
+        if self.share_process:
+            command += " --share-process"
         return command
 
     def bridge_command(self, endpoint: str) -> str:
@@ -224,6 +227,24 @@ class SshAgent(AgentLink):
         self.bridges.append(process)
         self.tasks.spawn(self.pump_stderr(SshReader(process.stderr), "data bridge: "), "bridge stderr pump")
         return SshReader(process.stdout), SshWriter(process.stdin)
+
+    async def open_socket(self, endpoint: str, timeout: float) -> tuple[Any, Any]:
+        """Through an exec bridge on this host's connection: a shared process's
+        control traffic, which needs no forwarding permission."""
+        process = await self._exec(self.bridge_command(endpoint), timeout)
+        self.bridges.append(process)
+        self.tasks.spawn(self.pump_stderr(SshReader(process.stderr), "share bridge: "), "bridge stderr pump")
+        writer = SshWriter(process.stdin)
+        self._socket_bridges[id(writer)] = process
+        return SshReader(process.stdout), writer
+
+    async def close_socket(self, writer: Any, grace: float) -> None:
+        """The bridge ends at its stdin's EOF (sent by the writer's owner)."""
+        bridge = self._socket_bridges.pop(id(writer), None)
+        if bridge is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncssh.Error, OSError):
+                await asyncio.wait_for(bridge.wait_closed(), grace)
+            bridge.close()
 
     def alive(self) -> bool:
         process = self.process
