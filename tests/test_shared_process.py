@@ -20,7 +20,7 @@ from ggufpipe_tui.core.events import AgentConnected, Notice, TokenStreamed
 from ggufpipe_tui.core.inventory import InventoryError, load_inventory, parse_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
 from tests.conftest import DATA_MODES, LONG_PROMPT, MODES, REPO, mode_yaml, whole_model_greedy
-from tests.sabotage import Saboteur, on_token, run_with
+from tests.sabotage import Saboteur, on_token, run_with, signal_agent
 from tests.sshd import Sshd
 from tests.test_ssh import host_entry, wait_no_session_agents, wait_session_agents, write_inventory
 
@@ -184,4 +184,26 @@ async def test_three_stages_over_ssh_in_one_process(tmp_path, sshd: Sshd, cache_
     reference = whole_model_greedy(model_path, list(result.prompt_tokens), 40, n_ctx=512, n_ubatch=32)
     assert list(result.tokens) == reference
     assert DATA_MODES[mode]["data"] in ("direct", "relay")
+    assert wait_no_session_agents(sshd, 10) == {}
+
+
+@pytest.mark.ssh
+async def test_sigkilled_shared_process_over_ssh_is_one_fault(tmp_path, sshd: Sshd, cache_dir, model_path):
+    """Stages 0 and 2 share gpu-a's process, stage 1 runs on gpu-b (TLS links
+    both ways): killing the shared process mid-decode is one fault naming
+    both its stages; gpu-b's stage stops; nothing is left on the host."""
+    hosts = {"gpu-a": host_entry(sshd, cache_dir, share_process=True), "gpu-b": host_entry(sshd, cache_dir)}
+    stages = [("gpu-a", list(RANGES[0])), ("gpu-b", list(RANGES[1])), ("gpu-a", list(RANGES[2]))]
+    path = write_inventory(
+        tmp_path / "inv.yaml", model_path, hosts, stages, mode="direct", max_tokens=40, ignore_eos=True
+    )
+    saboteur = Saboteur(on_token(5), signal_agent(2, signal.SIGKILL))
+    result = await run_with(saboteur, path)
+    where = f"{sshd.user}@127.0.0.1:{sshd.port}"
+    assert result.outcome == "faulted"
+    assert result.failure == (
+        f"stages 0, 2 on gpu-a ({where}), one agent process: the agent exited (killed by signal KILL)"
+    )
+    assert 6 <= len(result.tokens) < 40 and result.text.strip()
+    assert saboteur.stopped() == {1}, "the other host's stage stopped"
     assert wait_no_session_agents(sshd, 10) == {}
