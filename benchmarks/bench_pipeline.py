@@ -12,7 +12,8 @@ References, measured in every round beside the pipelines:
 Configurations, 3 stages of SmolLM2-135M with float32 activations: direct
 links with the token ring (the default), the relay with the ring, direct links
 with the orchestrator feeding tokens back, and the spec's relay and
-orchestrator loop; locally, over SSH on loopback (one host: Unix links; three
+orchestrator loop; the three stages in one agent process (share_process: true)
+with direct links and the ring; locally, over SSH on loopback (one host: Unix links; three
 hosts: mutual TLS links; the relay's data channels through exec bridges or,
 on a second sshd that allows it, stream-local forwarding). The terminal UI
 against headless is benchmarks/bench_tui.py.
@@ -76,17 +77,21 @@ class Sample:
 @dataclasses.dataclass(frozen=True)
 class Config:
     name: str
-    transport: str  # "local", "ssh" (one host), "ssh-hosts" (three), "ssh-forwarding"
+    # "local", "ssh" (one host), "ssh-hosts" (three), "ssh-forwarding"; "-shared":
+    # the host's three stages in one agent process (share_process: true)
+    transport: str
     data: str
     feedback: str
 
 
 CONFIGS = [
     Config("local, direct, ring", "local", "direct", "ring"),
+    Config("local, one process, direct, ring", "local-shared", "direct", "ring"),
     Config("local, relay, ring", "local", "relay", "ring"),
     Config("local, direct, orchestrator-fed", "local", "direct", "orchestrator"),
     Config("local, relay, orchestrator-fed (spec loop)", "local", "relay", "orchestrator"),
     Config("ssh 1 host, direct (unix), ring", "ssh", "direct", "ring"),
+    Config("ssh 1 host, one process, ring", "ssh-shared", "direct", "ring"),
     Config("ssh 3 hosts, direct (TLS), ring", "ssh-hosts", "direct", "ring"),
     Config("ssh, relay via exec bridges, ring", "ssh", "relay", "ring"),
     Config("ssh, relay via exec bridges, orchestrator-fed", "ssh", "relay", "orchestrator"),
@@ -147,8 +152,11 @@ class Hosts:
 
     def __init__(self, ssh: bool) -> None:
         self.servers: list[Any] = []
-        self.entries: dict[str, str] = {"local": "  here: {local: true}\n"}
-        self.stage_hosts: dict[str, list[str]] = {"local": ["here"] * STAGES}
+        self.entries: dict[str, str] = {
+            "local": "  here: {local: true}\n",
+            "local-shared": "  here: {local: true, share_process: true}\n",
+        }
+        self.stage_hosts: dict[str, list[str]] = {"local": ["here"] * STAGES, "local-shared": ["here"] * STAGES}
         if not ssh:
             return
         from tests.sshd import Sshd, sshd_missing
@@ -160,11 +168,11 @@ class Hosts:
         agent = f"{sys.executable} -m ggufpipe_agent"
         cache = os.environ["GGUFPIPE_CACHE_DIR"]
 
-        def entry(name: str, server: Any) -> str:
+        def entry(name: str, server: Any, extra: str = "") -> str:
             return (
                 f"  {name}: {{address: 127.0.0.1, port: {server.port}, user: {server.user}, "
                 f"identity: {server.client_key}, known_hosts: {server.known_hosts}, agent: '{agent}', "
-                f"cache_dir: {cache}}}\n"
+                f"cache_dir: {cache}{extra}}}\n"
             )
 
         # Every pipeline is started up front, in one event loop, and the SSH
@@ -177,6 +185,8 @@ class Hosts:
         self.servers = [plain, forwarding]
         self.entries["ssh"] = entry("gpu", plain)
         self.stage_hosts["ssh"] = ["gpu"] * STAGES
+        self.entries["ssh-shared"] = entry("gpu", plain, ", share_process: true")
+        self.stage_hosts["ssh-shared"] = ["gpu"] * STAGES
         self.entries["ssh-hosts"] = "".join(entry(f"gpu-{c}", plain) for c in "abc")
         self.stage_hosts["ssh-hosts"] = [f"gpu-{c}" for c in "abc"]
         self.entries["ssh-forwarding"] = entry("gpu", forwarding)
@@ -280,8 +290,12 @@ def table(results: dict[str, list[Sample]], single: list[Sample], ring: list[Sam
     return header + "\n\n" + "\n".join(lines) + "\n"
 
 
-def plot(results: dict[str, list[Sample]], single: list[Sample], ring: list[Sample], path: Path) -> None:
-    import matplotlib
+def plot(results: dict[str, list[Sample]], single: list[Sample], ring: list[Sample], path: Path) -> bool:
+    """The plot, where matplotlib is installed (``pip install -e .[bench]``); False where not."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -302,6 +316,7 @@ def plot(results: dict[str, list[Sample]], single: list[Sample], ring: list[Samp
     fig.suptitle(f"ggufpipe, 3 stages of SmolLM2-135M on {os.cpu_count()} CPU cores")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -346,12 +361,16 @@ async def main_async(args: argparse.Namespace) -> int:
     docs = REPO / "docs"
     command = "python benchmarks/bench_pipeline.py" + (f" --repeats {args.repeats}" if args.repeats != 5 else "")
     command += " --no-ssh" * args.no_ssh + (" --only " + " ".join(args.only) if args.only else "")
-    (docs / "bench-pipeline.md").write_text(
-        "# Pipeline benchmark\n\n"
-        f"Measured {time.strftime('%Y-%m-%d')} with `{command}` ([plot](bench-pipeline.png)).\n\n" + report
+    drawn = plot(results, singles, rings, docs / "bench-pipeline.png")
+    where = (
+        "[plot](bench-pipeline.png)"
+        if drawn
+        else "the plot needs `pip install -e .[bench]`; this run had no matplotlib, so none was drawn"
     )
-    plot(results, singles, rings, docs / "bench-pipeline.png")
-    print(f"written to {docs / 'bench-pipeline.md'} and {docs / 'bench-pipeline.png'}")
+    (docs / "bench-pipeline.md").write_text(
+        "# Pipeline benchmark\n\n" f"Measured {time.strftime('%Y-%m-%d')} with `{command}` ({where}).\n\n" + report
+    )
+    print(f"written to {docs / 'bench-pipeline.md'}" + (f" and {docs / 'bench-pipeline.png'}" if drawn else ""))
     return 0
 
 

@@ -15,4 +15,6 @@ __version__ = "0.1.0"
 #: 6: positions in the object header, prefix reuse in ProvisionStage (reuse) and StageReady (held);
 #: 7: direct links (link_messages), ProvisionStage.ring, StageFault.link_peer.
 #: 8: Refused.run_id.
+#: 9: shared agent processes (Hello.share_endpoint, Hello.share_token, ShareAttach) and
+#:    ggufpipe-agent receive (a stage file over SSH on its own exec session).
 PROTOCOL_VERSION = 9

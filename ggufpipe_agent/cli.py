@@ -5,6 +5,8 @@ ggufpipe-agent                      speak the protocol on stdin/stdout (how the
 ggufpipe-agent --listen ADDR        started by hand: wait for an orchestrator on
                                     HOST:PORT or unix:PATH, with readable logs; it
                                     must prove it holds the listen key first
+ggufpipe-agent --share-process      on stdio, and further stages of the same
+                                    orchestrator may attach to this process
 ggufpipe-agent bridge ENDPOINT      copy stdin/stdout to a local socket (the
                                     orchestrator's data channel over SSH)
 ggufpipe-agent receive [--cache-dir DIR]
@@ -91,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         "tcp-HOST-PORT.key or unix-PATH.key, which is where orchestrators look unless the "
         "inventory gives listen_key:)",
     )
+    parser.add_argument(
+        "--share-process",
+        action="store_true",
+        help="on stdio: let further stages of the same orchestrator run in this process, "
+        "attached on a socket in its private directory with the secret its Hello names "
+        "(inventory share_process: true; they end with this process)",
+    )
     parser.add_argument("--cache-dir", type=Path, help="stage file cache directory")
     parser.add_argument("-v", "--verbose", action="store_true", help="also log llama.cpp's own messages")
     parser.add_argument(
@@ -106,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             parse_endpoint(options.listen)
         except ValueError as error:
             parser.error(f"--listen: {error}")
+        if options.share_process:
+            parser.error("--share-process is for an agent on stdio, not --listen")
     elif options.key_file is not None:
         parser.error("--key-file goes with --listen")
     if options.key_file is not None:
@@ -148,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _die_with_parent()
 
-    reason = aio.run(_with_signals(serve_stdio(options.cache_dir)))
+    reason = aio.run(_with_signals(serve_stdio(options.cache_dir, options.share_process)))
     log.info("exiting: %s", reason)
     sys.stderr.flush()
     # A llama.cpp step may still run in the worker thread; it must not keep the

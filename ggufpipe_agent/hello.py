@@ -11,7 +11,7 @@ from ggufpipe_agent import PROTOCOL_VERSION, __version__
 from ggufpipe_agent.protocol import Hello
 
 
-def make_hello(data_endpoint: str, data_token: str) -> Hello:
+def make_hello(data_endpoint: str, data_token: str, share_endpoint: str = "", share_token: str = "") -> Hello:
     import llama_cpp
 
     from ggufpipe_agent.engine import gpu_offload_supported
@@ -37,4 +37,6 @@ def make_hello(data_endpoint: str, data_token: str) -> Hello:
         memory_available=available,
         data_endpoint=data_endpoint,
         data_token=data_token,
+        share_endpoint=share_endpoint,
+        share_token=share_token,
     )

@@ -312,6 +312,12 @@ class Hello(Message):
     memory_available: int
     data_endpoint: str  # "unix:/path" of the agent's data socket
     data_token: str  # a data connection must present this first
+    # An agent started with --share-process: where further stages of the same
+    # orchestrator attach their control streams to this process ("unix:/path"
+    # in its private directory) and the secret they present (ShareAttach).
+    # Both "" otherwise, and in the Hello of an attached stage.
+    share_endpoint: str = ""
+    share_token: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,6 +482,15 @@ class OpenEdge(Message):
 class DataAttach(Message):
     """First frame on a data connection: proves it comes from the orchestrator
     that received the agent's Hello."""
+
+    token: str
+
+
+@dataclass(frozen=True, slots=True)
+class ShareAttach(Message):
+    """First frame on a connection to a shared agent process's share socket:
+    proves it comes from the orchestrator that received the first stage's
+    Hello (its ``share_token``). A control session follows, Hello first."""
 
     token: str
 

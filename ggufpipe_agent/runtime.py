@@ -30,7 +30,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ggufpipe_agent import objects
 from ggufpipe_agent.delivery import answer_cache_request, serve_delivery
@@ -67,6 +67,9 @@ from ggufpipe_agent.stage_run import EngineSlot, StageRun
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.validation import fits_bits, validate_provision
 
+if TYPE_CHECKING:
+    from ggufpipe_agent.sharing import Sharing
+
 log = logging.getLogger("ggufpipe.agent")
 
 
@@ -94,7 +97,14 @@ class SeenRuns:
 
 class Agent:
     """What outlives one orchestrator session: the loaded engine, the data
-    socket, the worker threads and the run ids already used."""
+    socket, the worker threads and the run ids already used.
+
+    A shared process (``--share-process``, :mod:`ggufpipe_agent.sharing`)
+    serves one session per stage: the first on stdio, the others attached on
+    its share socket. Each has its own data token, engine slot and run ids
+    (the stages of one run share its run id); all run their steps on the one
+    worker thread, so the stages of a host share one OpenMP team instead of
+    waking each other's."""
 
     def __init__(self, cache_dir: Path | None = None) -> None:
         self.cache_dir = cache_dir
@@ -105,8 +115,9 @@ class Agent:
         self.private = PrivateDirectory(base_directory())
         self.private_dir = self.private.path
         self.data_path = self.private_dir / "data.sock"
-        self.session: Session | None = None
+        self.sessions: list[Session] = []  # attached now: the first, then any sharing the process
         self.seen_runs = SeenRuns()
+        self.share: Sharing | None = None  # --share-process: the share socket
         self._data_server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -115,18 +126,32 @@ class Agent:
         )
         os.chmod(self.data_path, 0o600)
 
-    def hello(self) -> Hello:
-        return make_hello(f"unix:{self.data_path}", self.data_token)
+    def hello(self, data_token: str, guest: bool) -> Hello:
+        share = self.share
+        if share is None or guest:
+            return make_hello(f"unix:{self.data_path}", data_token)
+        return make_hello(f"unix:{self.data_path}", data_token, share.endpoint, share.token)
+
+    def _session_of(self, token: str) -> Session | None:
+        """The attached session whose data token this is (compared in constant time)."""
+        found = None
+        for session in self.sessions:
+            if hmac.compare_digest(token, session.data_token):
+                found = session
+        return found
 
     async def _data_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        session = self.session
         try:
             first = await asyncio.wait_for(FrameReader(reader, "data connection").message(), timeout=10)
-            if not isinstance(first, DataAttach) or not hmac.compare_digest(first.token, self.data_token):
+            if not isinstance(first, DataAttach):
                 log.warning("refused a data connection without the data token")
                 return
-            if session is None:
+            session = self._session_of(first.token)
+            if session is None and hmac.compare_digest(first.token, self.data_token):
                 log.warning("refused a data connection: no orchestrator session")
+                return
+            if session is None:
+                log.warning("refused a data connection without the data token")
                 return
             await session.serve_data(reader, writer)
         except (asyncio.TimeoutError, ProtocolError, ConnectionError) as error:
@@ -140,6 +165,8 @@ class Agent:
             writer.close()
 
     def close(self) -> None:
+        if self.share is not None:
+            self.share.close_server()
         if self._data_server is not None:
             self._data_server.close()
         self.private.remove()
@@ -160,10 +187,17 @@ class Session:
     Heartbeat's ``timeout`` ends the session (an agent on stdio then exits;
     a hand-started one waits for the next orchestrator), and so does a
     control stream it stops reading for as long. The agent's own heartbeats
-    tell the orchestrator it is alive in turn."""
+    tell the orchestrator it is alive in turn.
 
-    def __init__(self, agent: Agent, reader: Any, writer: Any) -> None:
+    ``guest``: a further stage attached to a shared process (its own data
+    token, engine and run ids; it ends with the process's first session)."""
+
+    def __init__(self, agent: Agent, reader: Any, writer: Any, guest: bool = False) -> None:
         self.agent = agent
+        self.guest = guest
+        self.data_token = secrets.token_hex(16) if guest else agent.data_token
+        self.engines = EngineSlot() if guest else agent.engines
+        self.seen_runs = SeenRuns() if guest else agent.seen_runs
         self.reader = FrameReader(reader, "control stream")
         self.writer = FrameWriter(writer, what="control stream")
         self.run: StageRun | None = None
@@ -178,6 +212,12 @@ class Session:
         self._beat_interval = 0.0
         self._beating: asyncio.Task[None] | None = None
         self._writer_lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    def end(self, reason: str) -> None:
+        """End the session from outside (a shared process's first session ended)."""
+        if not self._ended.done():
+            self._ended.set_result(reason)
 
     def _task_failed(self, name: str, error: BaseException) -> None:
         """A session task that fails (answering a request) is a fault of the
@@ -214,31 +254,48 @@ class Session:
     async def serve(self) -> str:
         """Answer control messages until the stream ends or the orchestrator
         falls silent; returns why it ended."""
-        self.agent.session = self
+        self.agent.sessions.append(self)
         sender = self.tasks.spawn(self._send_posted(), "control writer")
         reading = self.tasks.spawn(self._read(), "control reader")
         watching = self.tasks.spawn(self._watch(), "silence watch")
         try:
-            self.post(self.agent.hello())
-            await asyncio.wait({reading, watching, self._writer_lost}, return_when=asyncio.FIRST_COMPLETED)
+            self.post(self.agent.hello(self.data_token, self.guest))
+            await asyncio.wait(
+                {reading, watching, self._writer_lost, self._ended}, return_when=asyncio.FIRST_COMPLETED
+            )
             for ended in (reading, watching):
                 if ended.done() and not ended.cancelled() and ended.exception() is None:
                     return ended.result()
-            if self._writer_lost.done():
-                return self._writer_lost.result()
+            for lost in (self._writer_lost, self._ended):
+                if lost.done():
+                    return lost.result()
             return f"internal error in the agent's control reader: {reading.exception()!r}"
         finally:
             reading.cancel()
             watching.cancel()
             await self.stop_all("orchestrator session ended")
+            share = self.agent.share
+            if share is not None and not self.guest:
+                # The process lives as long as its first session: the stages
+                # sharing it end with it (each stops its run first).
+                await share.end_guests("the shared process's first stage ended")
             self.closing = True
             self.links.close()
             self._outbox.put_nowait(None)  # what was posted still goes, then the writer ends
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(sender), 5)
             await self.tasks.close()
-            if self.agent.session is self:
-                self.agent.session = None
+            if self in self.agent.sessions:
+                self.agent.sessions.remove(self)
+            if self.guest:
+                await self._unload()
+
+    async def _unload(self) -> None:
+        """A guest's engine is its own: freed with its session (on the worker,
+        where every engine call runs), not kept for a next orchestrator."""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(asyncio.TimeoutError, RuntimeError):
+            await asyncio.wait_for(loop.run_in_executor(self.agent.worker, self.engines.close), 30)
 
     async def _watch(self) -> str:
         bound = await self.silence.expired()
@@ -341,13 +398,13 @@ class Session:
             refused_id = message.run_id if sound_id else 0
             self.refuse("ProvisionStage", f"run {message.run_id:#x}: {problem}", refused_id)
             if sound_id:
-                self.agent.seen_runs.add(message.run_id)
+                self.seen_runs.add(message.run_id)
             return
-        if message.run_id in self.agent.seen_runs:
+        if message.run_id in self.seen_runs:
             self.refuse("ProvisionStage", f"stale run id {message.run_id:016x}", message.run_id)
             return
-        self.agent.seen_runs.add(message.run_id)
-        run = StageRun(message, self.post, self.agent.worker, self.agent.engines, self.agent.cache_dir)
+        self.seen_runs.add(message.run_id)
+        run = StageRun(message, self.post, self.agent.worker, self.engines, self.agent.cache_dir)
         self.run = run
         ring = message.ring
         run.apply(
@@ -363,7 +420,7 @@ class Session:
     async def stop_run(self, message: StopRun) -> None:
         run = self.run
         if run is None or run.run_id != message.run_id:
-            if message.run_id in self.agent.seen_runs:
+            if message.run_id in self.seen_runs:
                 # An older run than the current one. (A retried StopRun of the
                 # current, stopped run is answered with StageStopped again.)
                 self.refuse("StopRun", f"stale run id {message.run_id:016x}")
@@ -505,7 +562,7 @@ class Session:
         run = self.run
         if run is not None and run.run_id == run_id and run.fsm.state is not StageState.STOPPED:
             return ""
-        if run_id in self.agent.seen_runs:
+        if run_id in self.seen_runs:
             return f"stale run id {run_id:016x}"
         return f"unknown run id {run_id:016x}"
 
@@ -553,10 +610,17 @@ async def stdio_streams() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return reader, writer
 
 
-async def serve_stdio(cache_dir: Path | None) -> str:
+async def serve_stdio(cache_dir: Path | None, share: bool = False) -> str:
+    """The agent on stdio; ``share``: further stages may attach to this
+    process (:mod:`ggufpipe_agent.sharing`)."""
     agent = Agent(cache_dir)
     await agent.start()
     try:
+        if share:
+            from ggufpipe_agent.sharing import Sharing
+
+            agent.share = Sharing(agent)
+            await agent.share.start()
         reader, writer = await stdio_streams()
         session = Session(agent, reader, writer)
         return await session.serve()

@@ -167,6 +167,22 @@ def test_two_stages_on_an_account_that_holds_no_model(two_stages, account, priva
         assert oct(owner.st_mode & 0o777) == "0o600"
 
 
+def test_stages_that_share_a_process_each_receive_their_file(tmp_path, server, account, private_model, model_path, none_left):
+    """share_process: true with send: true: the attached stage's file comes
+    on its own receiving session of the host's connection, into the same
+    cache, and the shared process runs both."""
+    hosts = {"gpu": host(server, account, "~/send/shared", share_process=True)}
+    path = inventory(tmp_path / "inv.yaml", private_model, hosts, [{"host": "gpu"}, {"host": "gpu"}], send=True)
+    done = headless(path, "--json")
+    result = report(done)
+    assert result["outcome"] == "completed", result["failure"]
+    assert result["tokens"] == whole_model_greedy(model_path, result["prompt_tokens"], STEPS, n_ctx=512, n_ubatch=32)
+    assert [row["outcome"] for row in sorted(result["delivery"], key=lambda row: row["stage"])] == ["sent", "sent"]
+    assert [entry["stages"] for entry in result["processes"]] == [[0, 1]]
+    held = cache_files(account.home / "send" / "shared")
+    assert len(held) == 4 and not [name for name in held if ".partial" in name], held
+
+
 def test_a_second_run_sends_nothing(two_stages, model_path, none_left):
     path, first = two_stages
     again = report(headless(path, "--json", "-q"))

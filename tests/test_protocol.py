@@ -31,6 +31,7 @@ from ggufpipe_agent.protocol import (
     ProvisionStage,
     RingSpec,
     SamplingParams,
+    ShareAttach,
     StageFault,
     StageModelFacts,
     StageReady,
@@ -62,7 +63,10 @@ SAMPLES = [
         4,
         "unix:/x",
         "t",
+        "unix:/x-share",
+        "s",
     ),
+    ShareAttach("s"),
     ProvisionStage(
         run_id=2**63 - 1,
         stage_index=1,

@@ -54,6 +54,9 @@ class HostSpec:
     memory: int = 0  # bytes of RAM the plan may use there; 0: what the agent reports
     data: str = ""  # DATA_MODES; "" takes the inventory's top-level data: (default "auto")
     link_address: str = ""  # where other hosts reach this one's links (default: its address)
+    # The stages placed on this host run in one agent process (one OpenMP
+    # team for all; the first stage's agent, the others attached to it).
+    share_process: bool = False
 
     @property
     def where(self) -> str:
@@ -266,6 +269,12 @@ def _host(reader: _Reader, name: str, node: yaml.Node) -> HostSpec:
             parse_endpoint(host.listen)
         except ValueError as error:
             raise reader.fail(node, f"{key}.listen", str(error)) from None
+        if host.share_process:
+            raise reader.fail(
+                node,
+                f"{key}.share_process",
+                "is for agents the orchestrator starts, not a hand-started one (listen:)",
+            )
     elif host.listen_key:
         raise reader.fail(node, f"{key}.listen_key", "goes with listen: (a hand-started agent)")
     if host.insecure_no_host_key_check and host.known_hosts:

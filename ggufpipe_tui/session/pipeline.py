@@ -59,6 +59,7 @@ from ggufpipe_tui.session.runlog import RunLog
 from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
 from ggufpipe_tui.session.stages import PipelineError, StageHandle
 from ggufpipe_tui.transports.link import AgentLink
+from ggufpipe_tui.transports.shared import ProcessSharing, SharedAgent
 
 log = logging.getLogger("ggufpipe.orchestrator")
 
@@ -162,9 +163,10 @@ class Pipeline:
         """Start every stage's agent, read the model, open the data plane, serve prompts."""
         inventory = self.inventory
         timeout = inventory.timeouts.connect
+        sharing = ProcessSharing(self.link_factory)  # share_process: true hosts
         for index, spec in enumerate(inventory.stages):
             host = inventory.hosts[spec.host]
-            link = self.link_factory(host, index, self._log_sink(index, host.name))
+            link = sharing.link(host, index, self._log_sink(index, host.name))
             self.stages.append(StageHandle(index, link, self._on_message, self._stage_lost))
         starting = (self._start_stage(stage, timeout) for stage in self.stages)
         results = await asyncio.gather(*starting, return_exceptions=True)
@@ -365,9 +367,11 @@ class Pipeline:
     async def _report_lost(self, stage: StageHandle, symptom: str) -> None:
         reason = await stage.diagnose(symptom)
         stage.lost = reason
+        repeated = reason == self.broken  # another stage of a shared process that died
         if not self.broken:
             self.broken = reason
-        self.emit(Notice("error", reason))
+        if not repeated:
+            self.emit(Notice("error", reason))
         stage.fail_requests(reason)
         if self.driver is not None and not self.driver.done.is_set():
             self.driver.feed(fsm.StageLost(stage.index, reason))
@@ -398,6 +402,10 @@ class Pipeline:
                     await asyncio.wait_for(stage.send(Shutdown("orchestrator closing")), 2)
         if self.data is not None:
             self.data.close()
-        await asyncio.gather(*(stage.close(3.0) for stage in self.stages), return_exceptions=True)
+        # Stages attached to a shared process end their sessions before the
+        # process's own stage ends it.
+        for attached in (True, False):
+            closing = (stage for stage in self.stages if isinstance(stage.link, SharedAgent) is attached)
+            await asyncio.gather(*(stage.close(3.0) for stage in closing), return_exceptions=True)
         await self.tasks.close()
         self.runlog.close()

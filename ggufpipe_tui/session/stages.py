@@ -113,6 +113,8 @@ class StageHandle:
             return await asyncio.wait_for(self.link.start(timeout), timeout + 5)
         except asyncio.TimeoutError:
             raise TransportError(f"{self.label}: no answer within {timeout:g}s") from None
+        finally:
+            self.link.settled.set()  # a stage sharing this agent's process may attach now
 
     async def open_data(self, timeout: float) -> DataStream:
         try:
@@ -218,6 +220,7 @@ class StageHandle:
         """The reason a lost stage is reported with: the agent's exit and its
         last words when it exited, else the symptom."""
         link = self.link
+        await link.settle_exit()
         for _ in range(20):  # the exit status and last stderr lines may lag a moment
             if not link.alive():
                 break
@@ -226,7 +229,8 @@ class StageHandle:
             if self.silent_for:
                 return f"no answer from {link.label} for {self.silent_for:g} s"
             return f"{link.label}: {symptom}{link.exit_detail()}"
-        return f"{link.label}: {link.gone_reason()}"
+        # The same words from every stage of a shared process: one reason.
+        return f"{link.process_label}: {link.gone_reason()}"
 
     def fail_requests(self, reason: str) -> None:
         for future in self._requests.values():

@@ -62,6 +62,19 @@ class AgentLink:
         # The link's own background work (stderr pumps): a pump that dies of a
         # bug says so in the stage's log instead of going quiet.
         self.tasks = TaskOwner(self._task_failed, f"stage {stage} link")
+        # share_process: true (transports/shared.py): this agent is started
+        # with --share-process, and these stages run in its process.
+        self.share_process = False
+        self.sharers: list[int] = [stage]
+        self.settled = asyncio.Event()  # start() has returned or failed (StageHandle.start)
+
+    @property
+    def process_label(self) -> str:
+        """Who is lost when this agent's process is: its stages, on its host."""
+        if len(self.sharers) < 2:
+            return self.label
+        stages = ", ".join(str(stage) for stage in self.sharers)
+        return f"stages {stages} on {self.host.name} ({self.host.where}), one agent process"
 
     @property
     def label(self) -> str:
@@ -210,6 +223,10 @@ class AgentLink:
         await FrameWriter(writer).send(DataAttach(self.hello.data_token))
         return reader, writer
 
+    #: Whether open_delivery reaches a receiving process of its own on the
+    #: host rather than the agent (over SSH: ``<agent> receive``).
+    receives_itself = False
+
     async def open_delivery(self) -> tuple[Any, Any]:
         """The stream a stage file is sent on (``model: {send: true}``): by
         default a data stream to the agent, which writes it into its cache."""
@@ -222,6 +239,14 @@ class AgentLink:
     async def _connect_data(self, endpoint: str) -> tuple[Any, Any]:
         raise NotImplementedError
 
+    async def open_socket(self, endpoint: str, timeout: float) -> tuple[Any, Any]:
+        """A byte stream to a socket where this agent runs (a shared
+        process's share socket, for a stage attaching to it)."""
+        raise NotImplementedError
+
+    async def close_socket(self, writer: Any, grace: float) -> None:
+        """What :meth:`open_socket` started for ``writer`` ends (its writer is closed)."""
+
     async def close(self, grace: float) -> None:
         raise NotImplementedError
 
@@ -231,6 +256,9 @@ class AgentLink:
     def exit_detail(self) -> str:
         """Why the agent is gone, for a fault reason."""
         return self._tail()
+
+    async def settle_exit(self) -> None:
+        """Before a loss is diagnosed: let news of the agent's exit arrive."""
 
     def gone_reason(self) -> str:
         """A fault reason's tail once alive() is False."""

@@ -39,6 +39,8 @@ class LocalAgent(AgentLink):
             command = [sys.executable, "-m", "ggufpipe_agent"]
         if self.host.cache_dir:
             command += ["--cache-dir", self.host.cache_dir]
+        if self.share_process:
+            command.append("--share-process")
         return command
 
     async def start(self, timeout: float) -> Hello:
@@ -85,6 +87,12 @@ class LocalAgent(AgentLink):
             raise TransportError(
                 f"{self.label}: cannot reach the agent's data socket {endpoint}: {error}"
             ) from None
+
+    async def open_socket(self, endpoint: str, timeout: float) -> tuple[Any, Any]:
+        try:
+            return await open_endpoint(endpoint)
+        except OSError as error:
+            raise TransportError(f"{self.label}: cannot reach the socket {endpoint}: {error}") from None
 
     def alive(self) -> bool:
         if self.process is not None:

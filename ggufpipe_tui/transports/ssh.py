@@ -82,11 +82,14 @@ class SshAgent(AgentLink):
         self.connection: asyncssh.SSHClientConnection | None = None
         self._entry: PooledConnection | None = None
         self._control_stream: SshReader | None = None
+        self._socket_bridges: dict[int, asyncssh.SSHClientProcess[bytes]] = {}  # by id(writer)
 
     def agent_command(self, subcommand: str = "") -> str:
         command = self.host.agent + (f" {subcommand}" if subcommand else "")
         if self.host.cache_dir:
             command += f" --cache-dir {_shell_path(self.host.cache_dir)}"
+        if self.share_process and not subcommand:
+            command += " --share-process"
         return command
 
     def bridge_command(self, endpoint: str) -> str:
@@ -217,6 +220,10 @@ class SshAgent(AgentLink):
         self.data_route = "exec bridge"
         return await self.open_bridge(endpoint, 60.0)
 
+    @property
+    def receives_itself(self) -> bool:  # type: ignore[override]
+        return not self.host.listen
+
     async def open_delivery(self) -> tuple[Any, Any]:
         """A stage file's stream: ``<agent> receive`` on a new exec session
         writes it into the same cache as the agent's (same ``--cache-dir``),
@@ -238,6 +245,24 @@ class SshAgent(AgentLink):
         self.bridges.append(process)
         self.tasks.spawn(self.pump_stderr(SshReader(process.stderr), "data bridge: "), "bridge stderr pump")
         return SshReader(process.stdout), SshWriter(process.stdin)
+
+    async def open_socket(self, endpoint: str, timeout: float) -> tuple[Any, Any]:
+        """Through an exec bridge on this host's connection: a shared process's
+        control traffic, which needs no forwarding permission."""
+        process = await self._exec(self.bridge_command(endpoint), timeout)
+        self.bridges.append(process)
+        self.tasks.spawn(self.pump_stderr(SshReader(process.stderr), "share bridge: "), "bridge stderr pump")
+        writer = SshWriter(process.stdin)
+        self._socket_bridges[id(writer)] = process
+        return SshReader(process.stdout), writer
+
+    async def close_socket(self, writer: Any, grace: float) -> None:
+        """The bridge ends at its stdin's EOF (sent by the writer's owner)."""
+        bridge = self._socket_bridges.pop(id(writer), None)
+        if bridge is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncssh.Error, OSError):
+                await asyncio.wait_for(bridge.wait_closed(), grace)
+            bridge.close()
 
     def alive(self) -> bool:
         process = self.process

@@ -6,6 +6,8 @@ these strings, headless mode prints them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ggufpipe_agent.protocol import Hello, ModelFacts
 from ggufpipe_tui.core.events import AgentConnected, DataPath, RunResult, StageDelivery
 from ggufpipe_tui.core.plan import StagePlan
@@ -43,6 +45,15 @@ def agent_line(event: AgentConnected) -> str:
         f"agent on {event.host} ({event.where}), pid {hello.pid}, llama-cpp-python "
         f"{hello.llama_cpp}, {device_name(hello)}"
     )
+
+
+def agent_processes(connected: Iterable[AgentConnected]) -> list[tuple[str, int, tuple[int, ...]]]:
+    """(host, pid, stages) per agent process: stages whose agents are one
+    process (share_process: true) come as one entry, in stage order."""
+    groups: dict[tuple[str, int], list[int]] = {}
+    for event in sorted(connected, key=lambda e: e.stage):
+        groups.setdefault((event.host, event.hello.pid), []).append(event.stage)
+    return [(host, pid, tuple(stages)) for (host, pid), stages in groups.items()]
 
 
 def model_line(facts: ModelFacts, stages: int, hosts: int) -> str:

@@ -97,6 +97,7 @@ class Printer:
         self.as_json, self.verbose, self.quiet = as_json, verbose, quiet
         self.wrote_text = False
         self.paths: list[DataPath] = []
+        self.agents: dict[int, AgentConnected] = {}  # each stage's agent, by stage
         self.delivered: dict[int, StageDelivery] = {}  # each stage's last delivery event
         self._shown: dict[int, float] = {}  # when each stage's progress was last printed
         self._last_progress = 0.0
@@ -112,7 +113,14 @@ class Printer:
                 self.out.flush()
                 self.wrote_text = True
         elif isinstance(event, AgentConnected):
-            self.progress(f"stage {event.stage}: {fmt.agent_line(event)}")
+            self.agents[event.stage] = event
+            shared = [
+                stage
+                for stage, other in sorted(self.agents.items())
+                if stage != event.stage and other.host == event.host and other.hello.pid == event.hello.pid
+            ]
+            also = f", the process of stage {shared[0]} (share_process)" if shared else ""
+            self.progress(f"stage {event.stage}: {fmt.agent_line(event)}{also}")
         elif isinstance(event, ModelInspected):
             hosts = len({spec.host for spec in self.inventory.stages})
             self.progress(f"model {fmt.model_line(event.facts, len(self.inventory.stages), hosts)}")
@@ -147,6 +155,14 @@ class Printer:
             return
         self._shown[event.stage] = self._last_progress = now
         self.progress(f"stage {event.stage} on {event.host}: {fmt.delivery_line(event)}")
+
+    def processes_json(self) -> list[dict[str, object]]:
+        """One entry per agent process: the stages it runs (several where
+        they share it)."""
+        return [
+            {"host": host, "pid": pid, "stages": list(stages)}
+            for host, pid, stages in fmt.agent_processes(self.agents.values())
+        ]
 
     def delivery_json(self) -> list[dict[str, object]]:
         return [
@@ -204,6 +220,7 @@ async def run_headless(
     if as_json:
         report = result_json(result, tuple(printer.paths), inventory.run.feedback)
         report["delivery"] = printer.delivery_json()  # model send: true; [] when hosts hold the model
+        report["processes"] = printer.processes_json()  # stages sharing an agent process: one entry
         print(json.dumps(report, ensure_ascii=False), file=out, flush=True)
     elif printer.wrote_text:
         print(file=out, flush=True)
