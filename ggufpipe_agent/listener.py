@@ -38,7 +38,8 @@ from ggufpipe_agent.credential import (
 from ggufpipe_agent.errors import ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter
 from ggufpipe_agent.protocol import AuthChallenge, AuthProof, AuthResponse, Refused
-from ggufpipe_agent.runtime import Agent, Session
+from ggufpipe_agent.runtime import Agent
+from ggufpipe_agent.session import Session
 
 log = logging.getLogger("ggufpipe.agent")
 

@@ -38,7 +38,8 @@ from ggufpipe_agent.framing import FrameReader
 from ggufpipe_agent.protocol import ShareAttach
 
 if TYPE_CHECKING:
-    from ggufpipe_agent.runtime import Agent, Session
+    from ggufpipe_agent.runtime import Agent
+    from ggufpipe_agent.session import Session
 
 log = logging.getLogger("ggufpipe.agent")
 
@@ -67,7 +68,7 @@ class Sharing:
         os.chmod(self.path, 0o600)
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        from ggufpipe_agent.runtime import Session
+        from ggufpipe_agent.session import Session
 
         try:
             try:

@@ -40,6 +40,7 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 AGENT_MODULES = (
     "ggufpipe_agent.cli",
     "ggufpipe_agent.runtime",
+    "ggufpipe_agent.session",
     "ggufpipe_agent.delivery",
     "ggufpipe_agent.engine",
     "ggufpipe_agent.vocab",

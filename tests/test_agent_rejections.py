@@ -328,7 +328,7 @@ async def test_an_object_for_no_run_is_refused_at_its_header(agent, model_path):
 
 
 def test_the_run_ids_an_agent_remembers_are_bounded():
-    from ggufpipe_agent.runtime import SeenRuns
+    from ggufpipe_agent.session import SeenRuns
 
     seen = SeenRuns()
     for run_id in range(SeenRuns.keep + 10):
