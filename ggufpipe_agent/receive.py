@@ -46,7 +46,6 @@ from ggufpipe_agent.errors import (
     TruncatedFrame,
 )
 from ggufpipe_agent.protocol import (
-    CONTROL_MAGIC,
     CONTROL_PREFIX_SIZE,
     Message,
     decode_payload,
@@ -153,8 +152,6 @@ class BlockingFrames:
         prefix = bytearray(CONTROL_PREFIX_SIZE)
         if not self.readinto(memoryview(prefix), "a frame"):
             return None
-        if bytes(prefix[:4]) != CONTROL_MAGIC:
-            raise ProtocolError(f"bad control frame magic {bytes(prefix[:4])!r}")
         return decode_payload(self.exactly(parse_prefix(bytes(prefix)), "a frame"))
 
 

@@ -223,10 +223,6 @@ class AgentLink:
         await FrameWriter(writer).send(DataAttach(self.hello.data_token))
         return reader, writer
 
-    #: Whether open_delivery reaches a receiving process of its own on the
-    #: host rather than the agent (over SSH: ``<agent> receive``).
-    receives_itself = False
-
     async def open_delivery(self) -> tuple[Any, Any]:
         """The stream a stage file is sent on (``model: {send: true}``): by
         default a data stream to the agent, which writes it into its cache."""

@@ -94,11 +94,9 @@ class SharedAgent(AgentLink):
         return await self.first._connect_data(endpoint)
 
     async def open_delivery(self) -> tuple[Any, Any]:
-        """Over SSH, a receiving session of the first stage's connection (it
-        writes the same cache); else this stage's own data connection."""
-        if self.first.receives_itself:
-            return await self.first.open_delivery()
-        return await self.open_data()
+        """The first stage's way in: the stage file lands in the same cache
+        (over SSH its own receiving session; else the shared data socket)."""
+        return await self.first.open_delivery()
 
     async def settle_exit(self) -> None:
         """A session that ended is most often the process dying: its exit

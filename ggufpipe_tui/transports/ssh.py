@@ -220,10 +220,6 @@ class SshAgent(AgentLink):
         self.data_route = "exec bridge"
         return await self.open_bridge(endpoint, 60.0)
 
-    @property
-    def receives_itself(self) -> bool:  # type: ignore[override]
-        return not self.host.listen
-
     async def open_delivery(self) -> tuple[Any, Any]:
         """A stage file's stream: ``<agent> receive`` on a new exec session
         writes it into the same cache as the agent's (same ``--cache-dir``),
@@ -233,28 +229,29 @@ class SshAgent(AgentLink):
         another cache: it receives on its data socket, as before."""
         if self.host.listen:
             return await super().open_delivery()
-        process = await self._exec(self.agent_command("receive"), 60.0)
-        self.bridges.append(process)  # closed with the stage, like a bridge
-        self.tasks.spawn(self.pump_stderr(SshReader(process.stderr), "receive: "), "receive stderr pump")
-        return SshReader(process.stdout), SshWriter(process.stdin)
+        return await self._stream_session(self.agent_command("receive"), 60.0, "receive")
 
-    async def open_bridge(self, endpoint: str, timeout: float) -> tuple[SshReader, SshWriter]:
+    async def open_bridge(
+        self, endpoint: str, timeout: float, what: str = "data bridge"
+    ) -> tuple[SshReader, SshWriter]:
         """A byte stream to ``endpoint`` (a socket on the host) through
         ``<agent> bridge`` on a new exec session: no forwarding needed."""
-        process = await self._exec(self.bridge_command(endpoint), timeout)
+        return await self._stream_session(self.bridge_command(endpoint), timeout, what)
+
+    async def _stream_session(self, command: str, timeout: float, what: str) -> tuple[SshReader, SshWriter]:
+        """``command`` on a new exec session as a byte stream; its stderr into
+        the stage log as ``what: ...``; closed with the stage."""
+        process = await self._exec(command, timeout)
         self.bridges.append(process)
-        self.tasks.spawn(self.pump_stderr(SshReader(process.stderr), "data bridge: "), "bridge stderr pump")
+        self.tasks.spawn(self.pump_stderr(SshReader(process.stderr), f"{what}: "), f"{what} stderr pump")
         return SshReader(process.stdout), SshWriter(process.stdin)
 
     async def open_socket(self, endpoint: str, timeout: float) -> tuple[Any, Any]:
         """Through an exec bridge on this host's connection: a shared process's
         control traffic, which needs no forwarding permission."""
-        process = await self._exec(self.bridge_command(endpoint), timeout)
-        self.bridges.append(process)
-        self.tasks.spawn(self.pump_stderr(SshReader(process.stderr), "share bridge: "), "bridge stderr pump")
-        writer = SshWriter(process.stdin)
-        self._socket_bridges[id(writer)] = process
-        return SshReader(process.stdout), writer
+        reader, writer = await self.open_bridge(endpoint, timeout, "share bridge")
+        self._socket_bridges[id(writer)] = self.bridges[-1]
+        return reader, writer
 
     async def close_socket(self, writer: Any, grace: float) -> None:
         """The bridge ends at its stdin's EOF (sent by the writer's owner)."""
