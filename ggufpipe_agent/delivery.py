@@ -10,7 +10,7 @@ a provision, and the cache managed for the orchestrator.
   why it cannot (a full disk names the path and the space needed; the partial
   file is removed). A connection that breaks keeps the verified prefix for a
   resume. The library underneath is :mod:`ggufpipe_agent.receiver`; every call
-  into it (hashing, writes, fsync) runs on a thread of this connection, never
+  into it (hashing, writes, checkpoints) runs on a thread of this connection, never
   on the event loop, and one chunk is written while the next is read.
 * :func:`received_stage_file` is what a provision with ``stage_file`` loads:
   the entry found by its key, vouched for by its sidecar, of the size and

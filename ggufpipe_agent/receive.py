@@ -70,8 +70,8 @@ _F_SETPIPE_SZ = 1031
 #: be hashing locally (a resumed send re-hashes the prefix it skips, a first
 #: check of a cached entry hashes the whole stage file) before it sends more.
 FRAME_TIMEOUT = 600.0
-#: A checkpoint (fdatasync, then the progress record) at least this often, so
-#: an agent killed with its connection resumes from at most a second back.
+#: A checkpoint (the progress record) at least this often, so an agent
+#: killed with its connection resumes from at most a second back.
 CHECKPOINT_SECONDS = 1.0
 
 

@@ -9,16 +9,26 @@ already has (:class:`ReceiveStatus`): a complete entry and its digest, a
 partial file and how many verified bytes it holds, or nothing. Chunks then
 arrive in order, each with its own digest (a bad one is rejected, never
 written); the whole file's digest is checked before the file becomes an
-entry (fsync, atomic rename, sidecar).
+entry (atomic rename, sidecar).
+
+Durability without waiting for the disk: nothing here fsyncs the stage
+file's bytes while it arrives (a checkpoint's fdatasync, then the entry's
+fsync, held the transfer up to a quarter of its time; the kernel writes the
+pages back within seconds, as for any copy). Correctness does not depend on
+them reaching the disk before a crash: a progress record is checked against
+the bytes on a resume (below), and an entry's sidecar names the boot it was
+written in (``Sidecar.unsynced_boot``), so after a reboot its first use
+re-hashes it, and a file a crash damaged is removed and sent again. Where
+the system has no boot id, the entry is fsynced as before.
 
 Resume: the partial file (``NAME.partial``) and its progress record
 (``NAME.partial.json``: key, size, chunk size, verified bytes, the digest of
-that prefix) survive a killed connection and a restarted agent. The record
-is written only after the bytes it counts are fsynced (every
-``checkpoint_bytes`` and on :meth:`close`), so it never claims more than the
-disk holds; a restart re-hashes the recorded prefix (at disk speed), which
-both checks it and restores the running digest, and the transfer continues
-from there. A partial file is written by one receiver at a time (``flock``):
+that prefix) survive a killed connection and a restarted agent (it is
+written every ``checkpoint_bytes``, every ``checkpoint_seconds`` and on
+:meth:`close`). A restart re-hashes the recorded prefix (at disk speed),
+which checks it (a record that outlived its bytes in a crash does not
+match: the transfer starts over) and restores the running digest, and the
+transfer continues from there. A partial file is written by one receiver at a time (``flock``):
 another agent of the same host asking for the same stage is told "busy" and
 can ask again; once the first one finishes, it finds the complete entry.
 
@@ -51,6 +61,7 @@ from ggufpipe_agent.stagecache import (
     SIDECAR_SUFFIX,
     Sidecar,
     StageKey,
+    boot_id,
     create_private,
     disk_full,
     free_bytes,
@@ -86,7 +97,7 @@ class ReceiveStatus:
     state: str  # "complete", "partial", "empty" or "busy" (another receiver writes it)
     name: str  # the entry's file name in the cache
     digest: str = ""  # of the complete entry
-    verified_bytes: int = 0  # of a partial file: durable and verified; resume from here
+    verified_bytes: int = 0  # of a partial file: verified (and re-checked on a resume); resume from here
     verified_chunks: int = 0  # verified_bytes // chunk_size
 
 
@@ -121,10 +132,10 @@ class StageFileReceiver:
         # is the last checkpoint.
         self.checkpoint_seconds = checkpoint_seconds
         self._checkpointed_at = time.monotonic()
-        # In the background: the fdatasync of a checkpoint waits for the disk
-        # (on a slow one, longer than the network takes for the next chunks),
-        # and chunks keep being written meanwhile. The record still counts
-        # only bytes that were synced before it was written.
+        # In the background: a checkpoint's record is a small file synced and
+        # renamed into place, which waits for the disk's journal, and chunks
+        # keep being written meanwhile. The record counts only the bytes
+        # received and verified before it was begun.
         self._checkpointer: ThreadPoolExecutor | None = None
         if background_checkpoints:
             self._checkpointer = ThreadPoolExecutor(1, thread_name_prefix="ggufpipe-checkpoint")
@@ -377,15 +388,14 @@ class StageFileReceiver:
         self._checkpointing = self._checkpointer.submit(self._record, self.received, self._digest.hexdigest())
 
     def checkpoint(self) -> None:
-        """Make what was received durable and record it (a resume starts here)."""
+        """Record what was received (a resume starts here)."""
         self._settle()
         if self._fd < 0 or self.received == self._durable:
             return
         self._record(self.received, self._digest.hexdigest())
 
     def _record(self, verified: int, prefix: str) -> None:
-        """fdatasync, then the record of the first ``verified`` bytes."""
-        os.fdatasync(self._fd)
+        """The record of the first ``verified`` bytes (not synced: a resume checks them)."""
         record = {
             "version": PROGRESS_VERSION,
             "algorithm": DIGEST_ALGORITHM,
@@ -422,10 +432,13 @@ class StageFileReceiver:
                 f"{digest[:16]}...; the partial file is removed, send it again"
             )
         os.ftruncate(self._fd, self.size)
-        os.fsync(self._fd)
+        boot = boot_id()
+        if not boot:  # nothing would tell a use after a crash to check it
+            os.fsync(self._fd)
         info = os.fstat(self._fd)
         os.replace(self.partial, self.target)
-        write_sidecar(self.target, Sidecar(actual, self.size, info.st_mtime_ns, info.st_ino, self.key))
+        sidecar = Sidecar(actual, self.size, info.st_mtime_ns, info.st_ino, self.key, unsynced_boot=boot)
+        write_sidecar(self.target, sidecar)
         self.record.unlink(missing_ok=True)
         fsync_directory(self.directory)
         self._release()

@@ -129,6 +129,23 @@ class Sidecar:
     sources: tuple[SourceFile, ...] = ()
     algorithm: str = DIGEST_ALGORITHM
     version: int = SIDECAR_VERSION
+    #: The boot the entry was written in without an fsync of its bytes ("":
+    #: they were synced). In that boot the page cache is what the file holds;
+    #: after a reboot (a crash may have lost unwritten pages) the first use
+    #: re-hashes the file (:func:`verify_entry`).
+    unsynced_boot: str = ""
+
+
+#: Linux's id of the running boot; another value after every reboot.
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str:
+    """This boot's id, "" where the system has none (then entries are synced)."""
+    try:
+        return BOOT_ID_PATH.read_text().strip()
+    except OSError:
+        return ""
 
 
 # ------------------------------------------------------------ the directory
@@ -386,8 +403,9 @@ def read_sidecar(target: Path) -> Sidecar | None:
 def verify_entry(target: Path, full: bool = False) -> Sidecar | None:
     """The sidecar of a trustworthy entry at ``target``, or None (missing,
     not a regular file of ours, no valid sidecar, or contents that do not
-    match it). Cheap by default: a stat against the sidecar; a mismatch, or
-    ``full``, re-hashes the file (a match then renews the sidecar)."""
+    match it). Cheap by default: a stat against the sidecar; a mismatch,
+    ``full``, or an entry whose bytes were not synced before a reboot since,
+    re-hashes the file (a match then renews the sidecar, synced)."""
     sidecar = read_sidecar(target)
     if sidecar is None:
         return None
@@ -402,14 +420,19 @@ def verify_entry(target: Path, full: bool = False) -> Sidecar | None:
         if stat.S_IMODE(info.st_mode) != 0o600:
             os.fchmod(fd, 0o600)
         recorded = (sidecar.size, sidecar.mtime_ns, sidecar.inode)
-        if (info.st_size, info.st_mtime_ns, info.st_ino) == recorded and not full:
+        rebooted = bool(sidecar.unsynced_boot) and sidecar.unsynced_boot != boot_id()
+        if (info.st_size, info.st_mtime_ns, info.st_ino) == recorded and not full and not rebooted:
             return sidecar
+        if rebooted:
+            log.info("stage file %s was written before a reboot and never synced: checking it", target)
         if info.st_size != sidecar.size or digest_descriptor(fd, info.st_size) != sidecar.digest:
             log.warning("stage file %s does not match its recorded digest", target)
             return None
+        if sidecar.unsynced_boot:
+            os.fsync(fd)
     finally:
         os.close(fd)
-    renewed = dataclasses.replace(sidecar, mtime_ns=info.st_mtime_ns, inode=info.st_ino)
+    renewed = dataclasses.replace(sidecar, mtime_ns=info.st_mtime_ns, inode=info.st_ino, unsynced_boot="")
     if renewed != sidecar:
         write_sidecar(target, renewed)
     return renewed

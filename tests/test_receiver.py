@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 
 from ggufpipe_agent import receiver as receiver_module
+from ggufpipe_agent import stagecache
 from ggufpipe_agent.cacheadmin import list_entries
 from ggufpipe_agent.digest import digest_file
 from ggufpipe_agent.errors import CacheError, DiskFull, TransferError
 from ggufpipe_agent.receiver import StageFileReceiver
 from ggufpipe_agent.sender import StageSender
-from ggufpipe_agent.stagecache import read_sidecar
+from ggufpipe_agent.stagecache import boot_id, read_sidecar, verify_entry
 from ggufpipe_agent.stagefile import ensure_stage_file
 from tests.conftest import REPO
 
@@ -205,6 +206,68 @@ def test_a_corrupted_entry_is_sent_again(sender, tmp_path):
         send(sender, receiver, 0)
         receiver.finish(sender.digest)
     assert digest_file(entry) == sender.digest
+
+
+def received_entry(sender: StageSender, cache: Path) -> Path:
+    with receiver_for(sender, cache) as receiver:
+        receiver.open()
+        send(sender, receiver, 0)
+        return receiver.finish(sender.digest)
+
+
+def reboot(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """What the receiver sees after a reboot: another boot id."""
+    path = tmp_path / "boot_id"
+    path.write_text(str(uuid.uuid4()) + "\n")
+    monkeypatch.setattr(stagecache, "BOOT_ID_PATH", path)
+
+
+@pytest.mark.skipif(not boot_id(), reason="no boot id on this system: entries are fsynced")
+def test_a_received_entry_is_trusted_in_its_boot_and_checked_after_a_reboot(sender, tmp_path, monkeypatch):
+    """The entry's bytes are not fsynced; its sidecar names the boot. In
+    that boot a stat vouches for it; after a reboot its first use re-hashes
+    it, and then it is synced and trusted by a stat again."""
+    entry = received_entry(sender, tmp_path / "cache")
+    assert read_sidecar(entry).unsynced_boot == boot_id()
+    hashed = []
+    real = stagecache.digest_descriptor
+    monkeypatch.setattr(stagecache, "digest_descriptor", lambda *a: hashed.append(a) or real(*a))
+    assert verify_entry(entry) is not None and not hashed, "in its boot, a stat vouches for the entry"
+    reboot(monkeypatch, tmp_path)
+    assert verify_entry(entry).digest == sender.digest and len(hashed) == 1
+    assert read_sidecar(entry).unsynced_boot == "", "checked after the reboot, and synced"
+    assert verify_entry(entry) is not None and len(hashed) == 1
+
+
+@pytest.mark.skipif(not boot_id(), reason="no boot id on this system: entries are fsynced")
+def test_an_entry_a_crash_damaged_is_sent_again(sender, tmp_path, monkeypatch):
+    """A crash before the kernel wrote the pages back: the file has its size
+    and times but not its bytes. The stat matches; the boot does not."""
+    cache = tmp_path / "cache"
+    entry = received_entry(sender, cache)
+    stat = entry.stat()
+    with entry.open("r+b") as handle:
+        handle.seek(stat.st_size // 2)
+        handle.write(bytes(4096))  # pages the disk never got read back as zeros
+    os.utime(entry, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert verify_entry(entry) is not None, "before a reboot nothing can tell (the page cache is the file)"
+    reboot(monkeypatch, tmp_path)
+    with receiver_for(sender, cache) as receiver:
+        status = receiver.open()
+        assert status.state == "empty" and sender.first_chunk(status) == 0
+        send(sender, receiver, 0)
+        receiver.finish(sender.digest)
+    assert digest_file(entry) == sender.digest
+
+
+def test_without_a_boot_id_a_received_entry_is_fsynced(sender, tmp_path, monkeypatch):
+    monkeypatch.setattr(stagecache, "BOOT_ID_PATH", tmp_path / "missing")
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    entry = received_entry(sender, tmp_path / "cache")
+    assert read_sidecar(entry).unsynced_boot == ""
+    assert str(entry) + ".partial" in synced, "the stage file's bytes were synced before it became the entry"
 
 
 def test_a_complete_entry_of_other_weights_is_sent_again(model_path, tmp_path):
