@@ -89,11 +89,12 @@ def chain_next(run: StageRun, header: objects.ObjectHeader, result: Any) -> None
     started = time.perf_counter()
     value: Any = None
     error: BaseException | None = None
-    elapsed = 0.0
+    chained = 0.0
     try:
-        value, elapsed = consumer.worker_step(consumer.engine, arrived, inputs)
+        value, chained = consumer.worker_step(consumer.engine, arrived, inputs)
     except BaseException as failure:  # noqa: BLE001 - kept for the consumer's own _execute to raise
-        error, elapsed = failure, (time.perf_counter() - started) * 1000.0
+        error = failure
+    elapsed = (time.perf_counter() - started) * 1000.0 - chained  # the consumer's own step
     consumer.precomputed = Precomputed(header.sequence, header.position, value, error, elapsed)
 
 

@@ -464,8 +464,9 @@ class StageRun:
                 # second team (decode steps inline on the event loop) measured
                 # half the tokens/s of one team, whatever the thread hops save.
                 step = self.worker_step
-                result, _ = await loop.run_in_executor(self._worker, step, engine, header, inputs)
-                ran = (time.perf_counter() - started) * 1000.0
+                result, chained = await loop.run_in_executor(self._worker, step, engine, header, inputs)
+                # This stage's step, not the later stages' the worker ran after it.
+                ran = (time.perf_counter() - started) * 1000.0 - chained
         except GgufpipeError as error:
             self._apply_if_alive(StepFailed(f"step {sequence}: {error}"))
             return
@@ -540,14 +541,15 @@ class StageRun:
     def worker_step(
         self, engine: StageEngine, header: objects.ObjectHeader, inputs: Any
     ) -> tuple[Any, float]:
-        """One step on the worker thread and its milliseconds; then, on a
-        shared process's direct link, the consumer's step (chain.py)."""
-        started = time.perf_counter()
+        """One step on the worker thread; then, on a shared process's direct
+        link, the consumer's step (chain.py). Returns the result and the
+        milliseconds the chained steps took."""
         result = self._step(engine, header.sequence, header, inputs)
-        elapsed = (time.perf_counter() - started) * 1000.0
-        if self.local_next is not None:
-            chain_next(self, header, result)
-        return result, elapsed
+        if self.local_next is None:
+            return result, 0.0
+        started = time.perf_counter()
+        chain_next(self, header, result)
+        return result, (time.perf_counter() - started) * 1000.0
 
     def _step(self, engine: StageEngine, sequence: int, header: objects.ObjectHeader, inputs: Any) -> Any:
         """One step, on the worker thread. The prompt object (sequence 0) says
