@@ -82,11 +82,16 @@ class Config:
     transport: str
     data: str
     feedback: str
+    # Environment of the agents this row starts (local rows only: sshd passes none).
+    env: tuple[tuple[str, str], ...] = ()
 
 
 CONFIGS = [
     Config("local, direct, ring", "local", "direct", "ring"),
     Config("local, one process, direct, ring", "local-shared", "direct", "ring"),
+    # The same without the chain (ggufpipe_agent/chain.py): what the worker's
+    # hand-off through the event loop costs.
+    Config("local, one process, no chain", "local-shared", "direct", "ring", (("GGUFPIPE_NO_CHAIN", "1"),)),
     Config("local, relay, ring", "local", "relay", "ring"),
     Config("local, direct, orchestrator-fed", "local", "direct", "orchestrator"),
     Config("local, relay, orchestrator-fed (spec loop)", "local", "relay", "orchestrator"),
@@ -337,7 +342,16 @@ async def main_async(args: argparse.Namespace) -> int:
     try:
         for config in configs:
             print(f"starting {config.name} ...", flush=True)
-            pipelines[config.name] = await start_pipeline(hosts.inventory(config), prompts, log_dir)
+            saved = {name: os.environ.get(name) for name, _ in config.env}
+            os.environ.update(dict(config.env))
+            try:
+                pipelines[config.name] = await start_pipeline(hosts.inventory(config), prompts, log_dir)
+            finally:
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
         for round_ in range(args.repeats):
             print(f"round {round_ + 1} of {args.repeats}", flush=True)
             singles.append(single.sample(prompts))

@@ -55,6 +55,9 @@ environment:
   GOMP_SPINCOUNT      how long llama.cpp's idle CPU threads spin before they sleep;
                       the agent sets 10000 unless given, so stages sharing a host
                       do not starve each other (docs/performance.md)
+  GGUFPIPE_NO_CHAIN   1: in a shared process (--share-process), hand each token's
+                      activation to the next stage through the event loop instead
+                      of running that stage's step right after (to measure the chain)
 """
 
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufpipe_agent.bridge import parse_endpoint
+from ggufpipe_agent.chain import ConsumerRun, chaining_enabled
 from ggufpipe_agent.errors import ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter
 from ggufpipe_agent.objects import ObjectHeader
@@ -73,6 +74,12 @@ STREAM_LIMIT = 1 << 20
 #: Serves an accepted inbound link (the session's data-stream loop); returns
 #: why the stream ended.
 ServeLink = Callable[[Any, Any, int], Awaitable[str]]
+
+#: The Unix-socket link listeners of this process, by path, with the stage
+#: each serves: a producer that connects to one of them is a stage of the
+#: same (shared) process, whose worker may run the consumer's steps
+#: (ggufpipe_agent/chain.py). Only while the listener waits for its producer.
+_IN_PROCESS: dict[str, ConsumerRun] = {}
 
 
 def stage_name(index: int) -> str:
@@ -131,10 +138,13 @@ def _split(endpoint: str) -> tuple[str, int | None]:
 class Link:
     """One established link end: its frames in and out."""
 
-    def __init__(self, reader: Any, writer: Any, peer: int, what: str) -> None:
+    def __init__(
+        self, reader: Any, writer: Any, peer: int, what: str, consumer: ConsumerRun | None = None
+    ) -> None:
         self.reader = FrameReader(reader, what)
         self.writer = FrameWriter(writer, what=what)
         self.peer = peer
+        self.consumer = consumer  # the consumer's run, when it is in this process
 
 
 class Links:
@@ -147,11 +157,14 @@ class Links:
         post: Callable[[Message], None],
         serve: ServeLink,
         spawn: Callable[..., asyncio.Task[Any]],
+        current_run: ConsumerRun | None = None,
     ) -> None:
         self.directory = directory
         self.post = post
         self.serve = serve
         self.spawn = spawn
+        self.current_run = current_run  # this session's stage run, for a producer in this process
+        self._listening: list[str] = []
         self.outbound: Link | None = None
         self._servers: list[asyncio.AbstractServer] = []
         self._writers: list[Any] = []
@@ -203,6 +216,9 @@ class Links:
             server = await asyncio.start_unix_server(on_connect, path=str(path), limit=STREAM_LIMIT)
             os.chmod(path, 0o600)
             endpoint = f"unix:{path}"
+            if self.current_run is not None and chaining_enabled():
+                _IN_PROCESS[str(path)] = self.current_run
+                self._listening.append(str(path))
         elif request.transport == "tls":
             server = await asyncio.start_server(
                 on_connect,
@@ -230,6 +246,12 @@ class Links:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(accepted.wait(), timeout)
         server.close()
+        self._forget_listeners()
+
+    def _forget_listeners(self) -> None:
+        for path in self._listening:
+            _IN_PROCESS.pop(path, None)
+        self._listening.clear()
 
     # ----------------------------------------------------------- producer
 
@@ -261,7 +283,9 @@ class Links:
         self, endpoint: str, context: ssl.SSLContext | None, request: LinkConnect
     ) -> tuple[Link, float]:
         where, port = _split(endpoint)
+        consumer = None
         if port is None:
+            consumer = _IN_PROCESS.get(where)
             reader, writer = await asyncio.open_unix_connection(where, limit=STREAM_LIMIT)
         else:
             reader, writer = await asyncio.open_connection(
@@ -272,7 +296,7 @@ class Links:
                 limit=STREAM_LIMIT,
             )
         self._writers.append(writer)
-        link = Link(reader, writer, request.peer, f"link to stage {request.peer}")
+        link = Link(reader, writer, request.peer, f"link to stage {request.peer}", consumer)
         started = time.perf_counter()
         await link.writer.send(LinkAttach(request.token))
         answer = await link.reader.message(ATTACH_FRAME_LIMIT)
@@ -334,6 +358,7 @@ class Links:
             return
         if message.role == "outbound":
             run.outbound, run.outbound_peer = link.writer, link.peer
+            run.local_next = link.consumer
         else:
             run.ring_out, run.ring_peer = link.writer, link.peer
         if run.fsm.state is StageState.PREPARING:
@@ -343,6 +368,7 @@ class Links:
 
     def close(self) -> None:
         self.closing = True
+        self._forget_listeners()
         for server in self._servers:
             server.close()
         for writer in self._writers:

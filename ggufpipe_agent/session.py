@@ -116,7 +116,7 @@ class Session:
         # order it was posted: a stage's StageFault is always read before the
         # refusal of an OpenEdge that arrived after the fault.
         self._outbox: asyncio.Queue[Message | None] = asyncio.Queue()
-        self.links = Links(agent.private_dir, self.post, self.serve_data, self.tasks.spawn)
+        self.links = Links(agent.private_dir, self.post, self.serve_data, self.tasks.spawn, lambda: self.run)
         self.silence = Silence(DEFAULT_SILENCE_S)
         self._beat_interval = 0.0
         self._beating: asyncio.Task[None] | None = None

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from ggufpipe_agent import objects
 from ggufpipe_agent.arch import check_architecture
+from ggufpipe_agent.chain import ConsumerRun, Precomputed, chain_next
 from ggufpipe_agent.delivery import received_stage_file
 from ggufpipe_agent.engine import StageEngine, StageShape
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
@@ -225,6 +226,12 @@ class StageRun:
         self._pump_task: asyncio.Task[None] | None = None
         self.stopped = asyncio.Event()
         self._progress_at = 0.0
+        # The consumer of the outbound edge when it is a stage of this process
+        # (a shared process's direct link), and a step of this stage the
+        # worker ran ahead of its object (ggufpipe_agent/chain.py).
+        self.local_next: ConsumerRun | None = None
+        self.precomputed: Precomputed | None = None
+        self.chained = 0  # steps of this run taken from the chain
 
     def edge_ids(self, from_link: bool) -> dict[str, int]:
         """The edge id each role may set up; a link sets up only the
@@ -436,16 +443,30 @@ class StageRun:
         engine = self.engine
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
+        ahead, self.precomputed = self.precomputed, None
         try:
-            if self.first:
-                inputs: Any = objects.decode_tokens(header, payload)
+            if ahead is not None and ahead.matches(header):
+                # The producer's worker ran this step already (chain.py).
+                if not self.chained:
+                    log.info("run %016x stage %d: decode steps run on the worker right after the "
+                             "previous stage's (one process)", self.run_id, self.index)
+                self.chained += 1
+                if ahead.error is not None:
+                    raise ahead.error
+                result, ran = ahead.result, ahead.elapsed_ms
             else:
-                inputs = objects.decode_activation(header, payload)
-            # Every step runs on the one worker thread, decode steps included:
-            # llama.cpp's OpenMP team belongs to the calling thread, and a
-            # second team (decode steps inline on the event loop) measured
-            # half the tokens/s of one team, whatever the thread hops save.
-            result = await loop.run_in_executor(self._worker, self._step, engine, sequence, header, inputs)
+                if self.first:
+                    inputs: Any = objects.decode_tokens(header, payload)
+                else:
+                    inputs = objects.decode_activation(header, payload)
+                # Every step runs on the one worker thread, decode steps included:
+                # llama.cpp's OpenMP team belongs to the calling thread, and a
+                # second team (decode steps inline on the event loop) measured
+                # half the tokens/s of one team, whatever the thread hops save.
+                step = self.worker_step
+                result, chained = await loop.run_in_executor(self._worker, step, engine, header, inputs)
+                # This stage's step, not the later stages' the worker ran after it.
+                ran = (time.perf_counter() - started) * 1000.0 - chained
         except GgufpipeError as error:
             self._apply_if_alive(StepFailed(f"step {sequence}: {error}"))
             return
@@ -453,7 +474,7 @@ class StageRun:
             log.exception("step failed")
             self._apply_if_alive(StepFailed(f"step {sequence}: {type(error).__name__}: {error}"))
             return
-        elapsed = (time.perf_counter() - started) * 1000.0
+        elapsed = ran
         if self.fsm.state is not StageState.EXECUTING:
             return  # StopRun came while the step ran
         p = self.provision
@@ -516,6 +537,19 @@ class StageRun:
         if now - counters.sent_at >= STATS_INTERVAL_S:
             counters.sent_at = now
             self._post(StepStats(self.run_id, self.index, counters.snapshot()))
+
+    def worker_step(
+        self, engine: StageEngine, header: objects.ObjectHeader, inputs: Any
+    ) -> tuple[Any, float]:
+        """One step on the worker thread; then, on a shared process's direct
+        link, the consumer's step (chain.py). Returns the result and the
+        milliseconds the chained steps took."""
+        result = self._step(engine, header.sequence, header, inputs)
+        if self.local_next is None:
+            return result, 0.0
+        started = time.perf_counter()
+        chain_next(self, header, result)
+        return result, (time.perf_counter() - started) * 1000.0
 
     def _step(self, engine: StageEngine, sequence: int, header: objects.ObjectHeader, inputs: Any) -> Any:
         """One step, on the worker thread. The prompt object (sequence 0) says

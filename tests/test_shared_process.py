@@ -16,7 +16,7 @@ import pytest
 
 from ggufpipe_agent.framing import FrameReader, FrameWriter
 from ggufpipe_agent.protocol import Hello, ShareAttach
-from ggufpipe_tui.core.events import AgentConnected, Notice, TokenStreamed
+from ggufpipe_tui.core.events import AgentConnected, AgentLog, Notice, TokenStreamed
 from ggufpipe_tui.core.inventory import InventoryError, load_inventory, parse_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
 from tests.conftest import DATA_MODES, LONG_PROMPT, MODES, REPO, mode_yaml, whole_model_greedy
@@ -68,6 +68,33 @@ async def test_three_stages_in_one_process_match_the_whole_model(tmp_path, model
     hellos = [e.hello for e in events if isinstance(e, AgentConnected)]
     assert [bool(h.share_endpoint) for h in hellos].count(True) == 1, "only the first stage offers to share"
     assert len({h.data_token for h in hellos}) == 3, "each stage has its own data token"
+
+
+CHAINED = "decode steps run on the worker right after the previous stage's"
+
+
+@pytest.mark.parametrize("chain", ["on", "off"])
+async def test_a_shared_process_chains_its_stages_steps(tmp_path, model_path, no_agent_left, monkeypatch, chain):
+    """On the direct links of one process, the worker runs stage i+1's decode
+    step right after stage i's (ggufpipe_agent/chain.py); GGUFPIPE_NO_CHAIN=1
+    turns it off. Either way the tokens are the whole model's."""
+    if chain == "off":
+        monkeypatch.setenv("GGUFPIPE_NO_CHAIN", "1")  # the agent process inherits it
+    inventory = load_inventory(local_inventory(tmp_path, model_path, "direct"))
+    events: list[Any] = []
+    pipeline = Pipeline(inventory, events.append)
+    try:
+        await pipeline.start()
+        result = await pipeline.generate(LONG_PROMPT)
+    finally:
+        await pipeline.close()
+    assert result.outcome == "completed", result.failure
+    reference = whole_model_greedy(model_path, list(result.prompt_tokens), 48, n_ctx=512, n_ubatch=32)
+    assert list(result.tokens) == reference
+    # One process, one stderr (shown as stage 0's); the line names its stage.
+    lines = [e.line for e in events if isinstance(e, AgentLog) and CHAINED in e.line]
+    chained = sorted(int(line.split(" stage ")[1].split(":")[0]) for line in lines)
+    assert chained == ([1, 2] if chain == "on" else []), "stages 1 and 2 take their steps from the chain"
 
 
 @pytest.mark.parametrize("mode", MODES)
