@@ -191,15 +191,15 @@ def test_a_partial_file_beside_a_complete_entry_is_removed(sender, model_path, t
         assert not receiver.partial.exists() and not receiver.record.exists()
 
 
-def test_a_corrupted_entry_is_sent_again(sender, tmp_path):
-    cache = tmp_path / "cache"
+def received_entry(sender: StageSender, cache: Path) -> Path:
     with receiver_for(sender, cache) as receiver:
         receiver.open()
         send(sender, receiver, 0)
-        entry = receiver.finish(sender.digest)
-    with entry.open("r+b") as handle:
-        handle.seek(entry.stat().st_size - 1000)
-        handle.write(b"\x55\xaa")
+        return receiver.finish(sender.digest)
+
+
+def sent_again(sender: StageSender, cache: Path, entry: Path) -> None:
+    """The host has nothing it can use: the whole file comes again."""
     with receiver_for(sender, cache) as receiver:
         status = receiver.open()
         assert status.state == "empty" and sender.first_chunk(status) == 0
@@ -208,11 +208,13 @@ def test_a_corrupted_entry_is_sent_again(sender, tmp_path):
     assert digest_file(entry) == sender.digest
 
 
-def received_entry(sender: StageSender, cache: Path) -> Path:
-    with receiver_for(sender, cache) as receiver:
-        receiver.open()
-        send(sender, receiver, 0)
-        return receiver.finish(sender.digest)
+def test_a_corrupted_entry_is_sent_again(sender, tmp_path):
+    cache = tmp_path / "cache"
+    entry = received_entry(sender, cache)
+    with entry.open("r+b") as handle:
+        handle.seek(entry.stat().st_size - 1000)
+        handle.write(b"\x55\xaa")
+    sent_again(sender, cache, entry)
 
 
 def reboot(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -252,12 +254,7 @@ def test_an_entry_a_crash_damaged_is_sent_again(sender, tmp_path, monkeypatch):
     os.utime(entry, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert verify_entry(entry) is not None, "before a reboot nothing can tell (the page cache is the file)"
     reboot(monkeypatch, tmp_path)
-    with receiver_for(sender, cache) as receiver:
-        status = receiver.open()
-        assert status.state == "empty" and sender.first_chunk(status) == 0
-        send(sender, receiver, 0)
-        receiver.finish(sender.digest)
-    assert digest_file(entry) == sender.digest
+    sent_again(sender, cache, entry)
 
 
 def test_without_a_boot_id_a_received_entry_is_fsynced(sender, tmp_path, monkeypatch):
