@@ -175,8 +175,7 @@ class GgufpipeApp(App[int]):
         yield StatusBar(id="status")
         yield StageTable(self.state.rows, id="stages")
         with Vertical(id="body"):
-            with Transcript(id="transcript"):
-                yield Static(WELCOME, classes="welcome")
+            yield Transcript(WELCOME, id="transcript")
             yield LogPane(id="log")
         with Horizontal(id="prompt-row"):
             yield Static("›", id="prompt-mark")
@@ -365,11 +364,8 @@ class GgufpipeApp(App[int]):
     def action_new_conversation(self) -> None:
         conversation = self.turns.new_conversation()
         self._draw()  # what is shown so far stays above the line
-        transcript = self.query_one(Transcript)
-        transcript.query(".welcome").remove()
         line = f"── new conversation ({conversation.number}): the next prompt starts fresh ──"
-        transcript.mount(Static(Text(line, style="bold grey58"), classes="divider"))
-        transcript.follow()
+        self.query_one(Transcript).divide(Text(line, style="bold grey58"))
         self.state.note(None, Text(f"conversation {conversation.number}: new", style="bold"))
         self._draw()
 
@@ -462,9 +458,6 @@ class GgufpipeApp(App[int]):
 
     def _draw_panels(self) -> None:
         self._panels_at = time.monotonic()
-        for widget in self._widgets.values():
-            if widget.stale:  # a reply line that waits for its layout pass
-                widget.relayout()
         state = self.state
         if state.dirty:
             state.dirty = False
@@ -479,21 +472,21 @@ class GgufpipeApp(App[int]):
             log.add(stage, line)
         transcript = self.query_one(Transcript)
         for view in state.mount:
-            widget = self._widgets[id(view)] = Exchange(view)
-            transcript.add(widget)
+            transcript.add(self._widgets.setdefault(id(view), Exchange(view)))
         state.mount.clear()
         for view in state.unmount:  # scrolled out of a long session
             gone = self._widgets.pop(id(view), None)
             if gone is not None:
-                gone.remove()
+                transcript.discard(gone)
         state.unmount.clear()
+        synced = []
         for view in state.touched.values():
             shown = self._widgets.get(id(view))
             if shown is not None:
                 shown.sync()
-        if state.touched:
-            transcript.follow()
-            state.touched.clear()
+                synced.append(shown)
+        state.touched.clear()
+        transcript.update(synced)
 
     def _title_log(self) -> None:
         only = self.query_one(LogPane).only
