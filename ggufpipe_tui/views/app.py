@@ -59,6 +59,7 @@ from ggufpipe_tui.core.events import (
 from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.session.runs import ContextOverflow
 from ggufpipe_tui.session.stages import PipelineError
+from ggufpipe_tui.views.priority import lower_ui
 from ggufpipe_tui.views.threaded import AppHandle, AppPipeline, ThreadedPipeline
 from ggufpipe_tui.views.turns import Turn, Turns
 from ggufpipe_tui.views.viewstate import ExchangeView, StageRow, ViewState
@@ -530,6 +531,9 @@ def run_app(inventory: Inventory, log_dir: Any = None) -> int:
     """Run the TUI until the user quits; every stage is torn down on the way out."""
 
     async def main() -> int:
+        # Below the stages (views/priority.py): this thread, and the
+        # terminal driver's threads the app starts, not the pipeline's.
+        lower_ui()
         app = GgufpipeApp(inventory, log_dir)
         try:
             code = await app.run_async()

@@ -535,7 +535,7 @@ class Transcript(ScrollView, can_focus=False):
     def wrap(self, content: Content, style: str, width: int) -> list[Line]:
         """``content`` wrapped to ``width`` as a Static draws it."""
         visual_style = self.get_visual_style(style) if style else self.visual_style
-        options = RenderOptions(self._get_style, self.styles)
+        options = RenderOptions(self._get_style, self.styles)  # type: ignore[arg-type]  # as Textual's own
         strips = content.render_strips(width, None, visual_style, options) or [Strip([])]
         lines: list[Line] = []
         for strip in strips:
@@ -568,26 +568,26 @@ class Transcript(ScrollView, can_focus=False):
         if follow is None:
             follow = self.is_vertical_scroll_end and not self.is_vertical_scrollbar_grabbed
         first_changed = None
-        new = [entry for entry in changed if id(entry) not in self._laid]
-        if everything or width != self._width or any(entry is not self.entries[-1] for entry in new):
+        added = [entry for entry in changed if id(entry) not in self._laid]
+        if everything or width != self._width or any(entry is not self.entries[-1] for entry in added):
             self._width = width
             self._parts = [self._layout(entry, width) for entry in self.entries]
             self._laid = {id(entry): index for index, entry in enumerate(self.entries)}
             first_changed = 0
         for entry in changed:
             index = self._laid.get(id(entry))
+            first: int | None = 0
             if index is None:  # new, at the end
                 index = self._laid[id(entry)] = len(self._parts)
                 self._parts.append(self._layout(entry, width))
-                first = 0
             elif first_changed == 0:
                 continue
             else:
-                old, new = self._parts[index], self._layout(entry, width)
-                self._parts[index] = new
-                first = _first_change(old, new)
-                if first is None:
-                    continue
+                before, after = self._parts[index], self._layout(entry, width)
+                self._parts[index] = after
+                first = _first_change(before, after)
+            if first is None:
+                continue
             line = self._starts[index] if index < len(self._starts) else self._height
             first_changed = line + first if first_changed is None else min(first_changed, line + first)
         if first_changed is None:
