@@ -13,7 +13,8 @@ import threading
 
 from textual.selection import Selection
 
-from ggufpipe_tui.core.events import Event, Notice, TokenStreamed
+from ggufpipe_agent.protocol import StepCounters
+from ggufpipe_tui.core.events import AgentLog, Event, Notice, StageStateChanged, StageStats, TokenStreamed
 from ggufpipe_tui.views.app import FRAME_SECONDS, GgufpipeApp, PipelineEvent
 from ggufpipe_tui.views.threaded import ThreadedPipeline
 from ggufpipe_tui.views.widgets import Transcript
@@ -30,7 +31,8 @@ def post(app: GgufpipeApp, *pieces: str, sequence: int = 100) -> int:
 async def test_a_stream_of_short_lines_is_drawn_whole_without_laying_the_screen_out() -> None:
     """A reply of many short lines, as a count would come: every line on
     screen in order, in a few frames, the newest in view, and no layout pass
-    of the screen for any of it (the transcript's line API takes new lines)."""
+    of the screen for any of it (the transcript's line API takes new lines),
+    nor for the log lines, stage numbers and states that come meanwhile."""
     inv = inventory()
     app = GgufpipeApp(inv, script=running(inv))
     lines = 100
@@ -39,6 +41,8 @@ async def test_a_stream_of_short_lines_is_drawn_whole_without_laying_the_screen_
         transcript = app.query_one(Transcript)
         await pilot.pause()
         post(app, *[f"{number}\n" for number in range(40)])  # the scrollbar comes (a layout pass)
+        for number in range(40):  # and the log's
+            app.post_message(PipelineEvent(AgentLog(0, "gpu-a", f"INFO line {number}"), app.session))
         await asyncio.sleep(2 * FRAME_SECONDS)
         await pilot.pause()
         draws = layouts = 0
@@ -56,7 +60,18 @@ async def test_a_stream_of_short_lines_is_drawn_whole_without_laying_the_screen_
 
         app._draw_text = counted  # type: ignore[method-assign]
         app.screen._refresh_layout = counted_layout  # type: ignore[method-assign]
-        post(app, *[piece for number in range(40, lines) for piece in (f"{number}", "\n")], sequence=140)
+        for number in range(40, lines):
+            post(app, f"{number}", "\n", sequence=100 + 2 * number)
+            if number % 10 == 0:  # the log and the stage table's numbers go on meanwhile
+                stage = number // 10 % 3
+                counters = StepCounters(number, 3.1, 3.1 * number, 100 * number, 100 * number)
+                for event in (
+                    AgentLog(stage, "gpu-a", f"INFO step {number}"),
+                    StageStats(RUN_ID, stage, counters),
+                ):
+                    app.post_message(PipelineEvent(event, app.session))
+            if number == 50:  # a stage's state: drawn at once, the table stays as tall
+                app.post_message(PipelineEvent(StageStateChanged(RUN_ID, 1, "Executing"), app.session))
         await asyncio.sleep(3 * FRAME_SECONDS)
         await pilot.pause()
         exchange = transcript.exchanges[0]
@@ -64,7 +79,7 @@ async def test_a_stream_of_short_lines_is_drawn_whole_without_laying_the_screen_
         assert exchange.text == expected and exchange.shown == expected
         shown = transcript.line_texts
         assert "\n".join(expected.split("\n")) in "\n".join(shown), "every line, in order"
-        assert draws <= 3, f"{2 * lines} tokens drawn in {draws} frames"
+        assert draws <= 4, f"{2 * lines} tokens drawn in {draws} frames (and one state change)"
         assert layouts == 0, f"{layouts} layout passes of the screen for streamed text"
         assert transcript.scroll_y == transcript.max_scroll_y > 0, "the newest text is in view"
 
@@ -101,7 +116,12 @@ async def test_scrolled_up_the_transcript_stays_and_text_can_be_selected() -> No
         post(app, "last\n", sequence=sequence + 10)
         await asyncio.sleep(2 * FRAME_SECONDS)
         await pilot.pause()
-        assert transcript.scroll_y == transcript.max_scroll_y and transcript.line_texts[-4:] == ["last", "", "", ""]
+        assert transcript.scroll_y == transcript.max_scroll_y and transcript.line_texts[-4:] == [
+            "last",
+            "",
+            "",
+            "",
+        ]
 
 
 async def test_a_resize_wraps_every_line_again() -> None:

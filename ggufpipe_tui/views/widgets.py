@@ -63,7 +63,7 @@ class DrawnOnce(Static):
     def draw(self) -> RenderableType:
         raise NotImplementedError
 
-    def render(self) -> RenderableType:
+    def render(self) -> SegmentLines:
         width = self.content_region.width or self.size.width
         key = (width, self.content_key())
         if self._drawn is None or self._drawn[0] != key:
@@ -100,18 +100,18 @@ class StageTable(DrawnOnce):
         super().__init__(id=id)
         self.rows = rows
         self.running = False
-        self._shape: tuple[object, ...] = ()
+        self._height: int | None = None  # lines, as last drawn
 
     def show(self, rows: list[StageRow], running: bool) -> None:
-        """Draw ``rows``. A layout pass (the whole screen) only when the table's
-        height can change: new numbers and the spinner repaint the table alone."""
-        shape = tuple(
-            (row.state, row.fault, row.connected, row.load_fraction is None)
-            + (row.delivery.state if row.delivery else None,)  # a sending line can wrap
-            for row in rows
-        )
-        layout, self._shape = shape != self._shape, shape
+        """Draw ``rows``. A layout pass (the whole screen, tens of milliseconds)
+        only when the table's height changed: new numbers, states and the
+        spinner repaint the table alone."""
         self.rows, self.running = rows, running
+        height = old = None
+        if self.is_mounted and self.size.width:
+            height = len(self.render().lines)
+            old = self._height if self._height is not None else self.content_region.height
+        layout, self._height = height is None or height != old, height
         self.refresh(layout=layout)
 
     def content_key(self) -> object:
@@ -495,6 +495,7 @@ class Transcript(ScrollView, can_focus=False):
         self._parts: list[list[tuple[int, int, list[Line]]]] = []
         self._laid: dict[int, int] = {}  # id(entry) -> its index in the lists above
         self._rewrapping = False
+        self._blank: Strip | None = None  # a line below the text
 
     # ------------------------------------------------------------ content
 
@@ -601,7 +602,7 @@ class Transcript(ScrollView, can_focus=False):
                 start, source_start, lines = parts[-1]
                 line += start + len(lines)
                 source += source_start + (lines[-1].source + 1 if lines else 1)
-        self._height = line
+        old_height, self._height = self._height, line
         self.set_reactive(Transcript.virtual_size, Size(0, line))  # wrapped: never wider
         self._scroll_update(self.virtual_size)
         if self.scrollable_content_region.width != width and not self._rewrapping:
@@ -614,8 +615,10 @@ class Transcript(ScrollView, can_focus=False):
         if follow and self.max_scroll_y > self.scroll_y:
             self.scroll_to(y=self.max_scroll_y, animate=False, immediate=True)  # repaints it all
         else:
+            # The lines from the first that changed to the last that was or
+            # is there (not the blank ones below), on screen.
             top = self.scroll_offset.y
-            bottom = top + self.scrollable_content_region.height
+            bottom = min(top + self.scrollable_content_region.height, max(old_height, line))
             first = max(first_changed, top)
             if bottom > first:
                 self.refresh_lines(first, bottom - first)
@@ -633,7 +636,10 @@ class Transcript(ScrollView, can_focus=False):
     def render_line(self, y: int) -> Strip:
         number = self.scroll_offset.y + y
         if number >= self._height or not self._starts:
-            return Strip.blank(self.scrollable_content_region.width, self.rich_style)
+            width = self.scrollable_content_region.width
+            if self._blank is None or self._blank.cell_length != width:
+                self._blank = Strip.blank(width, self.visual_style.rich_style)
+            return self._blank
         index = bisect.bisect_right(self._starts, number) - 1
         within = number - self._starts[index]
         for start, source_start, lines in reversed(self._parts[index]):
@@ -651,6 +657,7 @@ class Transcript(ScrollView, can_focus=False):
 
     def notify_style_update(self) -> None:
         super().notify_style_update()
+        self._blank = None
         for entry in self.entries:  # new colours: every part is drawn again
             for part in entry.pieces():
                 part.forget()
@@ -718,6 +725,16 @@ def _select(strip: Strip, start: int, end: int | None, style: Style) -> Strip:
 
 class LogPane(RichLog):
     """Agents' stderr and every state change; shows one stage or all."""
+
+    # RichLog sets its virtual size with each line written, and Textual's
+    # reactive then lays the whole screen out again (tens of milliseconds,
+    # every widget drawn again; a run logs a few dozen lines). The size only
+    # moves the log's scrollbar: that is updated here, without a layout pass
+    # (one comes when the scrollbar appears, as for the transcript).
+    virtual_size: Reactive[Size] = Reactive(Size(0, 0), layout=False)
+
+    def watch_virtual_size(self, size: Size) -> None:
+        self._scroll_update(size)
 
     def __init__(self, id: str | None = None) -> None:
         # min_width=1: wrap to the pane's width (the default, 78, overflows a
