@@ -15,9 +15,9 @@ from textual.selection import Selection
 
 from ggufpipe_agent.protocol import StepCounters
 from ggufpipe_tui.core.events import AgentLog, Event, Notice, StageStateChanged, StageStats, TokenStreamed
-from ggufpipe_tui.views.app import FRAME_SECONDS, GgufpipeApp, PipelineEvent
+from ggufpipe_tui.views.app import FRAME_SECONDS, GgufpipeApp, PipelineEvent, PipelineEvents
 from ggufpipe_tui.views.threaded import ThreadedPipeline
-from ggufpipe_tui.views.widgets import Transcript
+from ggufpipe_tui.views.widgets import LogPane, Transcript
 from tests.test_app_snapshots import REPLY, RUN_ID, inventory, running
 
 
@@ -82,6 +82,40 @@ async def test_a_stream_of_short_lines_is_drawn_whole_without_laying_the_screen_
         assert draws <= 4, f"{2 * lines} tokens drawn in {draws} frames (and one state change)"
         assert layouts == 0, f"{layouts} layout passes of the screen for streamed text"
         assert transcript.scroll_y == transcript.max_scroll_y > 0, "the newest text is in view"
+
+
+async def test_the_streams_wait_in_the_inbox_for_their_frame_in_order() -> None:
+    """Events from the pipeline's subscriber: tokens that come while a frame
+    is due wait for it (no message each), anything else is handled at once,
+    after the tokens before it."""
+    inv = inventory()
+    app = GgufpipeApp(inv, script=running(inv))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        messages = 0
+        handled = app.on_pipeline_events
+
+        def counted(message: PipelineEvents) -> None:
+            nonlocal messages
+            messages += 1
+            handled(message)
+
+        app.on_pipeline_events = counted  # type: ignore[method-assign]
+        emit = app._subscriber(app.session)
+        for number in range(200):
+            emit(TokenStreamed(RUN_ID, 100 + number, 100 + number, f" {number}"))
+            if number == 100:
+                emit(Notice("info", "halfway"))
+            await asyncio.sleep(0.002)  # tokens a few milliseconds apart, as a pipeline sends them
+        await asyncio.sleep(2 * FRAME_SECONDS)
+        await pilot.pause()
+        exchange = app.query_one(Transcript).exchanges[0]
+        assert exchange.text == "".join(REPLY) + "".join(f" {number}" for number in range(200))
+        assert messages < 40, f"200 tokens took {messages} messages"
+        at = exchange.appended_at
+        assert at == sorted(at) and at[-1] - at[len(REPLY)] > 0.2, "each token keeps the time it came"
+        logged = [line.plain for _, line in app.query_one(LogPane).entries]
+        assert any("halfway" in line for line in logged)
 
 
 async def test_scrolled_up_the_transcript_stays_and_text_can_be_selected() -> None:

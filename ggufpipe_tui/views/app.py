@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,13 +85,21 @@ UserPrompt = PromptAssigned
 ScriptItem = Event | float
 
 
+#: Events that change only what the next frame shows (the streams).
+STREAMS = (TokenStreamed, StageStats, AgentLog)
+
+
 class PipelineEvent(Message):
-    """A session event, posted from the pipeline's subscriber."""
+    """A session event, handled as it comes (the tests and benchmarks post them)."""
 
     def __init__(self, event: Event, session: int) -> None:
         super().__init__()
         self.event = event
         self.session = session
+
+
+class PipelineEvents(Message):
+    """Session events wait in the app's inbox: handle them."""
 
 
 class GgufpipeApp(App[int]):
@@ -132,6 +141,8 @@ class GgufpipeApp(App[int]):
         self._widgets: dict[int, Exchange] = {}
         self._frame_due = False
         self._panels_at = 0.0
+        self._inbox: deque[tuple[Event, int, float]] = deque()  # events not handled yet, in order
+        self._inbox_posted = False  # a PipelineEvents message is on its way
 
     # The view state, read by the header, the tests and whoever drives the app.
     @property
@@ -216,8 +227,17 @@ class GgufpipeApp(App[int]):
 
     def _subscriber(self, session: int) -> Callable[[Event], None]:
         def on_event(event: Event) -> None:
-            # Called by the pipeline on the app's own loop: post, never touch widgets.
-            self.post_message(PipelineEvent(event, session))
+            """Called by the pipeline on the app's own loop: never touch
+            widgets here. Every event goes to the inbox in order; a message
+            asks for it to be handled, except that the streams (a token, a
+            step's numbers, a log line) wait for the frame already due, which
+            handles the inbox first: a Textual message costs a dispatch, and
+            tokens come a few milliseconds apart."""
+            self._inbox.append((event, session, self.now()))
+            if self._inbox_posted or (self._frame_due and isinstance(event, STREAMS)):
+                return
+            self._inbox_posted = True
+            self.post_message(PipelineEvents())
 
         return on_event
 
@@ -401,11 +421,24 @@ class GgufpipeApp(App[int]):
 
     # ------------------------------------------------------------- events
 
+    def on_pipeline_events(self, message: PipelineEvents) -> None:
+        self._inbox_posted = False
+        self._handle_inbox()
+
     def on_pipeline_event(self, message: PipelineEvent) -> None:
-        event = message.event
-        if message.session != self.state.session:
+        self._handle_inbox()
+        self._handle(message.event, message.session, self.now())
+
+    def _handle_inbox(self) -> None:
+        inbox = self._inbox
+        while inbox:
+            self._handle(*inbox.popleft())
+
+    def _handle(self, event: Event, session: int, now: float) -> None:
+        """One session event (``now``: when it came)."""
+        if session != self.state.session:
             if isinstance(event, AgentLog | Notice):  # an old session's last words
-                self.state.apply(event, self.now())
+                self.state.apply(event, now)
                 self._draw_soon()
             return
         turn = self.turns.in_flight
@@ -414,7 +447,7 @@ class GgufpipeApp(App[int]):
                 self.active = turn.handle
         elif isinstance(event, PlanMade):
             self.turns.context = event.plan.model.max_seq_len
-        self.state.apply(event, self.now())
+        self.state.apply(event, now)
         if isinstance(event, RunFinished):
             self.active = None
             said = self.turns.ended(event.result)
@@ -431,7 +464,7 @@ class GgufpipeApp(App[int]):
                 self.state.note(None, Text(self.turns.no_chat_reason(), style="yellow"))
             self._feed()
         self.prompt_active = self.state.prompt_active
-        if isinstance(event, TokenStreamed | StageStats | AgentLog):
+        if isinstance(event, STREAMS):
             self._draw_soon()  # the streams: coalesced into frames
         else:
             self._draw()
@@ -446,8 +479,12 @@ class GgufpipeApp(App[int]):
     def _draw_frame(self) -> None:
         """A frame of the streams: new text and log lines at once, the stage
         table and the status line only every PANEL_SECONDS."""
-        self._frame_due = False
-        with contextlib.suppress(NoMatches):  # the app is going
+        try:
+            with contextlib.suppress(NoMatches):  # the app is going
+                self._handle_inbox()  # the streams that waited for this frame (they ask for no other)
+        finally:
+            self._frame_due = False
+        with contextlib.suppress(NoMatches):
             self._draw_text()
             if time.monotonic() - self._panels_at >= PANEL_SECONDS:
                 self._draw_panels()
