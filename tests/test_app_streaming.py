@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from textual.selection import Selection
 
@@ -17,7 +18,8 @@ from ggufpipe_agent.protocol import StepCounters
 from ggufpipe_tui.core.events import AgentLog, Event, Notice, StageStateChanged, StageStats, TokenStreamed
 from ggufpipe_tui.views.app import FRAME_SECONDS, GgufpipeApp, PipelineEvent, PipelineEvents
 from ggufpipe_tui.views.threaded import ThreadedPipeline
-from ggufpipe_tui.views.widgets import LogPane, Transcript
+from ggufpipe_tui.views.viewstate import StageRow
+from ggufpipe_tui.views.widgets import LogPane, StageTable, Transcript
 from tests.test_app_snapshots import REPLY, RUN_ID, inventory, running
 
 
@@ -208,3 +210,33 @@ async def test_events_cross_from_the_pipeline_thread_in_order_many_per_wake_up()
         assert wake_ups < count / 4, f"{count} events took {wake_ups} wake-ups of the app's loop"
     finally:
         await pipeline.close()
+
+
+async def test_the_stage_table_is_drawn_twice_a_second_while_tokens_stream_and_a_state_at_once() -> None:
+    inv = inventory()
+    app = GgufpipeApp(inv, script=running(inv))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        table = app.query_one(StageTable)
+        shows = 0
+        shown = table.show
+
+        def counted(rows: list[StageRow], running: bool) -> None:
+            nonlocal shows
+            shows += 1
+            shown(rows, running)
+
+        table.show = counted  # type: ignore[method-assign]
+        emit = app._subscriber(app.session)
+        started = time.monotonic()
+        step = 20
+        while time.monotonic() - started < 1.0:
+            emit(TokenStreamed(RUN_ID, 100 + step, 100 + step, " x"))
+            emit(StageStats(RUN_ID, step % 3, StepCounters(step, 3.1, 3.1 * step, 100, 100)))
+            step += 1
+            await asyncio.sleep(0.02)
+        assert 1 <= shows <= 3, f"the table was drawn {shows} times in a second"
+        shows = 0
+        emit(StageStateChanged(RUN_ID, 1, "Executing"))
+        await pilot.pause()
+        assert shows == 1 and table.rows[1].state == "Executing", "a state is drawn at once"

@@ -78,6 +78,10 @@ FRAME_SECONDS = 1 / 10
 #: than a line of text, and on a machine with few cores every millisecond
 #: the view spends is taken from the stages).
 PANEL_SECONDS = 1 / 4
+#: The stage table while tokens stream: every step changes its numbers, and
+#: drawing it (a Rich table) costs about 8 ms of CPU here, so twice a second.
+#: A change of a stage's state is drawn at once.
+TABLE_SECONDS = 1 / 2
 
 #: A script item: the session gave this prompt to run ``run_id``.
 UserPrompt = PromptAssigned
@@ -141,6 +145,7 @@ class GgufpipeApp(App[int]):
         self._widgets: dict[int, Exchange] = {}
         self._frame_due = False
         self._panels_at = 0.0
+        self._table_at = 0.0
         self._inbox: deque[tuple[Event, int, float]] = deque()  # events not handled yet, in order
         self._inbox_posted = False  # a PipelineEvents message is on its way
 
@@ -492,13 +497,15 @@ class GgufpipeApp(App[int]):
     def _draw(self) -> None:
         """Bring the whole screen up to the view state now."""
         self._draw_text()
-        self._draw_panels()
+        self._draw_panels(at_once=True)
 
-    def _draw_panels(self) -> None:
-        self._panels_at = time.monotonic()
+    def _draw_panels(self, at_once: bool = False) -> None:
+        now = self._panels_at = time.monotonic()
         state = self.state
-        if state.dirty:
+        streaming = state.run_phase == "Running" and not at_once
+        if state.dirty and (not streaming or now - self._table_at >= TABLE_SECONDS):
             state.dirty = False
+            self._table_at = now
             self.query_one(StageTable).show(state.rows, state.run_phase == "Running")
         self._draw_status()
 
