@@ -13,8 +13,10 @@ import dataclasses
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from rich.console import Group, RenderableType
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, Group, RenderableType
 from rich.segment import Segment, SegmentLines
 from rich.style import Style
 from rich.table import Table
@@ -91,6 +93,45 @@ def memory_cell(row: StageRow, compact: bool) -> Text:
     return text
 
 
+def _shape(cell: object) -> object:
+    """What a Rich table's measurement of ``cell`` depends on: for Text, the
+    widths of its longest word and line (Text.__rich_measure__); anything
+    else as it is."""
+    if isinstance(cell, Text):
+        plain = cell.plain
+        words = plain.split()
+        lines = plain.splitlines()
+        widest = max(map(cell_len, lines)) if lines else 0
+        return ("text", max(map(cell_len, words)) if words else widest, widest)
+    return cell
+
+
+class MeasuredOnce(Table):
+    """A Rich table that measures its columns once per shape of its cells.
+
+    Measuring every cell of every column is half of what drawing the stage
+    table costs, and while a run streams only numbers change, rarely their
+    width. The widths are a function of the console's width and each cell's
+    measurement, so they are kept by those (``cache``, the caller's)."""
+
+    def __init__(self, cache: dict[object, list[int]], **options: Any) -> None:
+        super().__init__(**options)
+        self._cache = cache
+
+    def _calculate_column_widths(self, console: Console, options: ConsoleOptions) -> list[int]:
+        key = (
+            options.max_width,
+            self.expand,
+            tuple((_shape(column.header), *map(_shape, column._cells)) for column in self.columns),
+        )
+        widths = self._cache.get(key)
+        if widths is None:
+            if len(self._cache) > 64:
+                self._cache.clear()
+            widths = self._cache[key] = super()._calculate_column_widths(console, options)
+        return list(widths)
+
+
 class StageTable(DrawnOnce):
     """One row per stage: where it runs, its layers, its FSM state and numbers."""
 
@@ -101,6 +142,7 @@ class StageTable(DrawnOnce):
         self.rows = rows
         self.running = False
         self._height: int | None = None  # lines, as last drawn
+        self._widths: dict[object, list[int]] = {}  # MeasuredOnce's
 
     def show(self, rows: list[StageRow], running: bool) -> None:
         """Draw ``rows``. A layout pass (the whole screen, tens of milliseconds)
@@ -126,7 +168,9 @@ class StageTable(DrawnOnce):
         compact = self.size.width < 110
         # Narrow: fill the width. Wide: as wide as the content, so the numbers
         # stay next to the state instead of at the far edge of a big screen.
-        table = Table(box=None, expand=compact, padding=(0, 1), pad_edge=False, header_style="bold grey70")
+        table = MeasuredOnce(
+            self._widths, box=None, expand=compact, padding=(0, 1), pad_edge=False, header_style="bold grey70"
+        )
         table.add_column("#", justify="right", no_wrap=True)
         table.add_column("host", no_wrap=True, overflow="ellipsis", max_width=24)
         if not compact:
@@ -162,13 +206,16 @@ class StageTable(DrawnOnce):
             cells.append(Text("-", style="grey50"))
             cells += [Text("-", style="grey50")] * (1 if compact else 2)
             return cells
+        # Text, not str (no markup in numbers): MeasuredOnce measures Text by its shape.
         if compact:
-            cells.append(f"{counters.last_ms:.0f}/{counters.mean_ms:.0f}")
-            cells.append(f"{format_bytes(counters.bytes_in, True)}/{format_bytes(counters.bytes_out, True)}")
+            cells.append(Text(f"{counters.last_ms:.0f}/{counters.mean_ms:.0f}"))
+            cells.append(
+                Text(f"{format_bytes(counters.bytes_in, True)}/{format_bytes(counters.bytes_out, True)}")
+            )
         else:
-            cells.append(f"{counters.last_ms:.1f} / {counters.mean_ms:.1f}")
-            cells.append(format_bytes(counters.bytes_in))
-            cells.append(format_bytes(counters.bytes_out))
+            cells.append(Text(f"{counters.last_ms:.1f} / {counters.mean_ms:.1f}"))
+            cells.append(Text(format_bytes(counters.bytes_in)))
+            cells.append(Text(format_bytes(counters.bytes_out)))
         return cells
 
     def _detail(self, row: StageRow, compact: bool) -> RenderableType:
