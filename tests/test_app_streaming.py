@@ -240,3 +240,19 @@ async def test_the_stage_table_is_drawn_twice_a_second_while_tokens_stream_and_a
         emit(StageStateChanged(RUN_ID, 1, "Executing"))
         await pilot.pause()
         assert shows == 1 and table.rows[1].state == "Executing", "a state is drawn at once"
+
+
+async def test_a_mouse_drag_selects_the_text_under_it() -> None:
+    inv = inventory()
+    app = GgufpipeApp(inv, script=running(inv))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        transcript = app.query_one(Transcript)
+        # Row 0 is the pane's border, column 0 its padding: from "Write" through the
+        # reply's 10th character (the cell under the mouse, as in a Static).
+        await pilot.mouse_down(transcript, offset=(3, 1))
+        await pilot.hover(transcript, offset=(10, 2))
+        await pilot.mouse_up(transcript, offset=(10, 2))
+        await pilot.pause()
+        selected = app.screen.get_selected_text()
+        assert selected == f"Write a haiku about pipelines  run {RUN_ID:016x}\nPipelines "
