@@ -19,7 +19,7 @@ from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, Group, RenderableType
 from rich.segment import Segment, SegmentLines
 from rich.style import Style
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 from textual.content import Content
 from textual.events import Resize
@@ -93,26 +93,32 @@ def memory_cell(row: StageRow, compact: bool) -> Text:
     return text
 
 
-def _shape(cell: object) -> object:
-    """What a Rich table's measurement of ``cell`` depends on: for Text, the
-    widths of its longest word and line (Text.__rich_measure__); anything
-    else as it is."""
-    if isinstance(cell, Text):
-        plain = cell.plain
-        words = plain.split()
-        lines = plain.splitlines()
-        widest = max(map(cell_len, lines)) if lines else 0
-        return ("text", max(map(cell_len, words)) if words else widest, widest)
-    return cell
+def _column_shape(column: Column) -> object:
+    """What a Rich table's measurement of ``column`` depends on: for its Text
+    cells, the widest of their longest words and of their lines
+    (Text.__rich_measure__; the column takes the widest of each); any other
+    cell as it is."""
+    words = lines = 0
+    others = []
+    for cell in (column.header, *column._cells):
+        if isinstance(cell, Text):
+            plain = cell.plain
+            widest = max(map(cell_len, plain.splitlines()), default=0)
+            words = max(words, max(map(cell_len, plain.split()), default=widest))
+            lines = max(lines, widest)
+        else:
+            others.append(cell)
+    return words, lines, tuple(others)
 
 
 class MeasuredOnce(Table):
     """A Rich table that measures its columns once per shape of its cells.
 
     Measuring every cell of every column is half of what drawing the stage
-    table costs, and while a run streams only numbers change, rarely their
-    width. The widths are a function of the console's width and each cell's
-    measurement, so they are kept by those (``cache``, the caller's)."""
+    table costs, and while a run streams only numbers change, rarely the
+    width of the widest in a column. The widths are a function of the
+    console's width and each column's measurement, so they are kept by those
+    (``cache``, the caller's)."""
 
     def __init__(self, cache: dict[object, list[int]], **options: Any) -> None:
         super().__init__(**options)
@@ -122,7 +128,7 @@ class MeasuredOnce(Table):
         key = (
             options.max_width,
             self.expand,
-            tuple((_shape(column.header), *map(_shape, column._cells)) for column in self.columns),
+            tuple(map(_column_shape, self.columns)),
         )
         widths = self._cache.get(key)
         if widths is None:
