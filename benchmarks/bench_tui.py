@@ -108,23 +108,24 @@ async def synthetic(rate: float, seconds: float) -> tuple[float, int]:
     process's CPU seconds per second of streaming and the tokens drawn."""
     from ggufpipe_agent.protocol import StepCounters
     from ggufpipe_tui.core.events import StageStats, TokenStreamed
-    from ggufpipe_tui.views.app import GgufpipeApp, PipelineEvent
+    from ggufpipe_tui.views.app import GgufpipeApp
     from tests.test_app_snapshots import RUN_ID, inventory, running
 
     inv = inventory()
     app = GgufpipeApp(inv, script=running(inv))
     async with app.run_test(size=(120, 40)):
         await asyncio.sleep(0.5)
+        emit = app._subscriber(app.session)  # the way a pipeline's events come in
         started, before = time.perf_counter(), cpu()
         sequence = 100
         stats_every = max(1, round(rate / 4))
         while time.perf_counter() - started < seconds:
             text = f" {sequence}" if sequence % 8 else f" {sequence},\n"
-            app.post_message(PipelineEvent(TokenStreamed(RUN_ID, sequence, sequence, text), 0))
+            emit(TokenStreamed(RUN_ID, sequence, sequence, text))
             if sequence % stats_every == 0:
                 for stage in range(3):
                     counters = StepCounters(sequence, 3.1, 3.1 * sequence, 100 * sequence, 100 * sequence)
-                    app.post_message(PipelineEvent(StageStats(RUN_ID, stage, counters), 0))
+                    emit(StageStats(RUN_ID, stage, counters))
             sequence += 1
             await asyncio.sleep(max(0.0, started + (sequence - 100) / rate - time.perf_counter()))
         elapsed = time.perf_counter() - started

@@ -17,7 +17,7 @@ from textual.pilot import Pilot
 
 from ggufpipe_tui.core.inventory import Inventory, load_inventory
 from ggufpipe_tui.views.app import GgufpipeApp
-from ggufpipe_tui.views.widgets import Exchange, LogPane, StatusBar
+from ggufpipe_tui.views.widgets import Exchange, LogPane, StatusBar, Transcript
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -49,10 +49,11 @@ async def wait_for(pilot: Pilot, condition: Callable[[], object], timeout: float
 async def type_prompt(pilot: Pilot, text: str) -> Exchange:
     app = pilot.app
     assert isinstance(app, GgufpipeApp)
-    before = len(app.query(Exchange))
+    transcript = app.query_one(Transcript)
+    before = len(transcript.exchanges)
     await pilot.press(*text, "enter")
-    await wait_for(pilot, lambda: len(app.query(Exchange)) > before, 10, "the prompt in the output pane")
-    return list(app.query(Exchange))[-1]
+    await wait_for(pilot, lambda: len(transcript.exchanges) > before, 10, "the prompt in the output pane")
+    return transcript.exchanges[-1]
 
 
 def ready_for_prompt(app: GgufpipeApp, after_run: int | None = None) -> bool:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from textual.widgets import Input, Static
+from textual.widgets import Input
 
 from ggufpipe_tui.views.app import GgufpipeApp
-from ggufpipe_tui.views.widgets import LogPane, StatusBar
+from ggufpipe_tui.views.widgets import LogPane, StatusBar, Transcript
 from tests.test_app import (
     READY_TIMEOUT,
     RUN_TIMEOUT,
@@ -65,8 +65,8 @@ async def test_the_second_answer_uses_the_first_and_ctrl_n_starts_fresh(
 
         # ctrl+n: the transcript says so, and the same question alone is not understood.
         await pilot.press("ctrl+n")
-        divider = app.query(".divider")
-        assert len(divider) == 1 and "new conversation" in str(divider.first(Static).render())
+        divider = app.query_one(Transcript).notes("divider")
+        assert len(divider) == 1 and "new conversation" in divider[0].text
         logged = [line.plain for _, line in app.query_one(LogPane).entries]
         assert "[·] conversation 2: new" in logged
         await wait_for(pilot, lambda: ready_for_prompt(app, italy.run_id), READY_TIMEOUT, "the next run")

@@ -1,57 +1,181 @@
 """How the TUI keeps up with a fast stream, without agents: a reply of many
-short lines is drawn in frozen blocks and a short live tail, all of its text
-in order; a burst of tokens is drawn in a few frames, not one per token; the
-pipeline thread's events reach the app's loop in order, many per wake-up.
+short lines is drawn whole and in order, in a few frames, not one per token,
+and without a layout pass of the screen; the transcript follows the newest
+text unless scrolled up, wraps again on a resize, and its text can be
+selected; the pipeline thread's events reach the app's loop in order, many
+per wake-up.
 (What this costs in CPU is measured by benchmarks/bench_tui.py, not here.)"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
-from ggufpipe_tui.core.events import Event, Notice, TokenStreamed
-from ggufpipe_tui.views import widgets
-from ggufpipe_tui.views.app import FRAME_SECONDS, GgufpipeApp, PipelineEvent
+from textual.selection import Selection
+
+from ggufpipe_agent.protocol import StepCounters
+from ggufpipe_tui.core.events import AgentLog, Event, Notice, StageStateChanged, StageStats, TokenStreamed
+from ggufpipe_tui.views.app import FRAME_SECONDS, GgufpipeApp, PipelineEvent, PipelineEvents
 from ggufpipe_tui.views.threaded import ThreadedPipeline
-from ggufpipe_tui.views.widgets import Block, Exchange
+from ggufpipe_tui.views.viewstate import StageRow
+from ggufpipe_tui.views.widgets import LogPane, StageTable, Transcript
 from tests.test_app_snapshots import REPLY, RUN_ID, inventory, running
 
 
-def reply_text(exchange: Exchange) -> str:
-    """What the exchange's reply blocks show, frozen blocks and tail, joined
-    as they were split (each frozen block ends at a line break)."""
-    blocks = [str(block.render()) for block in exchange.query(Block).filter(".reply")]
-    return "\n".join(blocks)
+def post(app: GgufpipeApp, *pieces: str, sequence: int = 100) -> int:
+    for piece in pieces:
+        app.post_message(PipelineEvent(TokenStreamed(RUN_ID, sequence, sequence, piece), app.session))
+        sequence += 1
+    return sequence
 
 
-async def test_a_reply_of_short_lines_is_frozen_in_blocks_and_shown_whole() -> None:
+async def test_a_stream_of_short_lines_is_drawn_whole_without_laying_the_screen_out() -> None:
+    """A reply of many short lines, as a count would come: every line on
+    screen in order, in a few frames, the newest in view, and no layout pass
+    of the screen for any of it (the transcript's line API takes new lines),
+    nor for the log lines, stage numbers and states that come meanwhile."""
     inv = inventory()
     app = GgufpipeApp(inv, script=running(inv))
     lines = 100
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
-        draws = 0
-        drawn = app._draw_text
+        transcript = app.query_one(Transcript)
+        await pilot.pause()
+        post(app, *[f"{number}\n" for number in range(40)])  # the scrollbar comes (a layout pass)
+        for number in range(40):  # and the log's
+            app.post_message(PipelineEvent(AgentLog(0, "gpu-a", f"INFO line {number}"), app.session))
+        await asyncio.sleep(2 * FRAME_SECONDS)
+        await pilot.pause()
+        draws = layouts = 0
+        drawn, laid_out = app._draw_text, app.screen._refresh_layout
 
         def counted() -> None:
             nonlocal draws
             draws += 1
             drawn()
 
+        def counted_layout(*args: object, **kwargs: object) -> None:
+            nonlocal layouts
+            layouts += 1
+            laid_out(*args, **kwargs)  # type: ignore[arg-type]
+
         app._draw_text = counted  # type: ignore[method-assign]
-        for number in range(lines):  # one number a line, as a count would come
-            for piece in (f"{number}", "\n"):
-                app.post_message(PipelineEvent(TokenStreamed(RUN_ID, 100, 100, piece), app.session))
+        app.screen._refresh_layout = counted_layout  # type: ignore[method-assign]
+        for number in range(40, lines):
+            post(app, f"{number}", "\n", sequence=100 + 2 * number)
+            if number % 10 == 0:  # the log and the stage table's numbers go on meanwhile
+                stage = number // 10 % 3
+                counters = StepCounters(number, 3.1, 3.1 * number, 100 * number, 100 * number)
+                for event in (
+                    AgentLog(stage, "gpu-a", f"INFO step {number}"),
+                    StageStats(RUN_ID, stage, counters),
+                ):
+                    app.post_message(PipelineEvent(event, app.session))
+            if number == 50:  # a stage's state: drawn at once, the table stays as tall
+                app.post_message(PipelineEvent(StageStateChanged(RUN_ID, 1, "Executing"), app.session))
         await asyncio.sleep(3 * FRAME_SECONDS)
         await pilot.pause()
-        exchange = app.query_one(Exchange)
+        exchange = transcript.exchanges[0]
         expected = "".join(REPLY) + "".join(f"{number}\n" for number in range(lines))
-        assert exchange.text == expected
-        assert reply_text(exchange) == expected
-        tail = str(exchange.query(Block).filter(".reply").last().render())
-        assert tail.count("\n") < widgets.FREEZE_LINES, "the live tail stays short"
-        assert len(exchange.query(Block).filter(".reply")) == 2, "one frozen block a frame"
-        assert draws <= 3, f"{2 * lines} tokens drawn in {draws} frames"
+        assert exchange.text == expected and exchange.shown == expected
+        shown = transcript.line_texts
+        assert "\n".join(expected.split("\n")) in "\n".join(shown), "every line, in order"
+        assert draws <= 4, f"{2 * lines} tokens drawn in {draws} frames (and one state change)"
+        assert layouts == 0, f"{layouts} layout passes of the screen for streamed text"
+        assert transcript.scroll_y == transcript.max_scroll_y > 0, "the newest text is in view"
+
+
+async def test_the_streams_wait_in_the_inbox_for_their_frame_in_order() -> None:
+    """Events from the pipeline's subscriber: tokens that come while a frame
+    is due wait for it (no message each), anything else is handled at once,
+    after the tokens before it."""
+    inv = inventory()
+    app = GgufpipeApp(inv, script=running(inv))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        messages = 0
+        handled = app.on_pipeline_events
+
+        def counted(message: PipelineEvents) -> None:
+            nonlocal messages
+            messages += 1
+            handled(message)
+
+        app.on_pipeline_events = counted  # type: ignore[method-assign]
+        emit = app._subscriber(app.session)
+        for number in range(200):
+            emit(TokenStreamed(RUN_ID, 100 + number, 100 + number, f" {number}"))
+            if number == 100:
+                emit(Notice("info", "halfway"))
+            await asyncio.sleep(0.002)  # tokens a few milliseconds apart, as a pipeline sends them
+        await asyncio.sleep(2 * FRAME_SECONDS)
+        await pilot.pause()
+        exchange = app.query_one(Transcript).exchanges[0]
+        assert exchange.text == "".join(REPLY) + "".join(f" {number}" for number in range(200))
+        assert messages < 40, f"200 tokens took {messages} messages"
+        at = exchange.appended_at
+        assert at == sorted(at) and at[-1] - at[len(REPLY)] > 0.2, "each token keeps the time it came"
+        logged = [line.plain for _, line in app.query_one(LogPane).entries]
+        assert any("halfway" in line for line in logged)
+
+
+async def test_scrolled_up_the_transcript_stays_and_text_can_be_selected() -> None:
+    inv = inventory()
+    app = GgufpipeApp(inv, script=running(inv))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        transcript = app.query_one(Transcript)
+        sequence = post(app, *[f"line {number}\n" for number in range(40)])
+        await asyncio.sleep(2 * FRAME_SECONDS)
+        await pilot.pause()
+        assert transcript.scroll_y == transcript.max_scroll_y > 0
+        transcript.scroll_to(y=0, animate=False, immediate=True)
+        post(app, *[f"more {number}\n" for number in range(10)], sequence=sequence)
+        await asyncio.sleep(2 * FRAME_SECONDS)
+        await pilot.pause()
+        assert transcript.scroll_y == 0, "the view followed the stream while scrolled up"
+        assert transcript.max_scroll_y > 0
+        # Selection: what a mouse drag over the lines selects is the text, line breaks where the text has them.
+        text, _ = transcript.get_selection(Selection(None, None)) or ("", "")
+        reply = (
+            "".join(REPLY)
+            + "".join(f"line {n}\n" for n in range(40))
+            + "".join(f"more {n}\n" for n in range(10))
+        )
+        assert f"› Write a haiku about pipelines  run {RUN_ID:016x}\n{reply}" in text
+        first = transcript.render_line(0)
+        assert "Write a haiku" in first.text
+        assert [segment.style.meta.get("offset") for segment in first if segment.text][0] == (0, 0)
+        # Back at the bottom, it follows again.
+        transcript.scroll_end(animate=False, immediate=True)
+        post(app, "last\n", sequence=sequence + 10)
+        await asyncio.sleep(2 * FRAME_SECONDS)
+        await pilot.pause()
+        assert transcript.scroll_y == transcript.max_scroll_y and transcript.line_texts[-4:] == [
+            "last",
+            "",
+            "",
+            "",
+        ]
+
+
+async def test_a_resize_wraps_every_line_again() -> None:
+    inv = inventory()
+    app = GgufpipeApp(inv, script=running(inv))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        transcript = app.query_one(Transcript)
+        post(app, " word" * 60)
+        await asyncio.sleep(2 * FRAME_SECONDS)
+        await pilot.pause()
+        narrow = len(transcript.line_texts)
+        assert max(len(line) for line in transcript.line_texts) <= transcript.scrollable_content_region.width
+        await pilot.resize_terminal(160, 48)
+        await pilot.pause()
+        await pilot.pause()
+        assert len(transcript.line_texts) < narrow
+        assert max(len(line) for line in transcript.line_texts) <= transcript.scrollable_content_region.width
 
 
 async def test_events_cross_from_the_pipeline_thread_in_order_many_per_wake_up() -> None:
@@ -86,3 +210,49 @@ async def test_events_cross_from_the_pipeline_thread_in_order_many_per_wake_up()
         assert wake_ups < count / 4, f"{count} events took {wake_ups} wake-ups of the app's loop"
     finally:
         await pipeline.close()
+
+
+async def test_the_stage_table_is_drawn_twice_a_second_while_tokens_stream_and_a_state_at_once() -> None:
+    inv = inventory()
+    app = GgufpipeApp(inv, script=running(inv))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        table = app.query_one(StageTable)
+        shows = 0
+        shown = table.show
+
+        def counted(rows: list[StageRow], running: bool) -> None:
+            nonlocal shows
+            shows += 1
+            shown(rows, running)
+
+        table.show = counted  # type: ignore[method-assign]
+        emit = app._subscriber(app.session)
+        started = time.monotonic()
+        step = 20
+        while time.monotonic() - started < 1.0:
+            emit(TokenStreamed(RUN_ID, 100 + step, 100 + step, " x"))
+            emit(StageStats(RUN_ID, step % 3, StepCounters(step, 3.1, 3.1 * step, 100, 100)))
+            step += 1
+            await asyncio.sleep(0.02)
+        assert 1 <= shows <= 3, f"the table was drawn {shows} times in a second"
+        shows = 0
+        emit(StageStateChanged(RUN_ID, 1, "Executing"))
+        await pilot.pause()
+        assert shows == 1 and table.rows[1].state == "Executing", "a state is drawn at once"
+
+
+async def test_a_mouse_drag_selects_the_text_under_it() -> None:
+    inv = inventory()
+    app = GgufpipeApp(inv, script=running(inv))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        transcript = app.query_one(Transcript)
+        # Row 0 is the pane's border, column 0 its padding: from "Write" through the
+        # reply's 10th character (the cell under the mouse, as in a Static).
+        await pilot.mouse_down(transcript, offset=(3, 1))
+        await pilot.hover(transcript, offset=(10, 2))
+        await pilot.mouse_up(transcript, offset=(10, 2))
+        await pilot.pause()
+        selected = app.screen.get_selected_text()
+        assert selected == f"Write a haiku about pipelines  run {RUN_ID:016x}\nPipelines "

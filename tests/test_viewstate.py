@@ -146,12 +146,12 @@ def test_a_long_session_keeps_a_bounded_transcript_and_history():
 
 async def test_the_app_unmounts_exchanges_that_scrolled_out(monkeypatch):
     """The transcript's widgets follow the view state: after more runs than
-    it keeps, the oldest Exchange widgets are gone from the screen too."""
+    it keeps, the oldest exchanges are gone from the screen too."""
     from dataclasses import replace
 
     from ggufpipe_tui.views import viewstate
     from ggufpipe_tui.views.app import GgufpipeApp, PipelineEvent
-    from ggufpipe_tui.views.widgets import Exchange
+    from ggufpipe_tui.views.widgets import Transcript
 
     monkeypatch.setattr(viewstate, "MAX_EXCHANGES", 5)
     app = GgufpipeApp(inventory(stages=2), script=[])
@@ -166,5 +166,5 @@ async def test_the_app_unmounts_exchanges_that_scrolled_out(monkeypatch):
             ):
                 app.post_message(PipelineEvent(event, app.state.session))
             await pilot.pause()
-        shown = [widget.run_id for widget in app.query(Exchange)]
+        shown = [exchange.run_id for exchange in app.query_one(Transcript).exchanges]
     assert shown == [0x2000 + number for number in range(7, 12)], shown

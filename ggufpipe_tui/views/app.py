@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +60,7 @@ from ggufpipe_tui.core.events import (
 from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.session.runs import ContextOverflow
 from ggufpipe_tui.session.stages import PipelineError
+from ggufpipe_tui.views.priority import lower_ui
 from ggufpipe_tui.views.threaded import AppHandle, AppPipeline, ThreadedPipeline
 from ggufpipe_tui.views.turns import Turn, Turns
 from ggufpipe_tui.views.viewstate import ExchangeView, StageRow, ViewState
@@ -76,6 +78,10 @@ FRAME_SECONDS = 1 / 10
 #: than a line of text, and on a machine with few cores every millisecond
 #: the view spends is taken from the stages).
 PANEL_SECONDS = 1 / 4
+#: The stage table while tokens stream: every step changes its numbers, and
+#: drawing it (a Rich table) costs about 8 ms of CPU here, so twice a second.
+#: A change of a stage's state is drawn at once.
+TABLE_SECONDS = 1 / 2
 
 #: A script item: the session gave this prompt to run ``run_id``.
 UserPrompt = PromptAssigned
@@ -83,13 +89,21 @@ UserPrompt = PromptAssigned
 ScriptItem = Event | float
 
 
+#: Events that change only what the next frame shows (the streams).
+STREAMS = (TokenStreamed, StageStats, AgentLog)
+
+
 class PipelineEvent(Message):
-    """A session event, posted from the pipeline's subscriber."""
+    """A session event, handled as it comes (the tests and benchmarks post them)."""
 
     def __init__(self, event: Event, session: int) -> None:
         super().__init__()
         self.event = event
         self.session = session
+
+
+class PipelineEvents(Message):
+    """Session events wait in the app's inbox: handle them."""
 
 
 class GgufpipeApp(App[int]):
@@ -131,6 +145,9 @@ class GgufpipeApp(App[int]):
         self._widgets: dict[int, Exchange] = {}
         self._frame_due = False
         self._panels_at = 0.0
+        self._table_at = 0.0
+        self._inbox: deque[tuple[Event, int, float]] = deque()  # events not handled yet, in order
+        self._inbox_posted = False  # a PipelineEvents message is on its way
 
     # The view state, read by the header, the tests and whoever drives the app.
     @property
@@ -175,8 +192,7 @@ class GgufpipeApp(App[int]):
         yield StatusBar(id="status")
         yield StageTable(self.state.rows, id="stages")
         with Vertical(id="body"):
-            with Transcript(id="transcript"):
-                yield Static(WELCOME, classes="welcome")
+            yield Transcript(WELCOME, id="transcript")
             yield LogPane(id="log")
         with Horizontal(id="prompt-row"):
             yield Static("›", id="prompt-mark")
@@ -216,8 +232,17 @@ class GgufpipeApp(App[int]):
 
     def _subscriber(self, session: int) -> Callable[[Event], None]:
         def on_event(event: Event) -> None:
-            # Called by the pipeline on the app's own loop: post, never touch widgets.
-            self.post_message(PipelineEvent(event, session))
+            """Called by the pipeline on the app's own loop: never touch
+            widgets here. Every event goes to the inbox in order; a message
+            asks for it to be handled, except that the streams (a token, a
+            step's numbers, a log line) wait for the frame already due, which
+            handles the inbox first: a Textual message costs a dispatch, and
+            tokens come a few milliseconds apart."""
+            self._inbox.append((event, session, self.now()))
+            if self._inbox_posted or (self._frame_due and isinstance(event, STREAMS)):
+                return
+            self._inbox_posted = True
+            self.post_message(PipelineEvents())
 
         return on_event
 
@@ -365,11 +390,8 @@ class GgufpipeApp(App[int]):
     def action_new_conversation(self) -> None:
         conversation = self.turns.new_conversation()
         self._draw()  # what is shown so far stays above the line
-        transcript = self.query_one(Transcript)
-        transcript.query(".welcome").remove()
         line = f"── new conversation ({conversation.number}): the next prompt starts fresh ──"
-        transcript.mount(Static(Text(line, style="bold grey58"), classes="divider"))
-        transcript.follow()
+        self.query_one(Transcript).divide(Text(line, style="bold grey58"))
         self.state.note(None, Text(f"conversation {conversation.number}: new", style="bold"))
         self._draw()
 
@@ -404,11 +426,24 @@ class GgufpipeApp(App[int]):
 
     # ------------------------------------------------------------- events
 
+    def on_pipeline_events(self, message: PipelineEvents) -> None:
+        self._inbox_posted = False
+        self._handle_inbox()
+
     def on_pipeline_event(self, message: PipelineEvent) -> None:
-        event = message.event
-        if message.session != self.state.session:
+        self._handle_inbox()
+        self._handle(message.event, message.session, self.now())
+
+    def _handle_inbox(self) -> None:
+        inbox = self._inbox
+        while inbox:
+            self._handle(*inbox.popleft())
+
+    def _handle(self, event: Event, session: int, now: float) -> None:
+        """One session event (``now``: when it came)."""
+        if session != self.state.session:
             if isinstance(event, AgentLog | Notice):  # an old session's last words
-                self.state.apply(event, self.now())
+                self.state.apply(event, now)
                 self._draw_soon()
             return
         turn = self.turns.in_flight
@@ -417,7 +452,7 @@ class GgufpipeApp(App[int]):
                 self.active = turn.handle
         elif isinstance(event, PlanMade):
             self.turns.context = event.plan.model.max_seq_len
-        self.state.apply(event, self.now())
+        self.state.apply(event, now)
         if isinstance(event, RunFinished):
             self.active = None
             said = self.turns.ended(event.result)
@@ -434,7 +469,7 @@ class GgufpipeApp(App[int]):
                 self.state.note(None, Text(self.turns.no_chat_reason(), style="yellow"))
             self._feed()
         self.prompt_active = self.state.prompt_active
-        if isinstance(event, TokenStreamed | StageStats | AgentLog):
+        if isinstance(event, STREAMS):
             self._draw_soon()  # the streams: coalesced into frames
         else:
             self._draw()
@@ -449,8 +484,12 @@ class GgufpipeApp(App[int]):
     def _draw_frame(self) -> None:
         """A frame of the streams: new text and log lines at once, the stage
         table and the status line only every PANEL_SECONDS."""
-        self._frame_due = False
-        with contextlib.suppress(NoMatches):  # the app is going
+        try:
+            with contextlib.suppress(NoMatches):  # the app is going
+                self._handle_inbox()  # the streams that waited for this frame (they ask for no other)
+        finally:
+            self._frame_due = False
+        with contextlib.suppress(NoMatches):
             self._draw_text()
             if time.monotonic() - self._panels_at >= PANEL_SECONDS:
                 self._draw_panels()
@@ -458,16 +497,15 @@ class GgufpipeApp(App[int]):
     def _draw(self) -> None:
         """Bring the whole screen up to the view state now."""
         self._draw_text()
-        self._draw_panels()
+        self._draw_panels(at_once=True)
 
-    def _draw_panels(self) -> None:
-        self._panels_at = time.monotonic()
-        for widget in self._widgets.values():
-            if widget.stale:  # a reply line that waits for its layout pass
-                widget.relayout()
+    def _draw_panels(self, at_once: bool = False) -> None:
+        now = self._panels_at = time.monotonic()
         state = self.state
-        if state.dirty:
+        streaming = state.run_phase == "Running" and not at_once
+        if state.dirty and (not streaming or now - self._table_at >= TABLE_SECONDS):
             state.dirty = False
+            self._table_at = now
             self.query_one(StageTable).show(state.rows, state.run_phase == "Running")
         self._draw_status()
 
@@ -479,21 +517,21 @@ class GgufpipeApp(App[int]):
             log.add(stage, line)
         transcript = self.query_one(Transcript)
         for view in state.mount:
-            widget = self._widgets[id(view)] = Exchange(view)
-            transcript.add(widget)
+            transcript.add(self._widgets.setdefault(id(view), Exchange(view)))
         state.mount.clear()
         for view in state.unmount:  # scrolled out of a long session
             gone = self._widgets.pop(id(view), None)
             if gone is not None:
-                gone.remove()
+                transcript.discard(gone)
         state.unmount.clear()
+        synced = []
         for view in state.touched.values():
             shown = self._widgets.get(id(view))
             if shown is not None:
                 shown.sync()
-        if state.touched:
-            transcript.follow()
-            state.touched.clear()
+                synced.append(shown)
+        state.touched.clear()
+        transcript.update(synced)
 
     def _title_log(self) -> None:
         only = self.query_one(LogPane).only
@@ -537,6 +575,9 @@ def run_app(inventory: Inventory, log_dir: Any = None) -> int:
     """Run the TUI until the user quits; every stage is torn down on the way out."""
 
     async def main() -> int:
+        # Below the stages (views/priority.py): this thread, and the
+        # terminal driver's threads the app starts, not the pipeline's.
+        lower_ui()
         app = GgufpipeApp(inventory, log_dir)
         try:
             code = await app.run_async()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import sys
-import threading
 from collections import deque
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
@@ -31,6 +30,7 @@ from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
 from ggufpipe_tui.transports.link import AgentLink
+from ggufpipe_tui.views.priority import start_thread
 
 T = TypeVar("T")
 
@@ -126,10 +126,11 @@ class ThreadedPipeline:
         self._app_loop = asyncio.get_running_loop()
         self._emit = emit
         self._loop = _new_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="ggufpipe-pipeline", daemon=True)
         self._switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_SECONDS)
-        self._thread.start()
+        # At the process's own priority, not the UI's (views/priority.py):
+        # the local agents are spawned from this thread and inherit it.
+        self._thread = start_thread(self._loop.run_forever, "ggufpipe-pipeline")
         self._closed = False
         # Events on their way to the app's loop, and whether a wake-up of
         # that loop is already on its way (one a batch, not one an event).

@@ -8,21 +8,27 @@ the orchestrator.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from rich.console import Group, RenderableType
-from rich.segment import SegmentLines
-from rich.table import Table
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, Group, RenderableType
+from rich.segment import Segment, SegmentLines
+from rich.style import Style
+from rich.table import Column, Table
 from rich.text import Text
-from textual.containers import Vertical, VerticalScroll
+from textual.content import Content
 from textual.events import Resize
 from textual.geometry import Size
 from textual.reactive import Reactive
-from textual.widget import Widget
+from textual.scroll_view import ScrollView
+from textual.selection import Selection
+from textual.strip import Strip
+from textual.visual import RenderOptions
 from textual.widgets import RichLog, Static
 
 from ggufpipe_tui.core.placement import MARGIN
@@ -59,7 +65,7 @@ class DrawnOnce(Static):
     def draw(self) -> RenderableType:
         raise NotImplementedError
 
-    def render(self) -> RenderableType:
+    def render(self) -> SegmentLines:
         width = self.content_region.width or self.size.width
         key = (width, self.content_key())
         if self._drawn is None or self._drawn[0] != key:
@@ -87,6 +93,51 @@ def memory_cell(row: StageRow, compact: bool) -> Text:
     return text
 
 
+def _column_shape(column: Column) -> object:
+    """What a Rich table's measurement of ``column`` depends on: for its Text
+    cells, the widest of their longest words and of their lines
+    (Text.__rich_measure__; the column takes the widest of each); any other
+    cell as it is."""
+    words = lines = 0
+    others = []
+    for cell in (column.header, *column._cells):
+        if isinstance(cell, Text):
+            plain = cell.plain
+            widest = max(map(cell_len, plain.splitlines()), default=0)
+            words = max(words, max(map(cell_len, plain.split()), default=widest))
+            lines = max(lines, widest)
+        else:
+            others.append(cell)
+    return words, lines, tuple(others)
+
+
+class MeasuredOnce(Table):
+    """A Rich table that measures its columns once per shape of its cells.
+
+    Measuring every cell of every column is half of what drawing the stage
+    table costs, and while a run streams only numbers change, rarely the
+    width of the widest in a column. The widths are a function of the
+    console's width and each column's measurement, so they are kept by those
+    (``cache``, the caller's)."""
+
+    def __init__(self, cache: dict[object, list[int]], **options: Any) -> None:
+        super().__init__(**options)
+        self._cache = cache
+
+    def _calculate_column_widths(self, console: Console, options: ConsoleOptions) -> list[int]:
+        key = (
+            options.max_width,
+            self.expand,
+            tuple(map(_column_shape, self.columns)),
+        )
+        widths = self._cache.get(key)
+        if widths is None:
+            if len(self._cache) > 64:
+                self._cache.clear()
+            widths = self._cache[key] = super()._calculate_column_widths(console, options)
+        return list(widths)
+
+
 class StageTable(DrawnOnce):
     """One row per stage: where it runs, its layers, its FSM state and numbers."""
 
@@ -96,18 +147,19 @@ class StageTable(DrawnOnce):
         super().__init__(id=id)
         self.rows = rows
         self.running = False
-        self._shape: tuple[object, ...] = ()
+        self._height: int | None = None  # lines, as last drawn
+        self._widths: dict[object, list[int]] = {}  # MeasuredOnce's
 
     def show(self, rows: list[StageRow], running: bool) -> None:
-        """Draw ``rows``. A layout pass (the whole screen) only when the table's
-        height can change: new numbers and the spinner repaint the table alone."""
-        shape = tuple(
-            (row.state, row.fault, row.connected, row.load_fraction is None)
-            + (row.delivery.state if row.delivery else None,)  # a sending line can wrap
-            for row in rows
-        )
-        layout, self._shape = shape != self._shape, shape
+        """Draw ``rows``. A layout pass (the whole screen, tens of milliseconds)
+        only when the table's height changed: new numbers, states and the
+        spinner repaint the table alone."""
         self.rows, self.running = rows, running
+        height = old = None
+        if self.is_mounted and self.size.width:
+            height = len(self.render().lines)
+            old = self._height if self._height is not None else self.content_region.height
+        layout, self._height = height is None or height != old, height
         self.refresh(layout=layout)
 
     def content_key(self) -> object:
@@ -122,7 +174,9 @@ class StageTable(DrawnOnce):
         compact = self.size.width < 110
         # Narrow: fill the width. Wide: as wide as the content, so the numbers
         # stay next to the state instead of at the far edge of a big screen.
-        table = Table(box=None, expand=compact, padding=(0, 1), pad_edge=False, header_style="bold grey70")
+        table = MeasuredOnce(
+            self._widths, box=None, expand=compact, padding=(0, 1), pad_edge=False, header_style="bold grey70"
+        )
         table.add_column("#", justify="right", no_wrap=True)
         table.add_column("host", no_wrap=True, overflow="ellipsis", max_width=24)
         if not compact:
@@ -158,13 +212,16 @@ class StageTable(DrawnOnce):
             cells.append(Text("-", style="grey50"))
             cells += [Text("-", style="grey50")] * (1 if compact else 2)
             return cells
+        # Text, not str (no markup in numbers): MeasuredOnce measures Text by its shape.
         if compact:
-            cells.append(f"{counters.last_ms:.0f}/{counters.mean_ms:.0f}")
-            cells.append(f"{format_bytes(counters.bytes_in, True)}/{format_bytes(counters.bytes_out, True)}")
+            cells.append(Text(f"{counters.last_ms:.0f}/{counters.mean_ms:.0f}"))
+            cells.append(
+                Text(f"{format_bytes(counters.bytes_in, True)}/{format_bytes(counters.bytes_out, True)}")
+            )
         else:
-            cells.append(f"{counters.last_ms:.1f} / {counters.mean_ms:.1f}")
-            cells.append(format_bytes(counters.bytes_in))
-            cells.append(format_bytes(counters.bytes_out))
+            cells.append(Text(f"{counters.last_ms:.1f} / {counters.mean_ms:.1f}"))
+            cells.append(Text(format_bytes(counters.bytes_in)))
+            cells.append(Text(format_bytes(counters.bytes_out)))
         return cells
 
     def _detail(self, row: StageRow, compact: bool) -> RenderableType:
@@ -271,67 +328,111 @@ class StatusBar(DrawnOnce):
 # ------------------------------------------------------------- transcript
 
 
-#: A reply's growing tail asks for a layout pass at most this often (the
-#: app's panels are drawn as often, in the same screen update when they fall
-#: together). A layout pass of this screen costs tens of milliseconds.
-LAYOUT_SECONDS = 1 / 4
-#: A reply's live tail is frozen (drawn once, never again) at its last line
-#: break once it is this long, or has this many line breaks: each frame
-#: re-wraps and draws the whole tail (Textual draws a widget's every line, on
-#: screen or not), so a long reply costs no more per frame than a short one.
-#: A reply of short lines (a list, code, numbers) reaches the line count long
-#: before the length.
-FREEZE_CHARS = 1000
-FREEZE_LINES = 12
+@dataclass(frozen=True)
+class Line:
+    """One line of the transcript on screen, wrapped and drawn once: its
+    strip, and where its text starts in the part it comes from (the source
+    line, the character offset in it) for mouse selection."""
+
+    strip: Strip
+    source: int
+    x: int
 
 
-def one_layout_pass() -> Reactive[Size]:
-    """A ``virtual_size`` without the layout pass Textual's own asks for.
-
-    Textual sets a widget's virtual size during a layout pass; its reactive
-    then asks for a second pass of the whole screen, which finds nothing to
-    move. The transcript's widgets grow with every line of a reply, so each
-    line paid for two passes (tens of milliseconds each here). The
-    transcript's scrollbars are updated in the same pass regardless
-    (``Widget._size_updated``)."""
-    return Reactive(Size(0, 0), layout=False)
+def _offset(strip: Strip) -> tuple[int, int]:
+    for segment in strip:
+        style = segment.style
+        if style is not None and style._meta:
+            offset = style.meta.get("offset")
+            if offset is not None:
+                return offset[1], offset[0]
+    return -1, 0
 
 
-class Block(Static):
-    """A part of an exchange: its prompt, a block of reply, its summary."""
+class Part:
+    """A run of text in the transcript (a prompt, a reply, a summary, a line
+    of its own) and the style it is drawn on, wrapped to a width once, the
+    way a Static would draw it."""
 
-    virtual_size = one_layout_pass()
+    def __init__(self, content: Content, style: str = "") -> None:
+        self.content = content
+        self.style = style  # a component class of the transcript; "" for its own style
+        self._lines: tuple[int, list[Line]] | None = None
+
+    def lines(self, transcript: Transcript, width: int) -> list[Line]:
+        if self._lines is None or self._lines[0] != width:
+            self._lines = (width, transcript.wrap(self.content, self.style, width))
+        return self._lines[1]
+
+    def forget(self) -> None:
+        """Wrap again when next drawn (new colours)."""
+        self._lines = None
+
+    @property
+    def sources(self) -> list[str]:
+        """The part's text, one source line (of the selection's) a line break."""
+        return self.content.plain.split("\n")
 
 
-class Exchange(Vertical):
-    """One prompt, its streamed reply and how the run ended: a view of an
-    :class:`~ggufpipe_tui.views.viewstate.ExchangeView`. The reply is frozen
-    blocks of whole lines and one live tail that new text is appended to."""
+class Reply(Part):
+    """A reply as it streams: whole paragraphs are wrapped once, and new text
+    re-wraps only the last paragraph."""
 
-    DEFAULT_CSS = """
-    Exchange { height: auto; margin-bottom: 1; }
-    Exchange > Static { height: auto; }
-    """
+    def __init__(self) -> None:
+        super().__init__(Content(""))
+        self.text = ""
+        self._forget(0)
 
-    virtual_size = one_layout_pass()
+    def _forget(self, width: int) -> None:
+        self._width = width
+        self._done: list[Line] = []  # the lines of whole paragraphs
+        self._start = 0  # where the last paragraph starts in the text
+        self._source = 0  # its source line
+        self._wrapped = -1  # how much of the text the lines show
+
+    def forget(self) -> None:
+        self._forget(0)
+
+    def append(self, text: str) -> None:
+        self.text += text
+
+    @property
+    def sources(self) -> list[str]:
+        return self.text.split("\n")
+
+    def lines(self, transcript: Transcript, width: int) -> list[Line]:
+        if width != self._width:
+            self._forget(width)
+        elif self._lines is not None and self._wrapped == len(self.text):
+            return self._lines[1]
+        head, newline, tail = self.text[self._start :].rpartition("\n")
+        if newline:
+            for index, paragraph in enumerate(head.split("\n")):
+                source = self._source + index
+                self._done += [
+                    Line(line.strip, source, line.x)
+                    for line in transcript.wrap(Content(paragraph), "", width)
+                ]
+            self._source += head.count("\n") + 1
+            self._start += len(head) + 1
+        live = [Line(line.strip, self._source, line.x) for line in transcript.wrap(Content(tail), "", width)]
+        self._lines, self._wrapped = (width, self._done + live), len(self.text)
+        return self._lines[1]
+
+
+class Exchange:
+    """One prompt, its streamed reply and how the run ended, as lines of the
+    transcript: a view of an :class:`~ggufpipe_tui.views.viewstate.ExchangeView`."""
 
     def __init__(self, view: ExchangeView) -> None:
-        super().__init__()
         self.view = view
         self._run_id = view.run_id
         self._shown_parts = 0
-        self._tail = ""
-        self._tail_lines = (0, 0)  # (width, wrapped lines) the tail was last laid out with
-        self._laid_out = 0.0
-        self.stale = False  # the tail grew a line it has no room for yet
-        self._prompt = Block(self._prompt_text(), classes="prompt")
-        self._reply = Block(Text("waiting for the first token…", style="grey50 italic"), classes="reply")
-        self._summary = Block("", classes="summary")
-
-    def compose(self) -> Iterable[Widget]:
-        yield self._prompt
-        yield self._reply
-        yield self._summary
+        self._prompt = Part(Content.from_rich_text(self._prompt_text()))
+        self._reply = Reply()
+        self._placeholder: Part | None = Part(Content.styled("waiting for the first token…", "grey50 italic"))
+        self._summary = Part(Content(""), "transcript--summary")
+        self._margin = Part(Content(""))
 
     @property
     def prompt(self) -> str:
@@ -357,28 +458,10 @@ class Exchange(Vertical):
     def text(self) -> str:
         return self.view.text
 
-    def _show_tail(self) -> None:
-        """The live tail. A layout pass (the whole screen, every widget drawn
-        again) only when its wrapped height changed, and at most every
-        LAYOUT_SECONDS: meanwhile a new line waits below the tail's old
-        height (:meth:`relayout` shows it); text that fills a line repaints
-        this one widget at once."""
-        text = Text(self._tail)
-        width = self._reply.content_region.width
-        lines = (width, len(text.wrap(self.app.console, width))) if width > 0 else (0, 0)
-        grew = lines != self._tail_lines or not width
-        now = time.monotonic()
-        layout = grew and now - self._laid_out >= LAYOUT_SECONDS
-        self._reply.update(text, layout=layout)
-        if layout:
-            self._laid_out, self._tail_lines = now, lines
-        self.stale = grew and not layout
-
-    def relayout(self) -> None:
-        """Give the tail its new height now (a line waited for it)."""
-        if self.stale:
-            self._laid_out = 0.0
-            self._show_tail()
+    @property
+    def shown(self) -> str:
+        """The reply as the transcript shows it."""
+        return self._reply.text
 
     def _prompt_text(self) -> Text:
         text = Text("› ", style="bold dodger_blue1")
@@ -387,50 +470,307 @@ class Exchange(Vertical):
             text.append(f"  run {self.view.run_id:016x}", style="grey50")
         return text
 
+    def pieces(self) -> list[Part]:
+        reply = self._placeholder if self._placeholder is not None else self._reply
+        return [self._prompt, reply, self._summary, self._margin]
+
     def sync(self) -> None:
-        """Show what the view gained since the last call (once per frame,
+        """Take what the view gained since the last call (once per frame,
         however many tokens arrived meanwhile)."""
         view = self.view
         if view.run_id != self._run_id:
             self._run_id = view.run_id
-            self._prompt.update(self._prompt_text())
+            self._prompt = Part(Content.from_rich_text(self._prompt_text()))
         if len(view.parts) != self._shown_parts:
-            self._tail += "".join(view.parts[self._shown_parts :])
+            self._reply.append("".join(view.parts[self._shown_parts :]))
             self._shown_parts = len(view.parts)
-            breaks = self._tail.count("\n")
-            if breaks and (breaks >= FREEZE_LINES or len(self._tail) > FREEZE_CHARS):
-                block, _, self._tail = self._tail.rpartition("\n")
-                self.mount(Block(Text(block), classes="reply"), before=self._reply)
-                self._tail_lines = (0, 0)
-            self._show_tail()
+            self._placeholder = None
         if view.finished:
             if not view.parts:
-                self._reply.update(Text("(no output)", style="grey50 italic"))
-            self._summary.update(view.summary or "")
+                self._placeholder = Part(Content.styled("(no output)", "grey50 italic"))
+            summary = view.summary or Text("")
+            if summary.plain != self._summary.content.plain or summary.spans:
+                self._summary = Part(Content.from_rich_text(summary), "transcript--summary")
 
 
-class Transcript(VerticalScroll):
-    """The prompts and their replies, newest at the bottom, kept in view."""
+class Note:
+    """A line of the transcript of its own: the welcome, a new conversation's divider."""
 
-    DEFAULT_CSS = "Transcript { height: 1fr; }"
+    def __init__(self, text: Text | str, style: str = "", kind: str = "") -> None:
+        content = Content.from_rich_text(text) if isinstance(text, Text) else Content(text)
+        self.kind = kind
+        self.text = content.plain
+        self._part = Part(content, style)
 
-    virtual_size = one_layout_pass()
+    def pieces(self) -> list[Part]:
+        return [self._part]
+
+
+Entry = Exchange | Note
+
+
+class Transcript(ScrollView, can_focus=False):
+    """The prompts and their replies, newest at the bottom, kept in view.
+
+    One widget draws every line through the line API (``render_line``) from
+    lines wrapped once: streamed text changes neither the screen's layout nor
+    the lines above it. New text re-wraps the reply's last paragraph and
+    repaints the lines that changed; a taller transcript changes its
+    scrollbar, not the screen (a layout pass of this screen costs tens of
+    milliseconds and draws every widget on it again). The view follows the
+    newest text while it is at the bottom; scrolled up, it stays. Text can be
+    selected with the mouse and copied, as in a Static."""
+
+    ALLOW_SELECT = True
+    COMPONENT_CLASSES = {"transcript--muted", "transcript--summary"}
+    DEFAULT_CSS = """
+    Transcript { height: 1fr; overflow-x: hidden; }
+    Transcript > .transcript--muted { color: $text-muted; }
+    Transcript > .transcript--summary { color: $text-muted; }
+    """
+
+    # Set by the transcript itself (:meth:`update`): Textual's reactive asks
+    # for a layout pass of the whole screen on each change, i.e. each new line.
+    virtual_size: Reactive[Size] = Reactive(Size(0, 0), layout=False, repaint=False)
+
+    def __init__(self, welcome: str = "", id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.entries: list[Entry] = []
+        if welcome:
+            self.entries.append(Note(welcome, "transcript--muted", kind="welcome"))
+        self._width = 0
+        self._height = 0
+        # Per entry: its first line and first source line (for selection),
+        # and its parts as (first line, first source line, lines), all
+        # relative to the entry.
+        self._starts: list[int] = []
+        self._sources: list[int] = []
+        self._parts: list[list[tuple[int, int, list[Line]]]] = []
+        self._laid: dict[int, int] = {}  # id(entry) -> its index in the lists above
+        self._rewrapping = False
+        self._blank: Strip | None = None  # a line below the text
+
+    # ------------------------------------------------------------ content
+
+    @property
+    def exchanges(self) -> list[Exchange]:
+        return [entry for entry in self.entries if isinstance(entry, Exchange)]
+
+    def notes(self, kind: str) -> list[Note]:
+        return [entry for entry in self.entries if isinstance(entry, Note) and entry.kind == kind]
 
     def add(self, exchange: Exchange) -> Exchange:
-        self.query(".welcome").remove()
-        self.mount(exchange)
-        self.follow()
+        self._drop_welcome()
+        self.entries.append(exchange)
+        self.update([exchange])
         return exchange
 
-    def follow(self) -> None:
-        """Keep the newest text in view once it no longer fits. (Anchoring
-        earlier would push short content to the bottom of the pane.)"""
-        if not self.is_anchored:
-            self.call_after_refresh(self._anchor_if_full)
+    def divide(self, text: Text) -> None:
+        """A line across the transcript: a new conversation starts below it."""
+        self._drop_welcome()
+        note = Note(text, kind="divider")
+        self.entries.append(note)
+        self.update([note])
 
-    def _anchor_if_full(self) -> None:
-        if not self.is_anchored and self.max_scroll_y > 0:
-            self.anchor()
+    def discard(self, exchange: Exchange) -> None:
+        """An exchange scrolled out of a long session."""
+        if exchange in self.entries:
+            self.entries.remove(exchange)
+            self.update(everything=True)
+
+    def _drop_welcome(self) -> None:
+        welcome = self.notes("welcome")
+        if welcome:
+            self.entries = [entry for entry in self.entries if entry not in welcome]
+            self._width = 0  # everything moves up: lay it all out again
+
+    # ----------------------------------------------------------- wrapping
+
+    def wrap(self, content: Content, style: str, width: int) -> list[Line]:
+        """``content`` wrapped to ``width`` as a Static draws it."""
+        visual_style = self.get_visual_style(style) if style else self.visual_style
+        options = RenderOptions(self._get_style, self.styles)  # type: ignore[arg-type]  # as Textual's own
+        strips = content.render_strips(width, None, visual_style, options) or [Strip([])]
+        lines: list[Line] = []
+        for strip in strips:
+            source, x = _offset(strip)
+            if source < 0:  # nothing says where it is: the next source line
+                source, x = (lines[-1].source + 1 if lines else 0), 0
+            lines.append(Line(strip, source, x))
+        return lines
+
+    def _layout(self, entry: Entry, width: int) -> list[tuple[int, int, list[Line]]]:
+        parts = []
+        line = source = 0
+        for part in entry.pieces():
+            lines = part.lines(self, width)
+            parts.append((line, source, lines))
+            line += len(lines)
+            source += len(part.sources)
+        return parts
+
+    def update(
+        self, changed: Iterable[Entry] = (), everything: bool = False, follow: bool | None = None
+    ) -> None:
+        """Lay out the ``changed`` entries again (after their ``sync``), or
+        all of them: only lines that changed are repainted; a new height
+        changes the scrollbar and, while following the newest text, the
+        scroll position."""
+        width = self.scrollable_content_region.width
+        if width <= 0:
+            return  # not laid out yet: on_resize lays the lines out
+        if follow is None:
+            follow = self.is_vertical_scroll_end and not self.is_vertical_scrollbar_grabbed
+        first_changed = None
+        added = [entry for entry in changed if id(entry) not in self._laid]
+        if everything or width != self._width or any(entry is not self.entries[-1] for entry in added):
+            self._width = width
+            self._parts = [self._layout(entry, width) for entry in self.entries]
+            self._laid = {id(entry): index for index, entry in enumerate(self.entries)}
+            first_changed = 0
+        for entry in changed:
+            index = self._laid.get(id(entry))
+            first: int | None = 0
+            if index is None:  # new, at the end
+                index = self._laid[id(entry)] = len(self._parts)
+                self._parts.append(self._layout(entry, width))
+            elif first_changed == 0:
+                continue
+            else:
+                before, after = self._parts[index], self._layout(entry, width)
+                self._parts[index] = after
+                first = _first_change(before, after)
+            if first is None:
+                continue
+            line = self._starts[index] if index < len(self._starts) else self._height
+            first_changed = line + first if first_changed is None else min(first_changed, line + first)
+        if first_changed is None:
+            return
+        self._starts, self._sources = [], []
+        line = source = 0
+        for parts in self._parts:
+            self._starts.append(line)
+            self._sources.append(source)
+            if parts:
+                start, source_start, lines = parts[-1]
+                line += start + len(lines)
+                source += source_start + (lines[-1].source + 1 if lines else 1)
+        old_height, self._height = self._height, line
+        self.set_reactive(Transcript.virtual_size, Size(0, line))  # wrapped: never wider
+        self._scroll_update(self.virtual_size)
+        if self.scrollable_content_region.width != width and not self._rewrapping:
+            self._rewrapping = True  # the scrollbar came or went: wrap to the new width
+            try:
+                self.update(everything=True, follow=follow)
+            finally:
+                self._rewrapping = False
+            return
+        if follow and self.max_scroll_y > self.scroll_y:
+            self.scroll_to(y=self.max_scroll_y, animate=False, immediate=True)  # repaints it all
+        else:
+            # The lines from the first that changed to the last that was or
+            # is there (not the blank ones below), on screen.
+            top = self.scroll_offset.y
+            bottom = min(top + self.scrollable_content_region.height, max(old_height, line))
+            first = max(first_changed, top)
+            if bottom > first:
+                self.refresh_lines(first, bottom - first)
+
+    def on_resize(self, event: Resize) -> None:
+        self.update(everything=True)
+
+    @property
+    def line_texts(self) -> list[str]:
+        """The text of every line as laid out (for tests)."""
+        return [line.strip.text for parts in self._parts for _, _, lines in parts for line in lines]
+
+    # ------------------------------------------------------------- drawing
+
+    def render_line(self, y: int) -> Strip:
+        number = self.scroll_offset.y + y
+        if number >= self._height or not self._starts:
+            width = self.scrollable_content_region.width
+            if self._blank is None or self._blank.cell_length != width:
+                self._blank = Strip.blank(width, self.visual_style.rich_style)
+            return self._blank
+        index = bisect.bisect_right(self._starts, number) - 1
+        within = number - self._starts[index]
+        for start, source_start, lines in reversed(self._parts[index]):
+            if within >= start:
+                line = lines[within - start]
+                source = self._sources[index] + source_start + line.source
+                break
+        strip = line.strip
+        selection = self.text_selection
+        if selection is not None and (span := selection.get_span(source)) is not None:
+            style = self.screen.get_component_rich_style("screen--selection")
+            end = None if span[1] == -1 else span[1] - line.x
+            strip = _select(strip, span[0] - line.x, end, style)
+        return strip.apply_offsets(line.x, source)
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._blank = None
+        for entry in self.entries:  # new colours: every part is drawn again
+            for part in entry.pieces():
+                part.forget()
+        if self.is_mounted:
+            self.update(everything=True)
+            self.refresh()
+
+    # ----------------------------------------------------------- selection
+
+    def get_selection(self, selection: Selection) -> tuple[str, str] | None:
+        sources: list[str] = []
+        for entry in self.entries:
+            for part in entry.pieces():
+                sources += part.sources
+        return selection.extract("\n".join(sources)), "\n"
+
+    def selection_updated(self, selection: Selection | None) -> None:
+        self.refresh()
+
+
+def _first_change(
+    old: list[tuple[int, int, list[Line]]], new: list[tuple[int, int, list[Line]]]
+) -> int | None:
+    """The first line of an entry that is drawn differently, None for none."""
+    for (start, _, before), (new_start, _, after) in zip(old, new, strict=False):
+        if start != new_start:
+            return min(start, new_start)
+        if before is after:
+            continue
+        for number, (a, b) in enumerate(zip(before, after, strict=False)):
+            if a.strip is not b.strip:
+                return start + number
+        if len(before) != len(after):
+            return start + min(len(before), len(after))
+    if len(old) != len(new):
+        return 0
+    return None
+
+
+def _select(strip: Strip, start: int, end: int | None, style: Style) -> Strip:
+    """``strip`` with the characters ``start`` to ``end`` (None: the end) in ``style``."""
+    start = max(start, 0)
+    if end is not None and end <= start:
+        return strip
+    segments: list[Segment] = []
+    position = 0
+    for segment in strip:
+        text, seg_style, control = segment
+        stop = position + len(text)
+        a, b = max(start - position, 0), len(text) if end is None else min(end - position, len(text))
+        if control or a >= b or stop <= start:
+            segments.append(segment)
+        else:
+            if a:
+                segments.append(Segment(text[:a], seg_style))
+            segments.append(Segment(text[a:b], (seg_style or Style()) + style))
+            if b < len(text):
+                segments.append(Segment(text[b:], seg_style))
+        position = stop
+    return Strip(segments, strip.cell_length)
 
 
 # -------------------------------------------------------------------- log
@@ -438,6 +778,16 @@ class Transcript(VerticalScroll):
 
 class LogPane(RichLog):
     """Agents' stderr and every state change; shows one stage or all."""
+
+    # RichLog sets its virtual size with each line written, and Textual's
+    # reactive then lays the whole screen out again (tens of milliseconds,
+    # every widget drawn again; a run logs a few dozen lines). The size only
+    # moves the log's scrollbar: that is updated here, without a layout pass
+    # (one comes when the scrollbar appears, as for the transcript).
+    virtual_size: Reactive[Size] = Reactive(Size(0, 0), layout=False)
+
+    def watch_virtual_size(self, size: Size) -> None:
+        self._scroll_update(size)
 
     def __init__(self, id: str | None = None) -> None:
         # min_width=1: wrap to the pane's width (the default, 78, overflows a
