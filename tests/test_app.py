@@ -17,7 +17,8 @@ from textual.pilot import Pilot
 
 from ggufpipe_tui.core.inventory import Inventory, load_inventory
 from ggufpipe_tui.views.app import GgufpipeApp
-from ggufpipe_tui.views.widgets import Exchange, LogPane, StatusBar, Transcript
+from ggufpipe_tui.views.transcript import Exchange, Transcript
+from ggufpipe_tui.views.widgets import LogPane, StatusBar
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

@@ -14,7 +14,8 @@ import pytest
 from textual.widgets import Input
 
 from ggufpipe_tui.views.app import GgufpipeApp
-from ggufpipe_tui.views.widgets import LogPane, StatusBar, Transcript
+from ggufpipe_tui.views.transcript import Transcript
+from ggufpipe_tui.views.widgets import LogPane, StatusBar
 from tests.test_app import (
     READY_TIMEOUT,
     RUN_TIMEOUT,

@@ -18,8 +18,9 @@ from ggufpipe_agent.protocol import StepCounters
 from ggufpipe_tui.core.events import AgentLog, Event, Notice, StageStateChanged, StageStats, TokenStreamed
 from ggufpipe_tui.views.app import FRAME_SECONDS, GgufpipeApp, PipelineEvent, PipelineEvents
 from ggufpipe_tui.views.threaded import ThreadedPipeline
+from ggufpipe_tui.views.transcript import Transcript
 from ggufpipe_tui.views.viewstate import StageRow
-from ggufpipe_tui.views.widgets import LogPane, StageTable, Transcript
+from ggufpipe_tui.views.widgets import LogPane, StageTable
 from tests.test_app_snapshots import REPLY, RUN_ID, inventory, running
 
 

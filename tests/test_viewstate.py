@@ -151,7 +151,7 @@ async def test_the_app_unmounts_exchanges_that_scrolled_out(monkeypatch):
 
     from ggufpipe_tui.views import viewstate
     from ggufpipe_tui.views.app import GgufpipeApp, PipelineEvent
-    from ggufpipe_tui.views.widgets import Transcript
+    from ggufpipe_tui.views.transcript import Transcript
 
     monkeypatch.setattr(viewstate, "MAX_EXCHANGES", 5)
     app = GgufpipeApp(inventory(stages=2), script=[])

@@ -62,9 +62,10 @@ from ggufpipe_tui.session.runs import ContextOverflow
 from ggufpipe_tui.session.stages import PipelineError
 from ggufpipe_tui.views.priority import lower_ui
 from ggufpipe_tui.views.threaded import AppHandle, AppPipeline, ThreadedPipeline
+from ggufpipe_tui.views.transcript import Exchange, Transcript
 from ggufpipe_tui.views.turns import Turn, Turns
 from ggufpipe_tui.views.viewstate import ExchangeView, StageRow, ViewState
-from ggufpipe_tui.views.widgets import Exchange, LogPane, StageTable, StatusBar, StatusView, Transcript
+from ggufpipe_tui.views.widgets import LogPane, StageTable, StatusBar, StatusView
 
 PipelineFactory = Callable[..., AppPipeline]
 WELCOME = "Type a prompt below and press Enter. The stages load while you type."
