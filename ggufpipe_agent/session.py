@@ -116,7 +116,14 @@ class Session:
         # order it was posted: a stage's StageFault is always read before the
         # refusal of an OpenEdge that arrived after the fault.
         self._outbox: asyncio.Queue[Message | None] = asyncio.Queue()
-        self.links = Links(agent.private_dir, self.post, self.serve_data, self.tasks.spawn, lambda: self.run)
+        self.links = Links(
+            agent.private_dir,
+            self.post,
+            self.serve_data,
+            self.tasks.spawn,
+            lambda: self.run,
+            self.inbound_object,
+        )
         self.silence = Silence(DEFAULT_SILENCE_S)
         self._beat_interval = 0.0
         self._beating: asyncio.Task[None] | None = None

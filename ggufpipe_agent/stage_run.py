@@ -83,16 +83,21 @@ class RecordWriter(Protocol):
 
 
 class LocalFeed:
-    """The token ring of a one-stage pipeline: the stage feeds itself, its
-    record delivered as if it had arrived on a stream (same checks)."""
+    """A record for a stage of this process, delivered as if it had arrived
+    on a stream (same checks), without the stream: the token ring of a
+    one-stage pipeline (the stage feeds itself), and a shared process's
+    direct links (links.py)."""
 
     def __init__(self, deliver: Callable[[objects.ObjectHeader, bytes], Awaitable[None]]) -> None:
         self.deliver = deliver
 
     async def write(self, *parts: bytes | bytearray | memoryview) -> None:
-        record = b"".join(bytes(part) for part in parts)
-        header = objects.unpack_header(record[: objects.HEADER_SIZE], len(record))
-        await self.deliver(header, record[objects.HEADER_SIZE :])
+        if len(parts) == 2:  # a header and its payload (activations)
+            head, payload = bytes(parts[0]), bytes(parts[1])
+        else:
+            record = b"".join(bytes(part) for part in parts)
+            head, payload = record[: objects.HEADER_SIZE], record[objects.HEADER_SIZE :]
+        await self.deliver(objects.unpack_header(head, len(payload)), payload)
 
 
 class EngineSlot:
