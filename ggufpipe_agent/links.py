@@ -60,7 +60,8 @@ from ggufpipe_agent.protocol import (
     RequestFailed,
 )
 from ggufpipe_agent.stage_fsm import EdgeEstablished, SetupFailed, StageState
-from ggufpipe_agent.stage_run import LocalFeed, RecordWriter, StageRun
+from ggufpipe_agent.stage_run import StageRun
+from ggufpipe_agent.writers import LocalFeed, RecordWriter
 
 log = logging.getLogger("ggufpipe.links")
 

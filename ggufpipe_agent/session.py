@@ -47,8 +47,9 @@ from ggufpipe_agent.protocol import (
     Tokenize,
     Tokenized,
 )
+from ggufpipe_agent.slot import EngineSlot
 from ggufpipe_agent.stage_fsm import EdgeEstablished, Provision, StageState, StopRunEvent
-from ggufpipe_agent.stage_run import EngineSlot, StageRun
+from ggufpipe_agent.stage_run import StageRun
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.validation import fits_bits, validate_provision
 
