@@ -91,7 +91,7 @@ CONFIGS = [
     Config("local, one process, direct, ring", "local-shared", "direct", "ring"),
     # The same without the chain (ggufpipe_agent/chain.py): what the worker's
     # hand-off through the event loop costs.
-    Config("local, one process, no chain", "local-shared", "direct", "ring", (("GGUFPIPE_NO_CHAIN", "1"),)),
+    Config("local, one process, no chain (links through sockets)", "local-shared", "direct", "ring", (("GGUFPIPE_NO_CHAIN", "1"),)),
     Config("local, relay, ring", "local", "relay", "ring"),
     Config("local, direct, orchestrator-fed", "local", "direct", "orchestrator"),
     Config("local, relay, orchestrator-fed (spec loop)", "local", "relay", "orchestrator"),

@@ -3,12 +3,14 @@ after this one's, on the same worker thread.
 
 In a shared agent process (``share_process: true``) every stage's steps run
 on the process's one worker thread, and a direct link between two of its
-stages is a Unix socket into the same process. Each hand-off of a token's
-activation went worker -> event loop (the step's result, the record written
-to the link) -> event loop (the record read, checked, queued, the consumer's
-FSM stepped) -> worker (the consumer's step): two thread wake-ups and a few
-loop turns, 0.8-1.0 ms a hand-off measured here against 5-8 ms steps, while
-the stages' OpenMP threads sleep or spin and the other core goes to the loop.
+stages is a Unix socket into the same process (whose records the producer
+hands to the consumer's delivery, links.py, rather than through the socket).
+Each hand-off of a token's activation went worker -> event loop (the step's
+result, the record written to the link) -> event loop (the record checked,
+queued, the consumer's FSM stepped) -> worker (the consumer's step): two
+thread wake-ups and a few loop turns, 0.8-1.0 ms a hand-off measured here
+against 5-8 ms steps, while the stages' OpenMP threads sleep or spin and the
+other core goes to the loop.
 
 So when a stage's decode step is done and its consumer is a stage of this
 process that waits for it (Ready, nothing queued, the same run), the worker
@@ -20,7 +22,11 @@ takes it as ever (ObjectLoaded, Executing, StepCompleted), and its
 ``_execute`` takes the kept result instead of calling the worker when it
 is for that object. The chain goes forward only: the last stage's sampled
 token goes back to stage 0 through the loop, where the ring's stop rules
-(EOS, ``max_tokens``) are applied.
+(EOS, ``max_tokens``) are applied. (Running stage 0's next step on the worker
+too, ahead of the loop, was tried: the loop's bookkeeping of one token then
+runs beside the next token's steps, and on this project's 2-core machine it
+took a core from the stages' OpenMP team: 0.92 of the serial chain (medians of 4 alternating runs); branch
+``issue-16-ring-overlap``.)
 
 Only decode steps (one row) chain: a prompt's steps keep their abort path.
 A result kept for an object that never comes (the producer faulted after

@@ -60,7 +60,8 @@ from ggufpipe_agent.protocol import (
     RequestFailed,
 )
 from ggufpipe_agent.stage_fsm import EdgeEstablished, SetupFailed, StageState
-from ggufpipe_agent.stage_run import LocalFeed, StageRun
+from ggufpipe_agent.stage_run import StageRun
+from ggufpipe_agent.writers import LocalFeed, RecordWriter
 
 log = logging.getLogger("ggufpipe.links")
 
@@ -75,11 +76,17 @@ STREAM_LIMIT = 1 << 20
 #: why the stream ended.
 ServeLink = Callable[[Any, Any, int], Awaitable[str]]
 
+#: Takes an inbound object as the consumer's data stream would (its checks,
+#: then the run's delivery).
+Deliver = Callable[[ObjectHeader, bytes], Awaitable[None]]
+
 #: The Unix-socket link listeners of this process, by path, with the stage
-#: each serves: a producer that connects to one of them is a stage of the
-#: same (shared) process, whose worker may run the consumer's steps
-#: (ggufpipe_agent/chain.py). Only while the listener waits for its producer.
-_IN_PROCESS: dict[str, ConsumerRun] = {}
+#: each serves and its delivery: a producer that connects to one of them is a
+#: stage of the same (shared) process, whose worker may run the consumer's
+#: steps (ggufpipe_agent/chain.py) and whose records are handed to the
+#: consumer's delivery instead of through the socket (``LocalFeed``). Only
+#: while the listener waits for its producer.
+_IN_PROCESS: dict[str, tuple[ConsumerRun, Deliver]] = {}
 
 
 def stage_name(index: int) -> str:
@@ -139,12 +146,21 @@ class Link:
     """One established link end: its frames in and out."""
 
     def __init__(
-        self, reader: Any, writer: Any, peer: int, what: str, consumer: ConsumerRun | None = None
+        self,
+        reader: Any,
+        writer: Any,
+        peer: int,
+        what: str,
+        local: tuple[ConsumerRun, Deliver] | None = None,
     ) -> None:
         self.reader = FrameReader(reader, what)
         self.writer = FrameWriter(writer, what=what)
         self.peer = peer
-        self.consumer = consumer  # the consumer's run, when it is in this process
+        # The consumer's run and delivery, when it is in this process.
+        self.consumer: ConsumerRun | None = None
+        self.deliver: Deliver | None = None
+        if local is not None:
+            self.consumer, self.deliver = local
 
 
 class Links:
@@ -158,12 +174,15 @@ class Links:
         serve: ServeLink,
         spawn: Callable[..., asyncio.Task[Any]],
         current_run: ConsumerRun | None = None,
+        deliver: Deliver | None = None,
     ) -> None:
         self.directory = directory
         self.post = post
         self.serve = serve
         self.spawn = spawn
-        self.current_run = current_run  # this session's stage run, for a producer in this process
+        # This session's stage run and its delivery, for a producer in this process.
+        self.current_run = current_run
+        self.deliver = deliver
         self._listening: list[str] = []
         self.outbound: Link | None = None
         self._servers: list[asyncio.AbstractServer] = []
@@ -216,8 +235,8 @@ class Links:
             server = await asyncio.start_unix_server(on_connect, path=str(path), limit=STREAM_LIMIT)
             os.chmod(path, 0o600)
             endpoint = f"unix:{path}"
-            if self.current_run is not None and chaining_enabled():
-                _IN_PROCESS[str(path)] = self.current_run
+            if self.current_run is not None and self.deliver is not None and chaining_enabled():
+                _IN_PROCESS[str(path)] = (self.current_run, self.deliver)
                 self._listening.append(str(path))
         elif request.transport == "tls":
             server = await asyncio.start_server(
@@ -283,9 +302,9 @@ class Links:
         self, endpoint: str, context: ssl.SSLContext | None, request: LinkConnect
     ) -> tuple[Link, float]:
         where, port = _split(endpoint)
-        consumer = None
+        local = None
         if port is None:
-            consumer = _IN_PROCESS.get(where)
+            local = _IN_PROCESS.get(where)
             reader, writer = await asyncio.open_unix_connection(where, limit=STREAM_LIMIT)
         else:
             reader, writer = await asyncio.open_connection(
@@ -296,7 +315,7 @@ class Links:
                 limit=STREAM_LIMIT,
             )
         self._writers.append(writer)
-        link = Link(reader, writer, request.peer, f"link to stage {request.peer}", consumer)
+        link = Link(reader, writer, request.peer, f"link to stage {request.peer}", local)
         started = time.perf_counter()
         await link.writer.send(LinkAttach(request.token))
         answer = await link.reader.message(ATTACH_FRAME_LIMIT)
@@ -356,11 +375,16 @@ class Links:
                 run.fault_peer = link.peer  # the peer may have died: the orchestrator checks
                 run.apply(SetupFailed(f"the link to stage {link.peer} broke ({error})"))
             return
+        # A consumer in this process takes the records from our hand: the
+        # link's socket still carries the OpenEdge above (which the consumer
+        # takes before it is Ready, so before any record can come) and its
+        # end is still the link's end.
+        writer: RecordWriter = link.writer if link.deliver is None else LocalFeed(link.deliver)
         if message.role == "outbound":
-            run.outbound, run.outbound_peer = link.writer, link.peer
+            run.outbound, run.outbound_peer = writer, link.peer
             run.local_next = link.consumer
         else:
-            run.ring_out, run.ring_peer = link.writer, link.peer
+            run.ring_out, run.ring_peer = writer, link.peer
         if run.fsm.state is StageState.PREPARING:
             run.apply(EdgeEstablished(message.role))
 

@@ -40,7 +40,7 @@ from ggufpipe_agent.protocol import (
     Hello,
 )
 from ggufpipe_agent.session import SeenRuns, Session
-from ggufpipe_agent.stage_run import EngineSlot
+from ggufpipe_agent.slot import EngineSlot
 
 if TYPE_CHECKING:
     from ggufpipe_agent.sharing import Sharing

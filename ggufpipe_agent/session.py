@@ -47,8 +47,9 @@ from ggufpipe_agent.protocol import (
     Tokenize,
     Tokenized,
 )
+from ggufpipe_agent.slot import EngineSlot
 from ggufpipe_agent.stage_fsm import EdgeEstablished, Provision, StageState, StopRunEvent
-from ggufpipe_agent.stage_run import EngineSlot, StageRun
+from ggufpipe_agent.stage_run import StageRun
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.validation import fits_bits, validate_provision
 
@@ -116,7 +117,14 @@ class Session:
         # order it was posted: a stage's StageFault is always read before the
         # refusal of an OpenEdge that arrived after the fault.
         self._outbox: asyncio.Queue[Message | None] = asyncio.Queue()
-        self.links = Links(agent.private_dir, self.post, self.serve_data, self.tasks.spawn, lambda: self.run)
+        self.links = Links(
+            agent.private_dir,
+            self.post,
+            self.serve_data,
+            self.tasks.spawn,
+            lambda: self.run,
+            self.inbound_object,
+        )
         self.silence = Silence(DEFAULT_SILENCE_S)
         self._beat_interval = 0.0
         self._beating: asyncio.Task[None] | None = None

@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ggufpipe_agent import objects
 from ggufpipe_agent.arch import check_architecture
@@ -27,7 +27,6 @@ from ggufpipe_agent.model import read_model_facts
 from ggufpipe_agent.protocol import (
     Message,
     PrefixHeld,
-    PrefixOffer,
     ProvisionStage,
     Refused,
     StageFault,
@@ -37,6 +36,7 @@ from ggufpipe_agent.protocol import (
     StepCounters,
     StepStats,
 )
+from ggufpipe_agent.slot import EngineSlot
 from ggufpipe_agent.stage_fsm import (
     CancelPrepare,
     EmitFault,
@@ -65,6 +65,7 @@ from ggufpipe_agent.stage_fsm import (
 )
 from ggufpipe_agent.stagefile import check_range, ensure_stage_file
 from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.writers import RecordWriter
 
 log = logging.getLogger("ggufpipe.stage")
 
@@ -73,80 +74,6 @@ Post = Callable[[Message], None]
 #: Step statistics reach the orchestrator at most this often while running.
 STATS_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 0.1
-
-
-class RecordWriter(Protocol):
-    """Where a stage writes an outbound record: a stream's FrameWriter, or
-    the stage's own inbound side (:class:`LocalFeed`)."""
-
-    async def write(self, *parts: bytes | bytearray | memoryview) -> None: ...
-
-
-class LocalFeed:
-    """The token ring of a one-stage pipeline: the stage feeds itself, its
-    record delivered as if it had arrived on a stream (same checks)."""
-
-    def __init__(self, deliver: Callable[[objects.ObjectHeader, bytes], Awaitable[None]]) -> None:
-        self.deliver = deliver
-
-    async def write(self, *parts: bytes | bytearray | memoryview) -> None:
-        record = b"".join(bytes(part) for part in parts)
-        header = objects.unpack_header(record[: objects.HEADER_SIZE], len(record))
-        await self.deliver(header, record[objects.HEADER_SIZE :])
-
-
-class EngineSlot:
-    """The loaded engine, kept across runs so a new prompt reloads nothing,
-    and which run's positions its KV cache holds (prefix reuse).
-
-    One slot per agent: a host runs one stage, and a different range evicts
-    the old engine (its memory is freed before the new one loads). Used from
-    the worker thread only.
-    """
-
-    def __init__(self) -> None:
-        self.key: tuple[Any, ...] | None = None
-        self.engine: StageEngine | None = None
-        self.written_by = 0  # the run whose positions the KV cache holds; 0: none to trust
-        self.unheld = "its cache holds no earlier run"  # why, when written_by is 0
-
-    def get(
-        self, path: Path, shape: StageShape, options: Any, progress: Callable[[float], None]
-    ) -> tuple[StageEngine, bool]:
-        """The engine, and whether it was (re)loaded now."""
-        key = (str(path), shape, options)
-        if self.key == key and self.engine is not None:
-            return self.engine, False  # loaded by an earlier run: nothing to load, nothing to report
-        self.close()
-        self.engine = StageEngine(str(path), shape, options, progress)
-        self.key = key
-        return self.engine, True
-
-    def forget(self, why: str) -> None:
-        """The KV cache holds nothing a later run may keep."""
-        self.written_by = 0
-        self.unheld = why
-
-    def held(self, engine: StageEngine, offer: PrefixOffer, loaded: bool) -> PrefixHeld:
-        """What this engine can keep of the run ``offer`` names."""
-        if not offer.run_id:
-            return PrefixHeld()
-        if loaded:
-            return PrefixHeld(offer.run_id, reason="its engine was loaded for this run")
-        if self.written_by != offer.run_id:
-            why = f"its cache holds run {self.written_by:016x}" if self.written_by else self.unheld
-            return PrefixHeld(offer.run_id, reason=why)
-        positions, why = engine.keepable()
-        if positions > offer.positions:
-            positions = offer.positions
-        return PrefixHeld(offer.run_id, positions, engine.keep_granularity, why)
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-        self.engine = None
-        self.key = None
-        self.forget("its cache holds no earlier run")
 
 
 @dataclass

@@ -22,6 +22,7 @@ from ggufpipe_tui.session.pipeline import Pipeline
 from tests.conftest import DATA_MODES, LONG_PROMPT, MODES, REPO, mode_yaml, whole_model_greedy
 from tests.sabotage import Saboteur, on_token, run_with, signal_agent
 from tests.sshd import Sshd
+from tests.test_prefix_reuse import tokenize
 from tests.test_ssh import host_entry, wait_no_session_agents, wait_session_agents, write_inventory
 
 pytestmark = pytest.mark.model
@@ -234,3 +235,32 @@ async def test_sigkilled_shared_process_over_ssh_is_one_fault(tmp_path, sshd: Ss
     assert 6 <= len(result.tokens) < 40 and result.text.strip()
     assert saboteur.stopped() == {1}, "the other host's stage stopped"
     assert wait_no_session_agents(sshd, 10) == {}
+
+
+async def test_a_run_stopped_mid_decode_leaves_a_prefix_the_next_turn_keeps_exactly(tmp_path, model_path, no_agent_left):
+    """The worker runs a stage's step ahead of its object (chain.py), so a
+    run stopped mid-decode may leave a stage's engine a position further on
+    than the others. The next turn keeps only what every stage holds of the
+    tokens the orchestrator got, and its tokens are a cold run's."""
+    inventory = load_inventory(local_inventory(tmp_path, model_path, "direct", max_tokens=40))
+    pipeline = Pipeline(inventory, lambda event: None)
+
+    def stop_at_token_8(event: Any) -> None:
+        if isinstance(event, TokenStreamed) and event.sequence == 8 and pipeline.driver is not None:
+            pipeline.driver.stop("esc")
+
+    unsubscribe = pipeline.subscribe(stop_at_token_8)
+    try:
+        await pipeline.start()
+        first = await pipeline.generate(LONG_PROMPT)
+        unsubscribe()
+        prompt = list(first.prompt_tokens) + list(first.tokens) + tokenize(model_path, " Go on.", bos=False)
+        second = await pipeline.generate_tokens(prompt)
+    finally:
+        await pipeline.close()
+    assert (first.outcome, first.stop_reason) == ("completed", "stopped"), (first.outcome, first.failure)
+    assert 8 <= len(first.tokens) < 40
+    assert second.outcome == "completed", second.failure
+    assert 0 < second.prompt_reused <= len(first.prompt_tokens) + len(first.tokens)
+    reference = whole_model_greedy(model_path, prompt, 40, n_ctx=512, n_ubatch=32)
+    assert list(second.tokens) == reference
