@@ -13,6 +13,7 @@ import threading
 import time
 
 from textual.selection import Selection
+from textual.widgets import Input
 
 from ggufpipe_agent.protocol import StepCounters
 from ggufpipe_tui.core.events import AgentLog, Event, Notice, StageStateChanged, StageStats, TokenStreamed
@@ -333,3 +334,19 @@ async def test_a_mouse_drag_selects_the_text_under_it() -> None:
         await pilot.pause()
         selected = app.screen.get_selected_text()
         assert selected == f"Write a haiku about pipelines  run {RUN_ID:016x}\nPipelines "
+
+
+async def test_the_prompt_cursor_stays_on_while_a_prompt_runs() -> None:
+    """A blink is a screen update of its own: none while a reply streams."""
+    inv = inventory()
+    app = GgufpipeApp(inv, script=running(inv))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        prompt = app.query_one("#prompt", Input)
+        assert not prompt.cursor_blink, "a screenshot: no blink"
+        app.script = None  # as a live session
+        app.prompt_active = False
+        app.prompt_active = True
+        assert not prompt.cursor_blink
+        app.prompt_active = False
+        assert prompt.cursor_blink

@@ -393,6 +393,13 @@ class GgufpipeApp(App[int]):
             self.notify(f"Queued ({self.turns.waiting()} waiting): it runs when the current prompt is done.")
         self._draw()
 
+    def watch_prompt_active(self, active: bool) -> None:
+        """While a prompt runs, the prompt's cursor stays on instead of
+        blinking: each blink is a screen update of its own, two a second,
+        which on a machine with few cores is taken from the stages."""
+        with contextlib.suppress(NoMatches):
+            self.query_one("#prompt", Input).cursor_blink = self.script is None and not active
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":  # shown dimmed while nothing generates
             return True if self.prompt_active else None
