@@ -13,6 +13,7 @@ import threading
 import time
 
 from textual.selection import Selection
+from textual.widgets import Input
 
 from ggufpipe_agent.protocol import StepCounters
 from ggufpipe_tui.core.events import AgentLog, Event, Notice, StageStateChanged, StageStats, TokenStreamed
@@ -213,6 +214,82 @@ async def test_events_cross_from_the_pipeline_thread_in_order_many_per_wake_up()
         await pipeline.close()
 
 
+async def test_streams_the_subscriber_defers_wait_for_a_fetch_without_waking_the_app() -> None:
+    """Events the subscriber lets wait (the streams while a frame is due)
+    wake nothing; a fetch delivers them, and an event that cannot wait takes
+    them along first, in order."""
+    received: list[Event] = []
+
+    class Deferring:
+        holding = True
+
+        def __call__(self, event: Event) -> None:
+            received.append(event)
+
+        def defer(self, event: Event) -> bool:
+            return self.holding and isinstance(event, TokenStreamed)
+
+    subscriber = Deferring()
+    pipeline = ThreadedPipeline(inventory(), subscriber)
+    wake_ups = 0
+    deliver = pipeline._deliver
+
+    def counted() -> None:
+        nonlocal wake_ups
+        wake_ups += 1
+        deliver()
+
+    pipeline._deliver = counted  # type: ignore[method-assign]
+
+    def post(*events: Event) -> None:
+        thread = threading.Thread(target=lambda: [pipeline._post(event) for event in events])
+        thread.start()
+        thread.join()
+
+    def texts() -> list[str]:
+        return [event.text if isinstance(event, TokenStreamed | Notice) else "?" for event in received]
+
+    try:
+        post(*[TokenStreamed(RUN_ID, n, n, f"t{n}") for n in range(50)])
+        await asyncio.sleep(0.1)
+        assert received == [] and wake_ups == 0, "deferred tokens woke the app's loop"
+        pipeline.fetch()
+        assert texts() == [f"t{n}" for n in range(50)]
+        received.clear()
+        wake_ups = 0
+        post(*[TokenStreamed(RUN_ID, n, n, f"u{n}") for n in range(10)], Notice("info", "end"))
+        for _ in range(100):
+            if len(received) == 11:
+                break
+            await asyncio.sleep(0.01)
+        assert texts() == [f"u{n}" for n in range(10)] + ["end"]
+        assert wake_ups == 1
+    finally:
+        await pipeline.close()
+
+
+async def test_the_app_defers_the_streams_of_its_session_while_a_frame_is_due() -> None:
+    inv = inventory()
+    app = GgufpipeApp(inv, script=running(inv))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        subscriber = app._subscriber(app.session)
+        old = app._subscriber(app.session - 1)
+        token = TokenStreamed(RUN_ID, 500, 500, " x")
+        assert not subscriber.defer(token), "no frame is due: a token wakes the app"
+        subscriber(token)  # asks for a frame, once its message is handled
+        for _ in range(50):
+            if app._frame_due:
+                break
+            await asyncio.sleep(0.001)
+        assert app._frame_due and subscriber.defer(token)
+        assert not subscriber.defer(Notice("info", "at once")) and not old.defer(token)
+        await asyncio.sleep(2 * FRAME_SECONDS)
+        await pilot.pause()
+        assert not app._frame_due and not subscriber.defer(token), "the frame fetched: streams wake again"
+        assert app.query_one(Transcript).exchanges[0].text.endswith(" x")
+
+
 async def test_the_stage_table_is_drawn_twice_a_second_while_tokens_stream_and_a_state_at_once() -> None:
     inv = inventory()
     app = GgufpipeApp(inv, script=running(inv))
@@ -257,3 +334,19 @@ async def test_a_mouse_drag_selects_the_text_under_it() -> None:
         await pilot.pause()
         selected = app.screen.get_selected_text()
         assert selected == f"Write a haiku about pipelines  run {RUN_ID:016x}\nPipelines "
+
+
+async def test_the_prompt_cursor_stays_on_while_a_prompt_runs() -> None:
+    """A blink is a screen update of its own: none while a reply streams."""
+    inv = inventory()
+    app = GgufpipeApp(inv, script=running(inv))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        prompt = app.query_one("#prompt", Input)
+        assert not prompt.cursor_blink, "a screenshot: no blink"
+        app.script = None  # as a live session
+        app.prompt_active = False
+        app.prompt_active = True
+        assert not prompt.cursor_blink
+        app.prompt_active = False
+        assert prompt.cursor_blink

@@ -74,14 +74,14 @@ WELCOME = "Type a prompt below and press Enter. The stages load while you type."
 #: machine with fewer cores than stages every millisecond the view spends is
 #: taken from the stages (measured: benchmarks/bench_tui.py).
 FRAME_SECONDS = 1 / 10
-#: The stage table and the status line, while tokens stream: a few times a
-#: second (their numbers change with every step; a table costs more to draw
-#: than a line of text, and on a machine with few cores every millisecond
-#: the view spends is taken from the stages).
-PANEL_SECONDS = 1 / 4
-#: The stage table while tokens stream: every step changes its numbers, and
-#: drawing it (a Rich table) costs about 8 ms of CPU here, so twice a second.
-#: A change of a stage's state is drawn at once.
+#: The stage table and the status line, while tokens stream: twice a second,
+#: in the same frame (their numbers change with every step; a frame that
+#: draws them besides the text costs twice one that draws text alone, and on
+#: a machine with few cores every millisecond the view spends is taken from
+#: the stages). A change of a stage's state is drawn at once.
+PANEL_SECONDS = 1 / 2
+#: The stage table while tokens stream (its own limit, for the panels drawn
+#: between frames).
 TABLE_SECONDS = 1 / 2
 
 #: A script item: the session gave this prompt to run ``run_id``.
@@ -105,6 +105,24 @@ class PipelineEvent(Message):
 
 class PipelineEvents(Message):
     """Session events wait in the app's inbox: handle them."""
+
+
+class Subscriber:
+    """A session's events, to the app (``GgufpipeApp._received``). A threaded
+    pipeline asks ``defer`` on its own thread: the streams of the current
+    session that come while a frame is due wait there, without waking the
+    app's loop, until the frame fetches them (views/threaded.py)."""
+
+    def __init__(self, app: GgufpipeApp, session: int) -> None:
+        self.app = app
+        self.session = session
+
+    def __call__(self, event: Event) -> None:
+        self.app._received(event, self.session)
+
+    def defer(self, event: Event) -> bool:
+        app = self.app
+        return app._fetch_due and isinstance(event, STREAMS) and self.session == app.state.session
 
 
 class GgufpipeApp(App[int]):
@@ -145,6 +163,7 @@ class GgufpipeApp(App[int]):
         self._pipeline_closes: set[asyncio.Future[None]] = set()
         self._widgets: dict[int, Exchange] = {}
         self._frame_due = False
+        self._fetch_due = False  # the frame due fetches the pipeline's streams (read by its thread)
         self._panels_at = 0.0
         self._table_at = 0.0
         self._inbox: deque[tuple[Event, int, float]] = deque()  # events not handled yet, in order
@@ -231,21 +250,21 @@ class GgufpipeApp(App[int]):
 
     # ------------------------------------------------------------ session
 
-    def _subscriber(self, session: int) -> Callable[[Event], None]:
-        def on_event(event: Event) -> None:
-            """Called by the pipeline on the app's own loop: never touch
-            widgets here. Every event goes to the inbox in order; a message
-            asks for it to be handled, except that the streams (a token, a
-            step's numbers, a log line) wait for the frame already due, which
-            handles the inbox first: a Textual message costs a dispatch, and
-            tokens come a few milliseconds apart."""
-            self._inbox.append((event, session, self.now()))
-            if self._inbox_posted or (self._frame_due and isinstance(event, STREAMS)):
-                return
-            self._inbox_posted = True
-            self.post_message(PipelineEvents())
+    def _subscriber(self, session: int) -> Subscriber:
+        return Subscriber(self, session)
 
-        return on_event
+    def _received(self, event: Event, session: int) -> None:
+        """Called by the pipeline on the app's own loop: never touch
+        widgets here. Every event goes to the inbox in order; a message
+        asks for it to be handled, except that the streams (a token, a
+        step's numbers, a log line) wait for the frame already due, which
+        handles the inbox first: a Textual message costs a dispatch, and
+        tokens come a few milliseconds apart."""
+        self._inbox.append((event, session, self.now()))
+        if self._inbox_posted or (self._frame_due and isinstance(event, STREAMS)):
+            return
+        self._inbox_posted = True
+        self.post_message(PipelineEvents())
 
     def start_session(self) -> None:
         previous = next((w for w in self.workers if w.group == "session" and not w.is_finished), None)
@@ -374,6 +393,13 @@ class GgufpipeApp(App[int]):
             self.notify(f"Queued ({self.turns.waiting()} waiting): it runs when the current prompt is done.")
         self._draw()
 
+    def watch_prompt_active(self, active: bool) -> None:
+        """While a prompt runs, the prompt's cursor stays on instead of
+        blinking: each blink is a screen update of its own, two a second,
+        which on a machine with few cores is taken from the stages."""
+        with contextlib.suppress(NoMatches):
+            self.query_one("#prompt", Input).cursor_blink = self.script is None and not active
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":  # shown dimmed while nothing generates
             return True if self.prompt_active else None
@@ -479,15 +505,22 @@ class GgufpipeApp(App[int]):
 
     def _draw_soon(self) -> None:
         if not self._frame_due:
-            self._frame_due = True
+            self._frame_due = self._fetch_due = True
             self.set_timer(FRAME_SECONDS, self._draw_frame)
 
     def _draw_frame(self) -> None:
         """A frame of the streams: new text and log lines at once, the stage
         table and the status line only every PANEL_SECONDS."""
         try:
+            # The streams that waited in the pipeline's thread, then in the
+            # inbox, for this frame (they ask for no other). From here a
+            # stream wakes the app again, and asks for the next frame.
+            self._fetch_due = False
+            fetch = getattr(self.pipeline, "fetch", None)
+            if fetch is not None:
+                fetch()
             with contextlib.suppress(NoMatches):  # the app is going
-                self._handle_inbox()  # the streams that waited for this frame (they ask for no other)
+                self._handle_inbox()
         finally:
             self._frame_due = False
         with contextlib.suppress(NoMatches):

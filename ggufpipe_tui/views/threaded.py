@@ -14,6 +14,13 @@ run on the pipeline's loop, the events come back on the app's loop.
 Both threads share the interpreter lock, so the switch interval is made
 short (:data:`SWITCH_SECONDS`): an object that arrives while the app draws
 gets the pipeline thread running within half a millisecond, not five.
+
+Events cross to the app's loop in batches, one wake-up of that loop a batch.
+A subscriber may also say which events can wait for it (``defer``, e.g. the
+tokens that come while a frame is due, which draws them anyway): those wake
+nothing and wait until the app fetches them (:meth:`ThreadedPipeline.fetch`)
+or an event that cannot wait takes them along, in order. At ~60 tokens a
+second that is the app's thread woken for each frame, not for each token.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import asyncio
 import concurrent.futures
 import sys
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
 from ggufpipe_tui.core.events import Emit, Event, RunResult
@@ -136,6 +143,7 @@ class ThreadedPipeline:
         # that loop is already on its way (one a batch, not one an event).
         self._pending: deque[Event] = deque()
         self._wake_sent = False
+        self._defer: Callable[[Event], bool] | None = getattr(emit, "defer", None)
 
         async def make() -> Pipeline:
             return Pipeline(inventory, self._post, log_dir=log_dir, **options)
@@ -149,10 +157,13 @@ class ThreadedPipeline:
         that come while one wake-up is on its way go with it."""
         if self._emit is None or self._app_loop.is_closed():
             return
+        # Appended before the subscriber is asked: an app that stops deferring
+        # and then fetches finds it, or it sends a wake-up of its own.
         self._pending.append(event)
-        if not self._wake_sent:
-            self._wake_sent = True
-            self._app_loop.call_soon_threadsafe(self._deliver)
+        if self._wake_sent or (self._defer is not None and self._defer(event)):
+            return
+        self._wake_sent = True
+        self._app_loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:
         """On the app's loop: every event posted so far, in order. The flag
@@ -164,6 +175,11 @@ class ThreadedPipeline:
         pending = self._pending
         while pending:
             self._emit(pending.popleft())
+
+    def fetch(self) -> None:
+        """On the app's loop: the events posted so far, deferred ones too, now."""
+        if self._emit is not None:
+            self._deliver()
 
     def _wait(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` on the pipeline's loop and wait for it here (short calls only)."""
@@ -209,3 +225,4 @@ class ThreadedPipeline:
             if not self._loop.is_running():
                 self._loop.close()
             sys.setswitchinterval(self._switch)
+            self.fetch()  # its last events, deferred or not

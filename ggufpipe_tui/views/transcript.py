@@ -26,6 +26,14 @@ from textual.visual import RenderOptions
 
 from ggufpipe_tui.views.viewstate import ExchangeView
 
+#: While a reply streams and the view follows it, the text that runs past the
+#: bottom scrolls the view by this share of its height at once (as xterm's
+#: jump scroll): a scroll repaints the whole transcript and its scrollbar, a
+#: new line below the last one only that line, so most frames draw a line or
+#: two and a whole repaint comes once a block, not with every line. When the
+#: run ends the text settles at the bottom again.
+JUMP = 1 / 3
+
 
 @dataclass(frozen=True)
 class Line:
@@ -88,6 +96,7 @@ class Reply(Part):
         self._start = 0  # where the last paragraph starts in the text
         self._source = 0  # its source line
         self._wrapped = -1  # how much of the text the lines show
+        self._lines = None
 
     def forget(self) -> None:
         self._forget(0)
@@ -115,6 +124,14 @@ class Reply(Part):
             self._source += head.count("\n") + 1
             self._start += len(head) + 1
         live = [Line(line.strip, self._source, line.x) for line in transcript.wrap(Content(tail), "", width)]
+        if not newline and self._lines is not None:
+            # The same paragraph grew: its lines drawn as before stay the
+            # same objects, so only the lines that changed are repainted.
+            before = self._lines[1][len(self._done) :]
+            for number, (old, new) in enumerate(zip(before, live, strict=False)):
+                if (old.source, old.x) != (new.source, new.x) or old.strip != new.strip:
+                    break
+                live[number] = old
         self._lines, self._wrapped = (width, self._done + live), len(self.text)
         return self._lines[1]
 
@@ -238,7 +255,8 @@ class Transcript(ScrollView, can_focus=False):
         if welcome:
             self.entries.append(Note(welcome, "transcript--muted", kind="welcome"))
         self._width = 0
-        self._height = 0
+        self._height = 0  # lines of text
+        self._virtual = 0  # lines scrolled over: the text and, while following a reply, room below it
         # Per entry: its first line and first source line (for selection),
         # and its parts as (first line, first source line, lines), all
         # relative to the entry.
@@ -355,15 +373,18 @@ class Transcript(ScrollView, can_focus=False):
                 line += start + len(lines)
                 source += source_start + (lines[-1].source + 1 if lines else 1)
         old_height, self._height = self._height, line
-        self.set_reactive(Transcript.virtual_size, Size(0, line))  # wrapped: never wider
-        self._scroll_update(self.virtual_size)
-        if self.scrollable_content_region.width != width and not self._rewrapping:
-            self._rewrapping = True  # the scrollbar came or went: wrap to the new width
-            try:
-                self.update(everything=True, follow=follow)
-            finally:
-                self._rewrapping = False
-            return
+        virtual = self._virtual_height(line, follow, everything or first_changed == 0)
+        if virtual != self.virtual_size.height:  # the scrollbar moves (a repaint of it): only then
+            self._virtual = virtual
+            self.set_reactive(Transcript.virtual_size, Size(0, virtual))  # wrapped: never wider
+            self._scroll_update(self.virtual_size)
+            if self.scrollable_content_region.width != width and not self._rewrapping:
+                self._rewrapping = True  # the scrollbar came or went: wrap to the new width
+                try:
+                    self.update(everything=True, follow=follow)
+                finally:
+                    self._rewrapping = False
+                return
         if follow and self.max_scroll_y > self.scroll_y:
             self.scroll_to(y=self.max_scroll_y, animate=False, immediate=True)  # repaints it all
         else:
@@ -374,6 +395,23 @@ class Transcript(ScrollView, can_focus=False):
             first = max(first_changed, top)
             if bottom > first:
                 self.refresh_lines(first, bottom - first)
+
+    def _virtual_height(self, lines: int, follow: bool, anew: bool) -> int:
+        """How many lines the view scrolls over for ``lines`` of text: while
+        following a reply that streams, text past the bottom makes room of
+        :data:`JUMP` of the view below it; following once the reply has
+        ended, the text alone (its end at the bottom); scrolled up, the room
+        stays until the view follows again (``anew``: laid out again, none kept)."""
+        kept = 0 if anew else self._virtual
+        height = self.scrollable_content_region.height
+        if not follow or height <= 0:
+            return max(lines, kept)
+        last = self.entries[-1] if self.entries else None
+        if not isinstance(last, Exchange) or last.finished:
+            return lines
+        if lines > self.scroll_offset.y + height:  # past the bottom: a jump
+            return lines + max(1, min(height - 1, round(height * JUMP)))
+        return max(lines, kept)
 
     def on_resize(self, event: Resize) -> None:
         self.update(everything=True)

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.cells import cell_len
-from rich.console import Console, ConsoleOptions, Group, RenderableType
-from rich.segment import SegmentLines
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.padding import Padding
+from rich.segment import Segment, SegmentLines
+from rich.style import Style
 from rich.table import Column, Table
 from rich.text import Text
 from textual.events import Resize
@@ -103,18 +105,99 @@ def _column_shape(column: Column) -> object:
     return words, lines, tuple(others)
 
 
+def _cell_key(cell: Any, width: int, column: Column) -> object:
+    """What a table cell's lines depend on (its padding, style and content,
+    the column's width and options), or None for a cell that is not kept
+    (content other than text)."""
+    padding = cell.renderable
+    if not isinstance(padding, Padding):
+        return None
+    inner = padding.renderable
+    if isinstance(inner, str):
+        content: object = inner
+    elif isinstance(inner, Text):
+        content = (
+            inner.plain, tuple(inner.spans), inner.style, inner.justify, inner.overflow,
+            inner.no_wrap, inner.end, inner.tab_size,
+        )  # fmt: skip
+    else:
+        return None
+    pads = (padding.top, padding.right, padding.bottom, padding.left, padding.style, padding.expand)
+    where = (width, column.justify, column.no_wrap, column.overflow, column.highlight)
+    return type(inner), content, pads, cell.style, where
+
+
 class MeasuredOnce(Table):
-    """A Rich table that measures its columns once per shape of its cells.
+    """A Rich table that measures its columns once per shape of its cells,
+    and draws a cell once per content.
 
     Measuring every cell of every column is half of what drawing the stage
     table costs, and while a run streams only numbers change, rarely the
     width of the widest in a column. The widths are a function of the
     console's width and each column's measurement, so they are kept by those
-    (``cache``, the caller's)."""
+    (``cache``, the caller's). Drawing the cells is the other half, and
+    between two draws most cells are as they were: with ``cells`` (the
+    caller's) a borderless table of one-line rows joins the lines its cells
+    drew last time, kept by what they show; anything else (a cell that
+    wraps, borders, row styles) is drawn by Rich as it is."""
 
-    def __init__(self, cache: dict[object, list[int]], **options: Any) -> None:
+    def __init__(
+        self,
+        cache: dict[object, list[int]],
+        cells: dict[object, list[list[Segment]]] | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__(**options)
         self._cache = cache
+        self._kept = cells
+
+    def _render(self, console: Console, options: ConsoleOptions, widths: list[int]) -> RenderResult:
+        kept = self._kept
+        if (
+            kept is None
+            or self.box is not None
+            or self.show_footer
+            or self.row_styles
+            or any(row.style is not None for row in self.rows)
+        ):
+            yield from super()._render(console, options, widths)
+            return
+        if len(kept) > 1024:
+            kept.clear()
+        get_style = console.get_style
+        columns = self.columns
+        rows: list[list[Segment]] = []  # a line each
+        for row in zip(
+            *(self._get_cells(console, index, column) for index, column in enumerate(columns)), strict=True
+        ):
+            line: list[Segment] = []
+            for width, cell, column in zip(widths, row, columns, strict=True):
+                key = _cell_key(cell, width, column)
+                lines = kept.get(key) if key is not None else None
+                if lines is None:
+                    cell_options = options.update(
+                        width=width,
+                        justify=column.justify,
+                        no_wrap=column.no_wrap,
+                        overflow=column.overflow,
+                        height=None,
+                        highlight=column.highlight,
+                    )
+                    style = get_style(cell.style) + Style.null()
+                    lines = console.render_lines(cell.renderable, cell_options, style=style)
+                    if not lines:  # no room inside its padding: Rich fills the cell with blanks
+                        lines = [[Segment(" " * width, style)]]
+                    if key is not None:
+                        kept[key] = lines
+                if len(lines) != 1:  # a cell of more lines: Rich aligns the row's cells
+                    yield from super()._render(console, options, widths)
+                    return
+                line += lines[0]
+            rows.append(line)
+        new_line = Segment.line()
+        for segments in rows:
+            yield from segments
+            yield new_line
 
     def _calculate_column_widths(self, console: Console, options: ConsoleOptions) -> list[int]:
         key = (
@@ -141,6 +224,7 @@ class StageTable(DrawnOnce):
         self.running = False
         self._height: int | None = None  # lines, as last drawn
         self._widths: dict[object, list[int]] = {}  # MeasuredOnce's
+        self._kept_cells: dict[object, list[list[Segment]]] = {}  # and its cells'
 
     def show(self, rows: list[StageRow], running: bool) -> None:
         """Draw ``rows``. A layout pass (the whole screen, tens of milliseconds)
@@ -167,7 +251,13 @@ class StageTable(DrawnOnce):
         # Narrow: fill the width. Wide: as wide as the content, so the numbers
         # stay next to the state instead of at the far edge of a big screen.
         table = MeasuredOnce(
-            self._widths, box=None, expand=compact, padding=(0, 1), pad_edge=False, header_style="bold grey70"
+            self._widths,
+            self._kept_cells,
+            box=None,
+            expand=compact,
+            padding=(0, 1),
+            pad_edge=False,
+            header_style="bold grey70",
         )
         table.add_column("#", justify="right", no_wrap=True)
         table.add_column("host", no_wrap=True, overflow="ellipsis", max_width=24)
