@@ -33,6 +33,12 @@ from ggufpipe_tui.views.viewstate import ExchangeView
 #: two and a whole repaint comes once a block, not with every line. When the
 #: run ends the text settles at the bottom again.
 JUMP = 1 / 3
+# Colours as hex: Rich's names (grey50, dodger_blue1) are not Textual's, and
+# a style string that reaches Textual's parser (Content.styled, a Text's base
+# style through Content.from_rich_text) with one of them is dropped whole:
+# the prompt's mark and the placeholders were drawn unstyled.
+PROMPT_MARK = "bold #0087ff"  # Rich's dodger_blue1
+MUTED_ITALIC = "#7f7f7f italic"  # Rich's grey50
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,7 @@ class Exchange:
         self._shown_parts = 0
         self._prompt = Part(Content.from_rich_text(self._prompt_text()))
         self._reply = Reply()
-        self._placeholder: Part | None = Part(Content.styled("waiting for the first token…", "grey50 italic"))
+        self._placeholder: Part | None = Part(Content.styled("waiting for the first token…", MUTED_ITALIC))
         self._summary = Part(Content(""), "transcript--summary")
         self._margin = Part(Content(""))
 
@@ -180,7 +186,8 @@ class Exchange:
         return self._reply.text
 
     def _prompt_text(self) -> Text:
-        text = Text("› ", style="bold dodger_blue1")
+        text = Text()
+        text.append("› ", style=PROMPT_MARK)
         text.append(self.view.prompt, style="bold")
         if self.view.run_id is not None:
             text.append(f"  run {self.view.run_id:016x}", style="grey50")
@@ -203,7 +210,7 @@ class Exchange:
             self._placeholder = None
         if view.finished:
             if not view.parts:
-                self._placeholder = Part(Content.styled("(no output)", "grey50 italic"))
+                self._placeholder = Part(Content.styled("(no output)", MUTED_ITALIC))
             summary = view.summary or Text("")
             if summary.plain != self._summary.content.plain or summary.spans:
                 self._summary = Part(Content.from_rich_text(summary), "transcript--summary")
