@@ -56,8 +56,9 @@ environment:
                       the agent sets 10000 unless given, so stages sharing a host
                       do not starve each other (docs/performance.md)
   GGUFPIPE_NO_CHAIN   1: in a shared process (--share-process), hand each token's
-                      activation to the next stage through the event loop instead
-                      of running that stage's step right after (to measure the chain)
+                      activation to the next stage through the event loop and the
+                      link's socket instead of running that stage's step right after
+                      and handing the record over directly (to measure what they save)
 """
 
 
