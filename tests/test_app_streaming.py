@@ -180,18 +180,24 @@ async def test_a_resize_wraps_every_line_again() -> None:
         assert max(len(line) for line in transcript.line_texts) <= transcript.scrollable_content_region.width
 
 
+class WakeUps:
+    """Counts the wake-ups of the app's loop from the pipeline's thread."""
+
+    def __init__(self, pipeline: ThreadedPipeline) -> None:
+        self.count = 0
+        deliver = pipeline._deliver
+
+        def counted() -> None:
+            self.count += 1
+            deliver()
+
+        pipeline._deliver = counted  # type: ignore[method-assign]
+
+
 async def test_events_cross_from_the_pipeline_thread_in_order_many_per_wake_up() -> None:
     received: list[Event] = []
     pipeline = ThreadedPipeline(inventory(), received.append)
-    wake_ups = 0
-    deliver = pipeline._deliver
-
-    def counted() -> None:
-        nonlocal wake_ups
-        wake_ups += 1
-        deliver()
-
-    pipeline._deliver = counted  # type: ignore[method-assign]
+    wake_ups = WakeUps(pipeline)
     try:
         count = 2000
 
@@ -209,7 +215,7 @@ async def test_events_cross_from_the_pipeline_thread_in_order_many_per_wake_up()
         assert [event.text for event in received if isinstance(event, Notice)] == [
             str(number) for number in range(count)
         ]
-        assert wake_ups < count / 4, f"{count} events took {wake_ups} wake-ups of the app's loop"
+        assert wake_ups.count < count / 4, f"{count} events took {wake_ups.count} wake-ups of the app's loop"
     finally:
         await pipeline.close()
 
@@ -231,15 +237,7 @@ async def test_streams_the_subscriber_defers_wait_for_a_fetch_without_waking_the
 
     subscriber = Deferring()
     pipeline = ThreadedPipeline(inventory(), subscriber)
-    wake_ups = 0
-    deliver = pipeline._deliver
-
-    def counted() -> None:
-        nonlocal wake_ups
-        wake_ups += 1
-        deliver()
-
-    pipeline._deliver = counted  # type: ignore[method-assign]
+    wake_ups = WakeUps(pipeline)
 
     def post(*events: Event) -> None:
         thread = threading.Thread(target=lambda: [pipeline._post(event) for event in events])
@@ -252,18 +250,18 @@ async def test_streams_the_subscriber_defers_wait_for_a_fetch_without_waking_the
     try:
         post(*[TokenStreamed(RUN_ID, n, n, f"t{n}") for n in range(50)])
         await asyncio.sleep(0.1)
-        assert received == [] and wake_ups == 0, "deferred tokens woke the app's loop"
+        assert received == [] and wake_ups.count == 0, "deferred tokens woke the app's loop"
         pipeline.fetch()
         assert texts() == [f"t{n}" for n in range(50)]
         received.clear()
-        wake_ups = 0
+        wake_ups.count = 0
         post(*[TokenStreamed(RUN_ID, n, n, f"u{n}") for n in range(10)], Notice("info", "end"))
         for _ in range(100):
             if len(received) == 11:
                 break
             await asyncio.sleep(0.01)
         assert texts() == [f"u{n}" for n in range(10)] + ["end"]
-        assert wake_ups == 1
+        assert wake_ups.count == 1
     finally:
         await pipeline.close()
 
