@@ -45,7 +45,6 @@ from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.chain import ConsumerRun, chaining_enabled
 from ggufpipe_agent.errors import ProtocolError
 from ggufpipe_agent.framing import FrameReader, FrameWriter
-from ggufpipe_agent.objects import ObjectHeader
 from ggufpipe_agent.protocol import (
     LinkAttach,
     LinkConnect,
@@ -61,7 +60,7 @@ from ggufpipe_agent.protocol import (
 )
 from ggufpipe_agent.stage_fsm import EdgeEstablished, SetupFailed, StageState
 from ggufpipe_agent.stage_run import StageRun
-from ggufpipe_agent.writers import LocalFeed, RecordWriter
+from ggufpipe_agent.writers import Deliver, LocalFeed, RecordWriter
 
 log = logging.getLogger("ggufpipe.links")
 
@@ -75,10 +74,6 @@ STREAM_LIMIT = 1 << 20
 #: Serves an accepted inbound link (the session's data-stream loop); returns
 #: why the stream ended.
 ServeLink = Callable[[Any, Any, int], Awaitable[str]]
-
-#: Takes an inbound object as the consumer's data stream would (its checks,
-#: then the run's delivery).
-Deliver = Callable[[ObjectHeader, bytes], Awaitable[None]]
 
 #: The Unix-socket link listeners of this process, by path, with the stage
 #: each serves and its delivery: a producer that connects to one of them is a
@@ -343,7 +338,7 @@ class Links:
         run: StageRun,
         message: LinkEdge,
         refuse: Callable[[str, str, int], None],
-        deliver: Callable[[ObjectHeader, bytes], Awaitable[None]],
+        deliver: Deliver,
     ) -> None:
         """``run``'s outbound (or ring-out) end on the outbound link: the
         consumer's end is opened with an OpenEdge on the link itself, so it

@@ -8,6 +8,10 @@ from typing import Protocol
 
 from ggufpipe_agent import objects
 
+#: Takes an inbound object as the consumer's data stream would (its checks,
+#: then the run's delivery).
+Deliver = Callable[[objects.ObjectHeader, bytes], Awaitable[None]]
+
 
 class RecordWriter(Protocol):
     """Where a stage writes an outbound record: a stream's FrameWriter, or
@@ -22,7 +26,7 @@ class LocalFeed:
     one-stage pipeline (the stage feeds itself), and a shared process's
     direct links (links.py)."""
 
-    def __init__(self, deliver: Callable[[objects.ObjectHeader, bytes], Awaitable[None]]) -> None:
+    def __init__(self, deliver: Deliver) -> None:
         self.deliver = deliver
 
     async def write(self, *parts: bytes | bytearray | memoryview) -> None:

@@ -80,9 +80,6 @@ FRAME_SECONDS = 1 / 10
 #: a machine with few cores every millisecond the view spends is taken from
 #: the stages). A change of a stage's state is drawn at once.
 PANEL_SECONDS = 1 / 2
-#: The stage table while tokens stream (its own limit, for the panels drawn
-#: between frames).
-TABLE_SECONDS = 1 / 2
 
 #: A script item: the session gave this prompt to run ``run_id``.
 UserPrompt = PromptAssigned
@@ -165,7 +162,6 @@ class GgufpipeApp(App[int]):
         self._frame_due = False
         self._fetch_due = False  # the frame due fetches the pipeline's streams (read by its thread)
         self._panels_at = 0.0
-        self._table_at = 0.0
         self._inbox: deque[tuple[Event, int, float]] = deque()  # events not handled yet, in order
         self._inbox_posted = False  # a PipelineEvents message is on its way
 
@@ -531,15 +527,13 @@ class GgufpipeApp(App[int]):
     def _draw(self) -> None:
         """Bring the whole screen up to the view state now."""
         self._draw_text()
-        self._draw_panels(at_once=True)
+        self._draw_panels()
 
-    def _draw_panels(self, at_once: bool = False) -> None:
-        now = self._panels_at = time.monotonic()
+    def _draw_panels(self) -> None:
+        self._panels_at = time.monotonic()
         state = self.state
-        streaming = state.run_phase == "Running" and not at_once
-        if state.dirty and (not streaming or now - self._table_at >= TABLE_SECONDS):
+        if state.dirty:
             state.dirty = False
-            self._table_at = now
             self.query_one(StageTable).show(state.rows, state.run_phase == "Running")
         self._draw_status()
 
