@@ -17,7 +17,8 @@ from textual.widgets import Input
 
 from ggufpipe_agent.protocol import StepCounters
 from ggufpipe_tui.core.events import AgentLog, Event, Notice, StageStateChanged, StageStats, TokenStreamed
-from ggufpipe_tui.views.app import FRAME_SECONDS, GgufpipeApp, PipelineEvent, PipelineEvents
+from ggufpipe_tui.views.app import GgufpipeApp
+from ggufpipe_tui.views.drawing import FRAME_SECONDS, PipelineEvent, PipelineEvents
 from ggufpipe_tui.views.threaded import ThreadedPipeline
 from ggufpipe_tui.views.transcript import Transcript
 from ggufpipe_tui.views.viewstate import StageRow

@@ -150,7 +150,8 @@ async def test_the_app_unmounts_exchanges_that_scrolled_out(monkeypatch):
     from dataclasses import replace
 
     from ggufpipe_tui.views import viewstate
-    from ggufpipe_tui.views.app import GgufpipeApp, PipelineEvent
+    from ggufpipe_tui.views.app import GgufpipeApp
+    from ggufpipe_tui.views.drawing import PipelineEvent
     from ggufpipe_tui.views.transcript import Transcript
 
     monkeypatch.setattr(viewstate, "MAX_EXCHANGES", 5)

@@ -5,9 +5,11 @@ run on an event loop of its own thread (:mod:`ggufpipe_tui.views.threaded`:
 objects relayed through the orchestrator never wait for a frame being
 drawn): the pipeline's events arrive as Textual messages, :class:`ViewState` (a
 reducer, no widgets) turns them into what the screen shows, and the app draws
-that: the status line, the stage table, the streamed replies, the log. Tokens
-are drawn at most :data:`FRAME_SECONDS` apart, however fast they come; every
-other event is drawn at once.
+that: the status line, the stage table, the streamed replies, the log. How
+events reach the screen (the inbox, frames at most
+:data:`~ggufpipe_tui.views.drawing.FRAME_SECONDS` apart for the streams,
+every other event at once) is :class:`~ggufpipe_tui.views.drawing.DrawnApp`'s,
+which this app extends with the session, the turns and the keys.
 
 The session policy is the pipeline's (``prepare_ahead``: a run stays
 provisioned and loaded so a prompt runs the moment it is typed; prompts wait
@@ -28,18 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.text import Text
 from textual import work
-from textual.app import App, ComposeResult
+from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
-from textual.message import Message
 from textual.reactive import var
 from textual.widgets import Footer, Input, Static
 from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
@@ -54,75 +53,27 @@ from ggufpipe_tui.core.events import (
     PromptAssigned,
     RunFinished,
     RunResult,
-    StageStats,
-    TokenStreamed,
 )
 from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.session.runs import ContextOverflow
 from ggufpipe_tui.session.stages import PipelineError
+from ggufpipe_tui.views.drawing import STREAMS, DrawnApp, Subscriber
 from ggufpipe_tui.views.priority import lower_ui
 from ggufpipe_tui.views.threaded import AppHandle, AppPipeline, ThreadedPipeline
-from ggufpipe_tui.views.transcript import Exchange, Transcript
+from ggufpipe_tui.views.transcript import Transcript
 from ggufpipe_tui.views.turns import Turn, Turns
 from ggufpipe_tui.views.viewstate import ExchangeView, StageRow, ViewState
-from ggufpipe_tui.views.widgets import LogPane, StageTable, StatusBar, StatusView
+from ggufpipe_tui.views.widgets import LogPane, StageTable, StatusBar
 
 PipelineFactory = Callable[..., AppPipeline]
 WELCOME = "Type a prompt below and press Enter. The stages load while you type."
-#: Tokens are drawn at most this often (10 frames a second, as many as reading
-#: needs): a frame of this screen costs Textual 10-20 ms of CPU, and on a
-#: machine with fewer cores than stages every millisecond the view spends is
-#: taken from the stages (measured: benchmarks/bench_tui.py).
-FRAME_SECONDS = 1 / 10
-#: The stage table and the status line, while tokens stream: twice a second,
-#: in the same frame (their numbers change with every step; a frame that
-#: draws them besides the text costs twice one that draws text alone, and on
-#: a machine with few cores every millisecond the view spends is taken from
-#: the stages). A change of a stage's state is drawn at once.
-PANEL_SECONDS = 1 / 2
-
 #: A script item: the session gave this prompt to run ``run_id``.
 UserPrompt = PromptAssigned
 #: A script item: an event, a prompt, or a float that sets the scripted clock.
 ScriptItem = Event | float
 
 
-#: Events that change only what the next frame shows (the streams).
-STREAMS = (TokenStreamed, StageStats, AgentLog)
-
-
-class PipelineEvent(Message):
-    """A session event, handled as it comes (the tests and benchmarks post them)."""
-
-    def __init__(self, event: Event, session: int) -> None:
-        super().__init__()
-        self.event = event
-        self.session = session
-
-
-class PipelineEvents(Message):
-    """Session events wait in the app's inbox: handle them."""
-
-
-class Subscriber:
-    """A session's events, to the app (``GgufpipeApp._received``). A threaded
-    pipeline asks ``defer`` on its own thread: the streams of the current
-    session that come while a frame is due wait there, without waking the
-    app's loop, until the frame fetches them (views/threaded.py)."""
-
-    def __init__(self, app: GgufpipeApp, session: int) -> None:
-        self.app = app
-        self.session = session
-
-    def __call__(self, event: Event) -> None:
-        self.app._received(event, self.session)
-
-    def defer(self, event: Event) -> bool:
-        app = self.app
-        return app._fetch_due and isinstance(event, STREAMS) and self.session == app.state.session
-
-
-class GgufpipeApp(App[int]):
+class GgufpipeApp(DrawnApp):
     CSS_PATH = "app.tcss"
     TITLE = "ggufpipe"
     ENABLE_COMMAND_PALETTE = False
@@ -153,17 +104,11 @@ class GgufpipeApp(App[int]):
         self.script = list(script) if script is not None else None
         self._script_now = 0.0
         self.state = ViewState(inventory)
-        self.pipeline: AppPipeline | None = None
+        self.pipeline = None
         self.active: AppHandle | None = None  # the handle of the run the prompt went to
         self.turns = Turns(raw=not inventory.run.chat)  # typed prompts, as conversation turns
         self.quitting = False
         self._pipeline_closes: set[asyncio.Future[None]] = set()
-        self._widgets: dict[int, Exchange] = {}
-        self._frame_due = False
-        self._fetch_due = False  # the frame due fetches the pipeline's streams (read by its thread)
-        self._panels_at = 0.0
-        self._inbox: deque[tuple[Event, int, float]] = deque()  # events not handled yet, in order
-        self._inbox_posted = False  # a PipelineEvents message is on its way
 
     # The view state, read by the header, the tests and whoever drives the app.
     @property
@@ -233,7 +178,7 @@ class GgufpipeApp(App[int]):
         self._draw()
 
     def now(self) -> float:
-        return self._script_now if self.script is not None else time.monotonic()
+        return self._script_now if self.script is not None else super().now()
 
     def _play_script(self) -> None:
         assert self.script is not None
@@ -248,19 +193,6 @@ class GgufpipeApp(App[int]):
 
     def _subscriber(self, session: int) -> Subscriber:
         return Subscriber(self, session)
-
-    def _received(self, event: Event, session: int) -> None:
-        """Called by the pipeline on the app's own loop: never touch
-        widgets here. Every event goes to the inbox in order; a message
-        asks for it to be handled, except that the streams (a token, a
-        step's numbers, a log line) wait for the frame already due, which
-        handles the inbox first: a Textual message costs a dispatch, and
-        tokens come a few milliseconds apart."""
-        self._inbox.append((event, session, self.now()))
-        if self._inbox_posted or (self._frame_due and isinstance(event, STREAMS)):
-            return
-        self._inbox_posted = True
-        self.post_message(PipelineEvents())
 
     def start_session(self) -> None:
         previous = next((w for w in self.workers if w.group == "session" and not w.is_finished), None)
@@ -449,19 +381,6 @@ class GgufpipeApp(App[int]):
 
     # ------------------------------------------------------------- events
 
-    def on_pipeline_events(self, message: PipelineEvents) -> None:
-        self._inbox_posted = False
-        self._handle_inbox()
-
-    def on_pipeline_event(self, message: PipelineEvent) -> None:
-        self._handle_inbox()
-        self._handle(message.event, message.session, self.now())
-
-    def _handle_inbox(self) -> None:
-        inbox = self._inbox
-        while inbox:
-            self._handle(*inbox.popleft())
-
     def _handle(self, event: Event, session: int, now: float) -> None:
         """One session event (``now``: when it came)."""
         if session != self.state.session:
@@ -496,107 +415,6 @@ class GgufpipeApp(App[int]):
             self._draw_soon()  # the streams: coalesced into frames
         else:
             self._draw()
-
-    # ---------------------------------------------------------- rendering
-
-    def _draw_soon(self) -> None:
-        if not self._frame_due:
-            self._frame_due = self._fetch_due = True
-            self.set_timer(FRAME_SECONDS, self._draw_frame)
-
-    def _draw_frame(self) -> None:
-        """A frame of the streams: new text and log lines at once, the stage
-        table and the status line only every PANEL_SECONDS."""
-        try:
-            # The streams that waited in the pipeline's thread, then in the
-            # inbox, for this frame (they ask for no other). From here a
-            # stream wakes the app again, and asks for the next frame.
-            self._fetch_due = False
-            fetch = getattr(self.pipeline, "fetch", None)
-            if fetch is not None:
-                fetch()
-            with contextlib.suppress(NoMatches):  # the app is going
-                self._handle_inbox()
-        finally:
-            self._frame_due = False
-        with contextlib.suppress(NoMatches):
-            self._draw_text()
-            if time.monotonic() - self._panels_at >= PANEL_SECONDS:
-                self._draw_panels()
-
-    def _draw(self) -> None:
-        """Bring the whole screen up to the view state now."""
-        self._draw_text()
-        self._draw_panels()
-
-    def _draw_panels(self) -> None:
-        self._panels_at = time.monotonic()
-        state = self.state
-        if state.dirty:
-            state.dirty = False
-            self.query_one(StageTable).show(state.rows, state.run_phase == "Running")
-        self._draw_status()
-
-    def _draw_text(self) -> None:
-        state = self.state
-        log = self.query_one(LogPane)
-        while state.log:
-            stage, line = state.log.popleft()
-            log.add(stage, line)
-        transcript = self.query_one(Transcript)
-        for view in state.mount:
-            transcript.add(self._widgets.setdefault(id(view), Exchange(view)))
-        state.mount.clear()
-        for view in state.unmount:  # scrolled out of a long session
-            gone = self._widgets.pop(id(view), None)
-            if gone is not None:
-                transcript.discard(gone)
-        state.unmount.clear()
-        synced = []
-        for view in state.touched.values():
-            shown = self._widgets.get(id(view))
-            if shown is not None:
-                shown.sync()
-                synced.append(shown)
-        state.touched.clear()
-        transcript.update(synced)
-
-    def _title_log(self) -> None:
-        only = self.query_one(LogPane).only
-        which = "all" if only is None else f"stage {only}"
-        self.query_one(LogPane).border_title = f"Log · {which} (ctrl+f)"
-
-    def _tick(self) -> None:
-        if self.pipeline is not None:
-            self.state.queued = self.turns.waiting()
-        busy = self.state.run_phase == "Running" or self.state.session_phase in ("Connecting", "Closing")
-        # While tokens stream the frames draw the panels too: one screen
-        # update, not two (each costs milliseconds of compositing).
-        if busy and time.monotonic() - self._panels_at >= PANEL_SECONDS:
-            with contextlib.suppress(NoMatches):  # the app is going
-                self._draw_panels()
-
-    def _draw_status(self) -> None:
-        state = self.state
-        now = self.now()
-        view = StatusView(
-            phase=state.session_phase or state.run_phase or "Connecting",
-            run_id=state.run_id,
-            model=state.model_line,
-            fault=state.fault,
-        )
-        view.hint = state.hint(now)
-        if view.hint == "ready for a prompt" and self.turns.hint():
-            view.hint += f" · {self.turns.hint()}"
-        stats = state.latest
-        if stats is not None:
-            view.elapsed = stats.elapsed(now)
-            view.tokens_per_s = stats.rate()
-            view.tokens = stats.tokens
-            view.last_run = stats.ended is not None
-        if state.fault and state.session_phase == "Faulted":
-            view.fault = f"{state.fault}  (ctrl+r starts again)"
-        self.query_one(StatusBar).show(view)
 
 
 def run_app(inventory: Inventory, log_dir: Any = None) -> int:
