@@ -289,7 +289,7 @@ async def test_the_app_defers_the_streams_of_its_session_while_a_frame_is_due() 
         assert app.query_one(Transcript).exchanges[0].text.endswith(" x")
 
 
-async def test_the_stage_table_is_drawn_twice_a_second_while_tokens_stream_and_a_state_at_once() -> None:
+async def test_the_stage_table_is_drawn_once_a_second_while_tokens_stream_and_a_state_at_once() -> None:
     inv = inventory()
     app = GgufpipeApp(inv, script=running(inv))
     async with app.run_test(size=(120, 40)) as pilot:

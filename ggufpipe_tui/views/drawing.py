@@ -30,18 +30,19 @@ from ggufpipe_tui.views.turns import Turns
 from ggufpipe_tui.views.viewstate import ViewState
 from ggufpipe_tui.views.widgets import LogPane, StageTable, StatusBar, StatusView
 
-#: Tokens are drawn at most this often (10 frames a second, as many as reading
-#: needs): a frame costs Textual 2-3 ms of CPU for text alone, 5-10 with the
-#: panels or a jump scroll, and on a machine with fewer cores than stages
-#: every millisecond the view spends is taken from the stages (measured:
-#: benchmarks/bench_tui.py, docs/performance.md).
-FRAME_SECONDS = 1 / 10
-#: The stage table and the status line, while tokens stream: twice a second,
+#: Tokens are drawn at most this often: 5 frames a second, a few words a
+#: frame at the speeds a reader follows. A frame costs Textual about 5 ms of
+#: CPU in a real terminal beside the stages (2-3 ms alone), and on a machine
+#: with fewer cores than stages every millisecond the view spends is taken
+#: from them: at 10 frames a second the UI took 10-12 % of a core during a
+#: decode, at 5 (with the panels below once a second) 6-7 %
+#: (docs/performance.md, "The terminal UI").
+FRAME_SECONDS = 1 / 5
+#: The stage table and the status line, while tokens stream: once a second,
 #: in the same frame (their numbers change with every step; a frame that
-#: draws them besides the text costs twice one that draws text alone, and on
-#: a machine with few cores every millisecond the view spends is taken from
-#: the stages). A change of a stage's state is drawn at once.
-PANEL_SECONDS = 1 / 2
+#: draws them besides the text costs twice one that draws text alone). A
+#: change of a stage's state is drawn at once.
+PANEL_SECONDS = 1.0
 
 #: Events that change only what the next frame shows (the streams).
 STREAMS = (TokenStreamed, StageStats, AgentLog)
