@@ -2,39 +2,70 @@
 # The terminal UI in a real terminal (tmux 120x40) against headless mode, on
 # the same inventory and prompts (issue 16: the TUI within 0.95 of headless).
 #
-#   benchmarks/tui_terminal.sh [OUTFILE]      (INV=inventory.yaml to choose another)
+#   benchmarks/tui_terminal.sh [OUTFILE] [ROUNDS]   (INV=inventory.yaml to choose another)
 #
-# For each of two prompts: a headless run (--json, its decode tokens/s), then
-# the TUI in a detached tmux session, the same prompts typed in, ctrl+n
-# between them, its "last run ... tok/s" read off the screen; ctrl+q at the
-# end. Appends to OUTFILE (default: stdout). One run is noisy on a shared
-# machine: run it several times, alternating builds, and compare medians.
-# Needs tmux.
+# One TUI session in a detached tmux session stays up for all the rounds
+# (after one untimed prompt, and the probe that follows it). Each round, for each of two prompts: a headless run (--json, its decode
+# tokens/s), then the same prompt typed into the TUI and its decode tokens/s
+# read from its run log (--log-dir: the RunFinished event), then ctrl+n; a
+# line "ratio" per prompt. ctrl+q at the end.
+#
+# While a run decodes the harness touches nothing: it does not read the
+# screen (a `tmux capture-pane` a few times a second costs the stages of a
+# 2-core machine 10-15 %, and was taken for the UI's cost before), it looks
+# for the run's end in the log every half second (a grep). Appends to
+# OUTFILE (default: stdout). One run is noisy on a shared machine: compare
+# medians of several rounds. Needs tmux.
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:-/dev/stdout}
+ROUNDS=${2:-3}
 S=ggufpipe-tui-bench$$
 cd "$REPO"; V=$REPO/.venv/bin; INV=${INV:-inventory.example.yaml}
+LOGS=$(mktemp -d); trap 'rm -rf "$LOGS"' EXIT
 P1="Why is the sky blue?"; P2="Count from one to fifty, one number per line."
-wait_for() {  # pattern timeout-seconds
-  for _ in $(seq 1 $(( $2 * 4 ))); do tmux capture-pane -p -t $S | grep -q -- "$1" && return 0; sleep 0.25; done
-  echo "timeout waiting for $1" >> "$OUT"; tmux capture-pane -p -t $S >> "$OUT"; return 1
+finished() { cat "$LOGS"/*.jsonl 2>/dev/null | grep -c '"RunFinished"'; }
+last_rate() {  # decode tokens/s of the newest RunFinished in the TUI's run logs
+  python3 -c '
+import glob, json, sys
+ends = [json.loads(line) for name in glob.glob(sys.argv[1] + "/*.jsonl") for line in open(name) if "\"RunFinished\"" in line]
+print(max(ends, key=lambda e: e["t"])["result"]["timings"]["decode_tokens_per_s"])' "$LOGS"
 }
 {
 echo "== $REPO $(git -C "$REPO" rev-parse --short HEAD) $(date -u +%H:%M:%S) load $(cut -d' ' -f1 /proc/loadavg)"
-for prompt in "$P1" "$P2"; do
-  $V/ggufpipe-tui "$INV" --prompt "$prompt" --json 2>/dev/null \
-    | python3 -c "import json,sys; d=json.load(sys.stdin); print('headless', repr(sys.argv[1]), d['timings']['decode_tokens_per_s'])" "$prompt"
+tmux new -d -s $S -x 120 -y 40 -c "$REPO" "$V/ggufpipe-tui $INV --log-dir $LOGS"
+for _ in $(seq 1 240); do tmux capture-pane -p -t $S | grep -q "ready for a prompt" && break; sleep 0.5; done
+# A first, untimed prompt: the run after it probes each stage's batch
+# invariance once (seconds of compute, ggufpipe_agent/engine.py), which
+# would land on the first headless run. Wait until the probes are logged.
+before=$(finished)
+tmux send-keys -t $S -l "$P1"; tmux send-keys -t $S Enter
+for _ in $(seq 1 240); do sleep 0.5; [ "$(finished)" -gt "$before" ] && break; done
+sleep 0.5; tmux send-keys -t $S C-n
+probed=0; still=0  # a stage's probe is logged every 2-3 s: done when none came for 5 s
+for _ in $(seq 1 90); do
+  sleep 1; now=$(cat "$LOGS"/*.jsonl | grep -c "rows come out alike\|only whole prefilled ubatches")
+  if [ "$now" -gt 0 ] && [ "$now" = "$probed" ]; then still=$((still + 1)); else still=0; fi
+  [ $still -ge 5 ] && break; probed=$now
 done
-tmux new -d -s $S -x 120 -y 40 -c "$REPO" "$V/ggufpipe-tui $INV"
-wait_for "ready for a prompt" 120
-for prompt in "$P1" "$P2"; do
-  tmux send-keys -t $S -l "$prompt"; tmux send-keys -t $S Enter
-  sleep 1
-  wait_for "last run" 120 && wait_for "ready for a prompt" 120
-  echo "TUI $(printf %q "$prompt"): $(tmux capture-pane -p -t $S | grep -m1 -o 'last run.*tok\b')"
-  tmux send-keys -t $S C-n; sleep 1
+for round in $(seq 1 "$ROUNDS"); do
+  for prompt in "$P1" "$P2"; do
+    headless=$($V/ggufpipe-tui "$INV" --prompt "$prompt" --json 2>/dev/null \
+      | python3 -c "import json,sys; print(json.load(sys.stdin)['timings']['decode_tokens_per_s'])")
+    before=$(finished)
+    tmux send-keys -t $S -l "$prompt"; tmux send-keys -t $S Enter
+    for _ in $(seq 1 480); do sleep 0.5; [ "$(finished)" -gt "$before" ] && break; done
+    tui=$(last_rate)
+    python3 -c "import sys; h, t = map(float, sys.argv[2:4]); print(f'round {sys.argv[1]}: headless {h:.1f} tok/s, TUI {t:.1f} tok/s, ratio {t / h:.3f}  ({sys.argv[4]!r})')" \
+      "$round" "$headless" "$tui" "$prompt" | tee -a "$LOGS/ratios"
+    sleep 0.5; tmux send-keys -t $S C-n; sleep 0.5
+  done
 done
+python3 -c '
+import re, statistics, sys
+ratios = [float(m) for m in re.findall(r"ratio ([0-9.]+)", open(sys.argv[1]).read())]
+if ratios:
+    print(f"TUI / headless: median {statistics.median(ratios):.3f} over {len(ratios)} runs")' "$LOGS/ratios"
 tmux send-keys -t $S C-q
 for _ in $(seq 1 60); do tmux has-session -t $S 2>/dev/null || break; sleep 0.5; done
 tmux kill-session -t $S 2>/dev/null && echo "(tmux session killed)"
