@@ -156,13 +156,16 @@ class DrawnApp(App[int]):
             self._frame_due = False
         with contextlib.suppress(NoMatches):
             self._draw_text()
-            if time.monotonic() - self._panels_at >= PANEL_SECONDS:
+            if self._panels_due():
                 self._draw_panels()
 
     def _draw(self) -> None:
         """Bring the whole screen up to the view state now."""
         self._draw_text()
         self._draw_panels()
+
+    def _panels_due(self) -> bool:
+        return time.monotonic() - self._panels_at >= PANEL_SECONDS
 
     def _draw_panels(self) -> None:
         self._panels_at = time.monotonic()
@@ -207,7 +210,7 @@ class DrawnApp(App[int]):
         busy = self.state.run_phase == "Running" or self.state.session_phase in ("Connecting", "Closing")
         # While tokens stream the frames draw the panels too: one screen
         # update, not two (each costs milliseconds of compositing).
-        if busy and time.monotonic() - self._panels_at >= PANEL_SECONDS:
+        if busy and self._panels_due():
             with contextlib.suppress(NoMatches):  # the app is going
                 self._draw_panels()
 
