@@ -7,8 +7,9 @@ pipeline's events come on the app's loop to :meth:`DrawnApp._received`: every
 one goes to the inbox in order, and each is handled by the app's ``_handle``
 (the view state's reducer and the session's bookkeeping). Tokens, a step's
 numbers and log lines (:data:`STREAMS`) are drawn at most
-:data:`FRAME_SECONDS` apart however fast they come; every other event is
-drawn at once. While a frame is due, the streams wait (in the pipeline's
+:data:`FRAME_SECONDS` apart however fast they come (further apart where the
+frames would take more than :data:`FRAME_BUDGET` of a core); every other
+event is drawn at once. While a frame is due, the streams wait (in the pipeline's
 thread, then in the inbox) for that frame instead of waking the app's loop
 each (:class:`Subscriber`, views/threaded.py).
 """
@@ -38,11 +39,24 @@ from ggufpipe_tui.views.widgets import LogPane, StageTable, StatusBar, StatusVie
 #: decode, at 5 (with the panels below once a second) 6-7 %
 #: (docs/performance.md, "The terminal UI").
 FRAME_SECONDS = 1 / 5
-#: The stage table and the status line, while tokens stream: once a second,
-#: in the same frame (their numbers change with every step; a frame that
-#: draws them besides the text costs twice one that draws text alone). A
+#: The stage table, the status line and the log's new lines, while a run
+#: streams: once a second, in the same frame as text (their numbers change
+#: with every step; a frame that draws them besides the text costs twice one
+#: that draws text alone, and a log line scrolls the whole log pane). A
 #: change of a stage's state is drawn at once.
 PANEL_SECONDS = 1.0
+#: While text streams the UI's thread spends at most this share of one core:
+#: a frame that cost more than its share puts the next one off (up to
+#: :data:`FRAME_SECONDS_MAX`). Every millisecond a frame takes on a machine
+#: whose cores the stages fill is taken from them (on 2 cores, the frames
+#: of 5 a second cost the stages 8-12 % of their tokens/s; docs/performance.md,
+#: "The terminal UI"). From one frame to the next the thread spends 5-20 ms
+#: there (a frame that scrolls redraws every line of the transcript and its
+#: scrollbar), so the frames come 0.25-1 s apart; where they are cheaper (a
+#: faster machine, a smaller window) :data:`FRAME_SECONDS` apart.
+FRAME_BUDGET = 0.02
+#: The longest wait for a frame while text streams, however costly frames are.
+FRAME_SECONDS_MAX = 1.0
 
 #: Events that change only what the next frame shows (the streams).
 STREAMS = (TokenStreamed, StageStats, AgentLog)
@@ -94,6 +108,10 @@ class DrawnApp(App[int]):
         self._frame_due = False
         self._fetch_due = False  # the frame due fetches the pipeline's streams (read by its thread)
         self._panels_at = 0.0
+        self._frame_at = (0.0, 0.0)  # when the last frame began: (monotonic, this thread's CPU time)
+        # This thread's CPU time between each two of the last frames (0: not streaming).
+        self._frame_costs: deque[float] = deque([0.0] * 3, maxlen=3)
+        self._drawn_at_once = False  # something was drawn at once since the last frame
         self._inbox: deque[tuple[Event, int, float]] = deque()  # events not handled yet, in order
         self._inbox_posted = False  # a PipelineEvents message is on its way
 
@@ -137,11 +155,36 @@ class DrawnApp(App[int]):
     def _draw_soon(self) -> None:
         if not self._frame_due:
             self._frame_due = self._fetch_due = True
-            self.set_timer(FRAME_SECONDS, self._draw_frame)
+            self.set_timer(self._frame_delay(), self._draw_frame)
+
+    def _frame_delay(self) -> float:
+        """How long the next frame waits: :data:`FRAME_SECONDS`, or longer
+        where what a frame costs this thread (from one frame to the next: the
+        screen update comes after the frame; the median of the last three,
+        so that a one-off such as a layout pass does not count) would be over
+        :data:`FRAME_BUDGET` of the time from the last frame to the next."""
+        if not FRAME_BUDGET:
+            return FRAME_SECONDS
+        cost = sorted(self._frame_costs)[1]
+        elapsed = time.monotonic() - self._frame_at[0]
+        return max(FRAME_SECONDS, min(FRAME_SECONDS_MAX, cost / FRAME_BUDGET) - elapsed)
+
+    def _frame_began(self) -> None:
+        wall, cpu = time.monotonic(), time.thread_time()
+        last_wall, last_cpu = self._frame_at
+        # After a pause in the stream, or a change drawn at once (a run that
+        # begins), it is not what the frames cost: no wait for it.
+        if wall - last_wall < FRAME_SECONDS_MAX + FRAME_SECONDS and not self._drawn_at_once:
+            self._frame_costs.append(cpu - last_cpu)
+        else:
+            self._frame_costs.extend([0.0] * 3)
+        self._drawn_at_once = False
+        self._frame_at = (wall, cpu)
 
     def _draw_frame(self) -> None:
-        """A frame of the streams: new text and log lines at once, the stage
-        table and the status line only every PANEL_SECONDS."""
+        """A frame of the streams: new text; while a run streams, the stage
+        table, the status line and the log only every PANEL_SECONDS."""
+        self._frame_began()
         try:
             # The streams that waited in the pipeline's thread, then in the
             # inbox, for this frame (they ask for no other). From here a
@@ -156,11 +199,12 @@ class DrawnApp(App[int]):
             self._frame_due = False
         with contextlib.suppress(NoMatches):
             self._draw_text()
-            if self._panels_due():
+            if self._panels_due() or self.state.run_phase != "Running":
                 self._draw_panels()
 
     def _draw(self) -> None:
         """Bring the whole screen up to the view state now."""
+        self._drawn_at_once = True
         self._draw_text()
         self._draw_panels()
 
@@ -168,8 +212,15 @@ class DrawnApp(App[int]):
         return time.monotonic() - self._panels_at >= PANEL_SECONDS
 
     def _draw_panels(self) -> None:
+        """The stage table, the status line and the log's new lines (a line
+        scrolls the whole log pane: drawn with the panels, not with each
+        frame of text)."""
         self._panels_at = time.monotonic()
         state = self.state
+        log = self.query_one(LogPane)
+        while state.log:
+            stage, line = state.log.popleft()
+            log.add(stage, line)
         if state.dirty:
             state.dirty = False
             self.query_one(StageTable).show(state.rows, state.run_phase == "Running")
@@ -177,10 +228,6 @@ class DrawnApp(App[int]):
 
     def _draw_text(self) -> None:
         state = self.state
-        log = self.query_one(LogPane)
-        while state.log:
-            stage, line = state.log.popleft()
-            log.add(stage, line)
         transcript = self.query_one(Transcript)
         for view in state.mount:
             transcript.add(self._widgets.setdefault(id(view), Exchange(view)))
@@ -210,7 +257,7 @@ class DrawnApp(App[int]):
         busy = self.state.run_phase == "Running" or self.state.session_phase in ("Connecting", "Closing")
         # While tokens stream the frames draw the panels too: one screen
         # update, not two (each costs milliseconds of compositing).
-        if busy and self._panels_due():
+        if busy and self._panels_due() and not self._frame_due:
             with contextlib.suppress(NoMatches):  # the app is going
                 self._draw_panels()
 

@@ -32,7 +32,7 @@ from ggufpipe_tui.views.viewstate import ExchangeView
 #: new line below the last one only that line, so most frames draw a line or
 #: two and a whole repaint comes once a block, not with every line. When the
 #: run ends the text settles at the bottom again.
-JUMP = 1 / 3
+JUMP = 1 / 2
 # Colours as hex: Rich's names (grey50, dodger_blue1) are not Textual's, and
 # a style string that reaches Textual's parser (Content.styled, a Text's base
 # style through Content.from_rich_text) with one of them is dropped whole:
