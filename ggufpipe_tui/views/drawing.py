@@ -48,12 +48,13 @@ PANEL_SECONDS = 1.0
 #: While text streams the UI's thread spends at most this share of one core:
 #: a frame that cost more than its share puts the next one off (up to
 #: :data:`FRAME_SECONDS_MAX`). Every millisecond a frame takes on a machine
-#: whose cores the stages fill is taken from them (on 2 cores, the frames
-#: of 5 a second cost the stages 8-12 % of their tokens/s; docs/performance.md,
-#: "The terminal UI"). From one frame to the next the thread spends 5-20 ms
-#: there (a frame that scrolls redraws every line of the transcript and its
-#: scrollbar), so the frames come 0.25-1 s apart; where they are cheaper (a
-#: faster machine, a smaller window) :data:`FRAME_SECONDS` apart.
+#: whose cores the stages fill is taken from them: on 2 cores the frames were
+#: nearly all the CPU the TUI spent beyond headless while a reply streamed
+#: (docs/performance.md, "Issue 16's TUI target"). From one frame to the
+#: next the thread spends 4-11 ms there (a frame that scrolls redraws every
+#: line of the transcript and its scrollbar), so the frames come 0.2-0.55 s
+#: apart (median 0.3); where they are cheaper (a faster machine, a smaller
+#: window) :data:`FRAME_SECONDS` apart.
 FRAME_BUDGET = 0.02
 #: The longest wait for a frame while text streams, however costly frames are.
 FRAME_SECONDS_MAX = 1.0
