@@ -393,6 +393,7 @@ def test_a_frame_that_costs_more_than_its_share_puts_the_next_one_off() -> None:
     app._frame_costs.extend([1.0] * 3)
     assert FRAME_SECONDS_MAX - 0.05 < app._frame_delay() <= FRAME_SECONDS_MAX
     app._drawn_at_once = True  # a state change came: the next frame owes nothing
+    assert app._frame_delay() == FRAME_SECONDS
     app._frame_began()
     assert app._frame_delay() == FRAME_SECONDS
     app._frame_costs.extend([1.0] * 3)

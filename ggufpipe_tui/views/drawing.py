@@ -164,7 +164,7 @@ class DrawnApp(App[int]):
         screen update comes after the frame; the median of the last three,
         so that a one-off such as a layout pass does not count) would be over
         :data:`FRAME_BUDGET` of the time from the last frame to the next."""
-        if not FRAME_BUDGET:
+        if not FRAME_BUDGET or self._drawn_at_once:  # a run that begins owes nothing
             return FRAME_SECONDS
         cost = sorted(self._frame_costs)[1]
         elapsed = time.monotonic() - self._frame_at[0]
