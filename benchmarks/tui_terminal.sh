@@ -5,8 +5,9 @@
 #   benchmarks/tui_terminal.sh [OUTFILE] [ROUNDS]   (INV=inventory.yaml to choose another)
 #
 # One TUI session in a detached tmux session stays up for all the rounds
-# (after one untimed prompt, and the probe that follows it). Each round, for each of two prompts: a headless run (--json, its decode
-# tokens/s), then the same prompt typed into the TUI and its decode tokens/s
+# (after one untimed prompt, and the probe that follows it). Each round, for
+# each of two prompts: a headless run (--json, its decode tokens/s), then
+# the same prompt typed into the TUI and its decode tokens/s
 # read from its run log (--log-dir: the RunFinished event), then ctrl+n; a
 # line "ratio" per prompt. ctrl+q at the end.
 #
@@ -70,8 +71,8 @@ print(f'round {sys.argv[1]}: headless {h:.1f} tok/s, TUI {t:.1f} tok/s, ratio {t
 done
 python3 -c '
 import re, statistics, sys
-ratios = [float(m) for m in re.findall(r"ratio ([0-9.]+)", open(sys.argv[1]).read())]
 text = open(sys.argv[1]).read()
+ratios = [float(m) for m in re.findall(r"ratio ([0-9.]+)", text)]
 cpu = re.findall(r"decode CPU headless ([0-9]+) ms, TUI ([0-9]+) ms", text)
 if ratios:
     print(f"TUI / headless: median {statistics.median(ratios):.3f} over {len(ratios)} runs")

@@ -9,14 +9,15 @@ one goes to the inbox in order, and each is handled by the app's ``_handle``
 numbers and log lines (:data:`STREAMS`) are drawn at most
 :data:`FRAME_SECONDS` apart however fast they come (further apart where the
 frames would take more than :data:`FRAME_BUDGET` of a core); every other
-event is drawn at once. While a frame is due, the streams wait (in the pipeline's
-thread, then in the inbox) for that frame instead of waking the app's loop
-each (:class:`Subscriber`, views/threaded.py).
+event is drawn at once. While a frame is due, the streams wait (in the
+pipeline's thread, then in the inbox) for that frame instead of waking the
+app's loop each (:class:`Subscriber`, views/threaded.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections import deque
 
@@ -166,7 +167,7 @@ class DrawnApp(App[int]):
         :data:`FRAME_BUDGET` of the time from the last frame to the next."""
         if not FRAME_BUDGET or self._drawn_at_once:  # a run that begins owes nothing
             return FRAME_SECONDS
-        cost = sorted(self._frame_costs)[1]
+        cost = statistics.median(self._frame_costs)
         elapsed = time.monotonic() - self._frame_at[0]
         return max(FRAME_SECONDS, min(FRAME_SECONDS_MAX, cost / FRAME_BUDGET) - elapsed)
 
