@@ -201,7 +201,7 @@ class DrawnApp(App[int]):
             self._frame_due = False
         with contextlib.suppress(NoMatches):
             self._draw_text()
-            if self._panels_due() or self.state.run_phase != "Running":
+            if self._panels_due() or not self.state.running:
                 self._draw_panels()
 
     def _draw(self) -> None:
@@ -225,7 +225,7 @@ class DrawnApp(App[int]):
             log.add(stage, line)
         if state.dirty:
             state.dirty = False
-            self.query_one(StageTable).show(state.rows, state.run_phase == "Running")
+            self.query_one(StageTable).show(state.rows, state.running)
         self._draw_status()
 
     def _draw_text(self) -> None:
@@ -256,7 +256,7 @@ class DrawnApp(App[int]):
     def _tick(self) -> None:
         if self.pipeline is not None:
             self.state.queued = self.turns.waiting()
-        busy = self.state.run_phase == "Running" or self.state.session_phase in ("Connecting", "Closing")
+        busy = self.state.running or self.state.session_phase in ("Connecting", "Closing")
         # While tokens stream the frames draw the panels too: one screen
         # update, not two (each costs milliseconds of compositing).
         if busy and self._panels_due() and not self._frame_due:

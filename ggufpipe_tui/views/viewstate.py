@@ -182,6 +182,11 @@ class ViewState:
             DataPath: self._data_path,
         }
 
+    @property
+    def running(self) -> bool:
+        """A run is decoding: tokens stream, the frames keep to their budget."""
+        return self.run_phase == "Running"
+
     def apply(self, event: Event, now: float) -> None:
         handler = self._handlers.get(type(event))
         if handler is not None:
@@ -365,7 +370,7 @@ class ViewState:
     def _stats(self, event: StageStats, now: float) -> None:
         row = self.rows[event.stage]
         row.counters = event.counters
-        if self.run_phase == "Running":
+        if self.running:
             row.activity += 1
         self.dirty = True
 
@@ -428,6 +433,6 @@ class ViewState:
             if ready < n:
                 return f"loading: {ready}/{n} stages ready"
             return "starting…" if self.prompt_active else "ready for a prompt"
-        if self.run_phase == "Running":
+        if self.running:
             return "generating · esc stops" + (f" · {self.queued} queued" if self.queued else "")
         return ""
