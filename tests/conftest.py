@@ -60,17 +60,24 @@ WHOLE_SUITE = 200
 
 
 @pytest.fixture(scope="session", autouse=True)
-def isolated_state(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Stage caches and run logs of the test session stay in its temp dir
-    (agents started by tests inherit this environment)."""
-    base = tmp_path_factory.mktemp("state")
+def enough_disk(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A whole-suite session stops before its first test if its temp dirs
+    have not the room it needs, and says where and how much is free."""
+    base = tmp_path_factory.getbasetemp()
     free = shutil.disk_usage(base).free / 2**30
     if free < NEEDED_GIB and len(request.session.items) >= WHOLE_SUITE:
         pytest.exit(
             f"the test suite needs about {NEEDED_GIB} GiB free for its temp dirs; "
-            f"{base.parent} has {free:.1f} GiB free (set TMPDIR to a roomier place)",
+            f"{base} has {free:.1f} GiB free (set TMPDIR to a roomier place)",
             returncode=1,
         )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_state(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Stage caches and run logs of the test session stay in its temp dir
+    (agents started by tests inherit this environment)."""
+    base = tmp_path_factory.mktemp("state")
     SESSION_STATE.append(base)
     os.environ["GGUFPIPE_CACHE_DIR"] = str(base / "stages")
     os.environ["GGUFPIPE_LOG_DIR"] = str(base / "runs")

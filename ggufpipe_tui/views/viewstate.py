@@ -38,6 +38,7 @@ from ggufpipe_tui.core.events import (
     TokenStreamed,
 )
 from ggufpipe_tui.core.inventory import Inventory
+from ggufpipe_tui.core.run_fsm import RunPhase
 from ggufpipe_tui.views import format as fmt
 
 STAGE_STYLES = {
@@ -185,7 +186,7 @@ class ViewState:
     @property
     def running(self) -> bool:
         """A run is decoding: tokens stream, the frames keep to their budget."""
-        return self.run_phase == "Running"
+        return self.run_phase == RunPhase.RUNNING.value
 
     def apply(self, event: Event, now: float) -> None:
         handler = self._handlers.get(type(event))
@@ -320,7 +321,7 @@ class ViewState:
 
     def _phase(self, event: RunPhaseChanged, now: float) -> None:
         self.run_id, self.run_phase = event.run_id, event.phase
-        if event.phase == "Running":
+        if self.running:
             stats = RunStats(event.run_id, started=now)
             self.runs[event.run_id] = self.latest = stats
             while len(self.runs) > MAX_RUNS:
