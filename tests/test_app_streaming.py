@@ -400,3 +400,48 @@ def test_a_frame_that_costs_more_than_its_share_puts_the_next_one_off() -> None:
     app._frame_at = (time.monotonic() - FRAME_SECONDS_MAX - FRAME_SECONDS, time.thread_time())
     app._frame_began()  # after a pause in the stream
     assert app._frame_delay() == FRAME_SECONDS
+
+
+async def test_log_lines_wait_while_a_run_streams_and_come_with_a_change_drawn_at_once(monkeypatch) -> None:
+    """A log line scrolls the whole log pane: while a run streams the lines
+    wait (the frames draw text, the table and the status line), and come
+    with the next change drawn at once (a notice, a state, the run's end), or
+    once LOG_SECONDS_MAX has gone by."""
+    from ggufpipe_tui.views import drawing
+
+    inv = inventory()
+    app = GgufpipeApp(inv, script=running(inv))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        assert app.state.running
+        log = app.query_one(LogPane)
+        emit = app._subscriber(app.session)
+
+        def logged() -> list[str]:
+            return [line.plain for _, line in log.entries]
+
+        started = time.monotonic()
+        step = 0
+        while time.monotonic() - started < PANEL_SECONDS + 2 * FRAME_SECONDS_MAX:
+            emit(TokenStreamed(RUN_ID, 100 + step, 100 + step, " x"))
+            if step == 1:
+                emit(AgentLog(0, "gpu-a", "INFO decode begins"))
+            step += 1
+            await asyncio.sleep(0.02)
+        await drawn(app)
+        assert app._panels_at > started, "the panels were drawn meanwhile"
+        assert not any("decode begins" in line for line in logged()), "the line waits while the run streams"
+        emit(Notice("info", "a notice"))
+        await pilot.pause()
+        assert any("decode begins" in line for line in logged()), "a change drawn at once brings it"
+
+        monkeypatch.setattr(drawing, "LOG_SECONDS_MAX", 0.0)
+        emit(AgentLog(1, "gpu-b", "INFO later"))
+        started = time.monotonic()
+        while time.monotonic() - started < PANEL_SECONDS + 2 * FRAME_SECONDS_MAX:
+            emit(TokenStreamed(RUN_ID, 100 + step, 100 + step, " x"))
+            step += 1
+            await asyncio.sleep(0.02)
+        await drawn(app)
+        assert any("later" in line for line in logged()), "a line waits LOG_SECONDS_MAX at most"
+

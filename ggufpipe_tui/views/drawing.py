@@ -8,8 +8,9 @@ one goes to the inbox in order, and each is handled by the app's ``_handle``
 (the view state's reducer and the session's bookkeeping). Tokens, a step's
 numbers and log lines (:data:`STREAMS`) are drawn at most
 :data:`FRAME_SECONDS` apart however fast they come (further apart where the
-frames would take more than :data:`FRAME_BUDGET` of a core); every other
-event is drawn at once. While a frame is due, the streams wait (in the
+frames would take more than :data:`FRAME_BUDGET` of a core; while a run
+streams, log lines wait for the next change drawn at once, at most
+:data:`LOG_SECONDS_MAX`); every other event is drawn at once. While a frame is due, the streams wait (in the
 pipeline's thread, then in the inbox) for that frame instead of waking the
 app's loop each (:class:`Subscriber`, views/threaded.py).
 """
@@ -46,6 +47,12 @@ FRAME_SECONDS = 1 / 5
 #: that draws text alone, and a log line scrolls the whole log pane). A
 #: change of a stage's state is drawn at once.
 PANEL_SECONDS = 1.0
+#: While a run streams, the log's new lines wait for its end (or any change
+#: drawn at once: a notice, a state, a fault), at most this long: a line
+#: scrolls the whole log pane and its scrollbar (5-11 ms of CPU, in a screen
+#: update of its own after the line is drawn), and the lines a run logs come
+#: at its start and its end.
+LOG_SECONDS_MAX = 5.0
 #: While text streams the UI's thread spends at most this share of one core:
 #: a frame that cost more than its share puts the next one off (up to
 #: :data:`FRAME_SECONDS_MAX`). Every millisecond a frame takes on a machine
@@ -110,6 +117,7 @@ class DrawnApp(App[int]):
         self._frame_due = False
         self._fetch_due = False  # the frame due fetches the pipeline's streams (read by its thread)
         self._panels_at = 0.0
+        self._log_since: float | None = None  # when the panels first left a log line waiting
         self._frame_at = (0.0, 0.0)  # when the last frame began: (monotonic, this thread's CPU time)
         # This thread's CPU time between each two of the last frames (0: not streaming).
         self._frame_costs: deque[float] = deque([0.0] * 3, maxlen=3)
@@ -208,21 +216,27 @@ class DrawnApp(App[int]):
         """Bring the whole screen up to the view state now."""
         self._drawn_at_once = True
         self._draw_text()
-        self._draw_panels()
+        self._draw_panels(at_once=True)
 
     def _panels_due(self) -> bool:
         return time.monotonic() - self._panels_at >= PANEL_SECONDS
 
-    def _draw_panels(self) -> None:
+    def _draw_panels(self, at_once: bool = False) -> None:
         """The stage table, the status line and the log's new lines (a line
         scrolls the whole log pane: drawn with the panels, not with each
-        frame of text)."""
-        self._panels_at = time.monotonic()
+        frame of text; while a run streams, with a change drawn at once, the
+        run's end, or :data:`LOG_SECONDS_MAX` on)."""
+        now = self._panels_at = time.monotonic()
         state = self.state
-        log = self.query_one(LogPane)
-        while state.log:
-            stage, line = state.log.popleft()
-            log.add(stage, line)
+        if state.log:
+            if self._log_since is None:
+                self._log_since = now
+            if at_once or not state.running or now - self._log_since >= LOG_SECONDS_MAX:
+                self._log_since = None
+                log = self.query_one(LogPane)
+                while state.log:
+                    stage, line = state.log.popleft()
+                    log.add(stage, line)
         if state.dirty:
             state.dirty = False
             self.query_one(StageTable).show(state.rows, state.running)
