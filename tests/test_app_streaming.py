@@ -445,3 +445,37 @@ async def test_log_lines_wait_while_a_run_streams_and_come_with_a_change_drawn_a
         await drawn(app)
         assert any("later" in line for line in logged()), "a line waits LOG_SECONDS_MAX at most"
 
+
+async def test_the_stop_key_is_dimmed_and_lit_without_composing_the_footer_anew() -> None:
+    """The stop key turns on when a prompt runs and off when it ends: the
+    footer restyles that key (a new footer is a layout pass of the screen,
+    which would land in the first frames of every reply)."""
+    from textual.widgets._footer import FooterKey
+
+    inv = inventory()
+    app = GgufpipeApp(inv, script=running(inv))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+
+        def stop_key() -> FooterKey:
+            return next(key for key in app.query(FooterKey) if key.action == "stop")
+
+        keys = list(app.query(FooterKey))
+        layouts = 0
+        laid_out = app.screen._refresh_layout
+
+        def counted_layout(*args: object, **kwargs: object) -> None:
+            nonlocal layouts
+            layouts += 1
+            laid_out(*args, **kwargs)  # type: ignore[arg-type]
+
+        app.screen._refresh_layout = counted_layout  # type: ignore[method-assign]
+        for active in (False, True, False):
+            app.prompt_active = active
+            await pilot.pause()
+            await pilot.pause()
+            assert stop_key().has_class("-disabled") is not active
+        assert list(app.query(FooterKey)) == keys, "the same keys, restyled"
+        assert layouts == 0, f"{layouts} layout passes for the stop key"
+        await pilot.press("escape")  # dimmed: nothing is generating, and it says so
+        await pilot.pause()

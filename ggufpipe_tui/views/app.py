@@ -40,7 +40,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.reactive import var
-from textual.widgets import Footer, Input, Static
+from textual.widgets import Input, Static
 from textual.worker import Worker, WorkerCancelled, WorkerFailed, WorkerState
 
 from ggufpipe_agent.errors import GgufpipeError
@@ -63,7 +63,7 @@ from ggufpipe_tui.views.threaded import AppHandle, AppPipeline, ThreadedPipeline
 from ggufpipe_tui.views.transcript import Transcript
 from ggufpipe_tui.views.turns import Turn, Turns
 from ggufpipe_tui.views.viewstate import ExchangeView, StageRow, ViewState
-from ggufpipe_tui.views.widgets import LogPane, StageTable, StatusBar
+from ggufpipe_tui.views.widgets import LogPane, StageTable, StatusBar, SteadyFooter
 
 PipelineFactory = Callable[..., AppPipeline]
 WELCOME = "Type a prompt below and press Enter. The stages load while you type."
@@ -158,7 +158,7 @@ class GgufpipeApp(DrawnApp):
         with Horizontal(id="prompt-row"):
             yield Static("›", id="prompt-mark")
             yield Input(placeholder="a prompt; Enter runs it", id="prompt")
-        yield Footer()
+        yield SteadyFooter()
 
     def on_mount(self) -> None:
         self.query_one("#stages").border_title = "Stages"
