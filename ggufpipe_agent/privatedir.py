@@ -24,6 +24,7 @@ log = logging.getLogger("ggufpipe.agent")
 
 PREFIX = "ggufpipe-agent-"
 LOCK_NAME = "owner.lock"
+STARTING_NAME = "owner.lock.new"  # the lock file until it is locked
 #: A directory without its lock file yet is an agent still starting, unless
 #: it is older than this (its agent died between mkdtemp and the lock).
 STARTING_GRACE_S = 60.0
@@ -40,9 +41,15 @@ class PrivateDirectory:
         if removed:
             log.info("removed %d directory(ies) left by agents that were killed", removed)
         self.path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=base))
+        # The lock file appears under its name already locked: locked under
+        # another name, then renamed (the lock goes with the inode). Created
+        # and then locked in place, another agent starting at the same moment
+        # (two stages of one account on one host) could take the lock in
+        # between, find the directory abandoned and remove it under us.
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-        self._lock = os.open(self.path / LOCK_NAME, flags, 0o600)
+        self._lock = os.open(self.path / STARTING_NAME, flags, 0o600)
         fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(self.path / STARTING_NAME, self.path / LOCK_NAME)
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
