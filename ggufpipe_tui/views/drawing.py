@@ -10,9 +10,10 @@ numbers and log lines (:data:`STREAMS`) are drawn at most
 :data:`FRAME_SECONDS` apart however fast they come (further apart where the
 frames would take more than :data:`FRAME_BUDGET` of a core; while a run
 streams, log lines wait for the next change drawn at once, at most
-:data:`LOG_SECONDS_MAX`); every other event is drawn at once. While a frame is due, the streams wait (in the
-pipeline's thread, then in the inbox) for that frame instead of waking the
-app's loop each (:class:`Subscriber`, views/threaded.py).
+:data:`LOG_SECONDS_MAX`); every other event is drawn at once. While a frame
+is due, the streams wait (in the pipeline's thread, then in the inbox) for
+that frame instead of waking the app's loop each (:class:`Subscriber`,
+views/threaded.py).
 """
 
 from __future__ import annotations
