@@ -44,6 +44,30 @@ async def drawn(app: GgufpipeApp) -> None:
     await asyncio.sleep(0.01)
 
 
+def counted_layouts(app: GgufpipeApp) -> list[int]:
+    """Count the screen's layout passes from now on: the list's one item."""
+    layouts = [0]
+    laid_out = app.screen._refresh_layout
+
+    def counted(*args: object, **kwargs: object) -> None:
+        layouts[0] += 1
+        laid_out(*args, **kwargs)  # type: ignore[arg-type]
+
+    app.screen._refresh_layout = counted  # type: ignore[method-assign]
+    return layouts
+
+
+async def stream(app: GgufpipeApp, seconds: float, step: int = 0) -> int:
+    """Tokens 20 ms apart for ``seconds``, as a pipeline sends them; returns the next step."""
+    emit = app._subscriber(app.session)
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        emit(TokenStreamed(RUN_ID, 100 + step, 100 + step, " x"))
+        step += 1
+        await asyncio.sleep(0.02)
+    return step
+
+
 def post(app: GgufpipeApp, *pieces: str, sequence: int = 100) -> int:
     for piece in pieces:
         app.post_message(PipelineEvent(TokenStreamed(RUN_ID, sequence, sequence, piece), app.session))
@@ -68,21 +92,16 @@ async def test_a_stream_of_short_lines_is_drawn_whole_without_laying_the_screen_
             app.post_message(PipelineEvent(AgentLog(0, "gpu-a", f"INFO line {number}"), app.session))
         await drawn(app)
         await pilot.pause()
-        draws = layouts = 0
-        draw_text, laid_out = app._draw_text, app.screen._refresh_layout
+        draws = 0
+        draw_text = app._draw_text
 
         def counted() -> None:
             nonlocal draws
             draws += 1
             draw_text()
 
-        def counted_layout(*args: object, **kwargs: object) -> None:
-            nonlocal layouts
-            layouts += 1
-            laid_out(*args, **kwargs)  # type: ignore[arg-type]
-
         app._draw_text = counted  # type: ignore[method-assign]
-        app.screen._refresh_layout = counted_layout  # type: ignore[method-assign]
+        layouts = counted_layouts(app)
         for number in range(40, lines):
             post(app, f"{number}", "\n", sequence=100 + 2 * number)
             if number % 10 == 0:  # the log and the stage table's numbers go on meanwhile
@@ -103,7 +122,7 @@ async def test_a_stream_of_short_lines_is_drawn_whole_without_laying_the_screen_
         shown = transcript.line_texts
         assert "\n".join(expected.split("\n")) in "\n".join(shown), "every line, in order"
         assert draws <= 4, f"{2 * lines} tokens drawn in {draws} frames (and one state change)"
-        assert layouts == 0, f"{layouts} layout passes of the screen for streamed text"
+        assert layouts[0] == 0, f"{layouts[0]} layout passes of the screen for streamed text"
         assert transcript.scroll_y == transcript.max_scroll_y > 0, "the newest text is in view"
 
 
@@ -421,13 +440,9 @@ async def test_log_lines_wait_while_a_run_streams_and_come_with_a_change_drawn_a
             return [line.plain for _, line in log.entries]
 
         started = time.monotonic()
-        step = 0
-        while time.monotonic() - started < PANEL_SECONDS + 2 * FRAME_SECONDS_MAX:
-            emit(TokenStreamed(RUN_ID, 100 + step, 100 + step, " x"))
-            if step == 1:
-                emit(AgentLog(0, "gpu-a", "INFO decode begins"))
-            step += 1
-            await asyncio.sleep(0.02)
+        step = await stream(app, 0.05)
+        emit(AgentLog(0, "gpu-a", "INFO decode begins"))
+        step = await stream(app, PANEL_SECONDS + 2 * FRAME_SECONDS_MAX, step)
         await drawn(app)
         assert app._panels_at > started, "the panels were drawn meanwhile"
         assert not any("decode begins" in line for line in logged()), "the line waits while the run streams"
@@ -437,11 +452,7 @@ async def test_log_lines_wait_while_a_run_streams_and_come_with_a_change_drawn_a
 
         monkeypatch.setattr(drawing, "LOG_SECONDS_MAX", 0.0)
         emit(AgentLog(1, "gpu-b", "INFO later"))
-        started = time.monotonic()
-        while time.monotonic() - started < PANEL_SECONDS + 2 * FRAME_SECONDS_MAX:
-            emit(TokenStreamed(RUN_ID, 100 + step, 100 + step, " x"))
-            step += 1
-            await asyncio.sleep(0.02)
+        await stream(app, PANEL_SECONDS + 2 * FRAME_SECONDS_MAX, step)
         await drawn(app)
         assert any("later" in line for line in logged()), "a line waits LOG_SECONDS_MAX at most"
 
@@ -461,21 +472,11 @@ async def test_the_stop_key_is_dimmed_and_lit_without_composing_the_footer_anew(
             return next(key for key in app.query(FooterKey) if key.action == "stop")
 
         keys = list(app.query(FooterKey))
-        layouts = 0
-        laid_out = app.screen._refresh_layout
-
-        def counted_layout(*args: object, **kwargs: object) -> None:
-            nonlocal layouts
-            layouts += 1
-            laid_out(*args, **kwargs)  # type: ignore[arg-type]
-
-        app.screen._refresh_layout = counted_layout  # type: ignore[method-assign]
+        layouts = counted_layouts(app)
         for active in (False, True, False):
             app.prompt_active = active
             await pilot.pause()
             await pilot.pause()
             assert stop_key().has_class("-disabled") is not active
         assert list(app.query(FooterKey)) == keys, "the same keys, restyled"
-        assert layouts == 0, f"{layouts} layout passes for the stop key"
-        await pilot.press("escape")  # dimmed: nothing is generating, and it says so
-        await pilot.pause()
+        assert layouts[0] == 0, f"{layouts[0]} layout passes for the stop key"
