@@ -7,6 +7,9 @@ ggufpipe-agent --listen ADDR        started by hand: wait for an orchestrator on
                                     must prove it holds the listen key first
 ggufpipe-agent --share-process      on stdio, and further stages of the same
                                     orchestrator may attach to this process
+ggufpipe-agent --check              import everything the agent needs and say
+                                    whether this host can run it (exit 0) or
+                                    which module fails (exit 1)
 ggufpipe-agent bridge ENDPOINT      copy stdin/stdout to a local socket (the
                                     orchestrator's data channel over SSH)
 ggufpipe-agent receive [--cache-dir DIR]
@@ -104,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         "attached on a socket in its private directory with the secret its Hello names "
         "(inventory share_process: true; they end with this process)",
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="import every module the agent can reach and every package it needs, print one "
+        "line saying whether this host can run it (exit 0) or the first module that fails "
+        "(exit 1), and exit. Every agent start makes the cheap part of this check (each "
+        "package is installed) before its Hello",
+    )
     parser.add_argument("--cache-dir", type=Path, help="stage file cache directory")
     parser.add_argument("-v", "--verbose", action="store_true", help="also log llama.cpp's own messages")
     parser.add_argument(
@@ -112,6 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         version=f"ggufpipe-agent {__version__} (protocol {PROTOCOL_VERSION})",
     )
     options = parser.parse_args(args)
+    from ggufpipe_agent import selfcheck
+
+    if options.check:
+        return selfcheck.check_main()
+    problem = selfcheck.missing()
+    if problem is not None:
+        # Before any Hello: the orchestrator names the host and this module.
+        print(f"{problem.describe()}; install ggufpipe's dependencies for {sys.executable}", file=sys.stderr)
+        return 3
     if options.listen:
         from ggufpipe_agent.bridge import parse_endpoint
 

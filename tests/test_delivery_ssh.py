@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from ggufpipe_tui.core.inventory import load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.session.stages import PipelineError
 from tests.conftest import REPO, whole_model_greedy
-from tests.hostaccount import ACCOUNT, HostAccount, make_account, remove_account
+from tests.hostaccount import ACCOUNT, HostAccount, install_agent, make_account, remove_account, wheelhouse
 from tests.splitset import write_split_set
 from tests.sshd import Sshd, sshd_missing
 
@@ -319,6 +320,32 @@ def test_a_full_disk_on_the_host_is_one_clear_error(tmp_path, server, account, p
         assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr, done.stderr
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_a_host_lacking_a_package_is_named_before_any_stage_loads(tmp_path, server, account, private_model, none_left):
+    """A venv with ggufpipe and every dependency but gguf (which the agent
+    imports only when it reads a stage file): the run fails at once, naming
+    the host and the module, and no stage file is sent."""
+    deps, wheel, _ = wheelhouse()
+    venv = account.home / "venv-without-gguf"
+    try:
+        install_agent(account, venv, deps, wheel, key="", skip="gguf")
+    finally:
+        shutil.rmtree(wheel.parent, ignore_errors=True)
+    lacking = f"{venv}/bin/python -m ggufpipe_agent"
+    hosts = {"gpu-a": host(server, account, "~/lacking/a", agent=lacking), "gpu-b": host(server, account, "~/lacking/b")}
+    path = inventory(tmp_path / "inv.yaml", private_model, hosts, [{"host": "gpu-a"}, {"host": "gpu-b"}], send=True)
+    done = headless(path)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    where = f"{account.name}@127.0.0.1:{server.port}"
+    assert last.startswith(f"ggufpipe: error: stage 0 on gpu-a ({where}): the agent '{lacking}' on gpu-a cannot run"), last
+    assert "module 'gguf' (imported by ggufpipe_agent.arch) is not installed" in last, last
+    assert f"{lacking} --check" in last, last
+    assert cache_files(account.home / "lacking" / "a") == [] and cache_files(account.home / "lacking" / "b") == []
+    assert "Traceback" not in done.stderr, done.stderr
+    check = account.run(f"{venv}/bin/python", "-m", "ggufpipe_agent", "--check", check=False)
+    assert check.returncode == 1 and "module 'gguf'" in check.stderr, check
 
 
 # ------------------------------------------------------ the hosts' own copies

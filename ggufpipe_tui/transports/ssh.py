@@ -29,7 +29,7 @@ from typing import Any
 
 import asyncssh
 
-from ggufpipe_agent import credential
+from ggufpipe_agent import __version__, credential, selfcheck
 from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.protocol import Hello
 from ggufpipe_tui.core.inventory import HostSpec
@@ -188,6 +188,14 @@ class SshAgent(AgentLink):
                 f"{self.host.agent} --listen {listen}"
             )
         status = self._status()
+        unfit = [line for line in self.stderr_tail if selfcheck.MARKER in line]
+        if unfit:
+            said = unfit[-1].split(selfcheck.MARKER, 1)[1].strip()
+            return TransportError(
+                f"{self.label}: the agent '{self.host.agent}' on {name} cannot run: {said}. To fix: "
+                f"install ggufpipe=={__version__} with its dependencies in that Python's venv, and check "
+                f"with: {self.host.agent} --check"
+            )
         if process.exit_status == 127 or any(marker in lines for marker in MISSING_MARKERS):
             return TransportError(
                 f"{self.label}: the agent command '{self.host.agent}' is not available on {name}"
