@@ -35,6 +35,22 @@ class Message:
         REGISTRY[cls.tag] = cls
 
 
+def text_problem(text: str) -> str:
+    """Why ``text`` cannot travel as a msgpack string ('' when it can): JSON
+    and Python strings may hold lone surrogates (U+D800-U+DFFF, and the bytes
+    a non-UTF-8 argument decodes to), which are not Unicode text and which
+    UTF-8 cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        where = error.start
+        code = ord(text[where])
+        if 0xDC80 <= code <= 0xDCFF:  # a byte of a non-UTF-8 argument (surrogateescape)
+            return f"byte 0x{code - 0xDC00:02x} at character {where} is not UTF-8"
+        return f"a lone surrogate U+{code:04X} at character {where} is not Unicode text"
+    return ""
+
+
 def to_plain(value: Any, text_bytes: bool = False) -> Any:
     """Dataclasses as maps of their fields and tuples as lists, recursively:
     what msgpack writes on the wire and what the run log writes as JSON. Bytes
@@ -124,6 +140,11 @@ class Bounds:
     containers: int = 256
 
 
+#: The most tokens a Tokenized reply carries: an agent refuses to tokenize a
+#: longer prompt (RequestFailed) instead of sending what its peer would take
+#: for a corrupt stream. Far above any context a stage holds.
+MAX_PROMPT_TOKENS = 1 << 22
+
 #: Every message is small but these: a vocabulary of a few hundred thousand
 #: pieces and a chat template (ModelInfo), a prompt's text, tokens and turns.
 SMALL = Bounds()
@@ -137,7 +158,7 @@ BOUNDS: dict[str, Bounds] = {
     # A conversation: one map per message (a long chat or an API client's
     # history of thousands of turns is still far below 1 MiB per thousand).
     "Tokenize": Bounds(str_len=32 << 20, array_len=1 << 16, containers=(1 << 16) + 8),
-    "Tokenized": Bounds(str_len=32 << 20, array_len=1 << 22),
+    "Tokenized": Bounds(str_len=32 << 20, array_len=MAX_PROMPT_TOKENS),
 }
 HEAD_LIMITS = {"max_str_len": 64, "max_bin_len": 0, "max_array_len": 2, "max_map_len": 0, "max_ext_len": 0}
 

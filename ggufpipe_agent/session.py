@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ggufpipe_agent import objects
+from ggufpipe_agent.codec import MAX_PROMPT_TOKENS
 from ggufpipe_agent.delivery import answer_cache_request, serve_delivery
 from ggufpipe_agent.deliverywire import CacheRequest, ReceiveStage
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
@@ -504,6 +505,12 @@ def _answer(request: Inspect | Tokenize | CacheRequest, cache_dir: Path | None) 
         return ModelInfo(request.request_id, facts, pieces, model_identity(facts.path))
     vocab = vocabulary(facts.path)
     tokens, rendered = vocab.prompt_tokens(facts.chat_template, request.text, request.chat, request.messages)
+    if len(tokens) > MAX_PROMPT_TOKENS:
+        # Refused here: a reply this long would break the control stream.
+        return RequestFailed(
+            request.request_id,
+            f"the prompt is {len(tokens)} tokens, more than any context holds (at most {MAX_PROMPT_TOKENS})",
+        )
     return Tokenized(request.request_id, tuple(tokens), rendered)
 
 

@@ -7,11 +7,10 @@ A provision that fails is refused whole; nothing of it reaches a stage run.
 
 from __future__ import annotations
 
-import math
-
 from ggufpipe_agent import objects
 from ggufpipe_agent.errors import CacheError
 from ggufpipe_agent.protocol import ProvisionStage
+from ggufpipe_agent.wiretypes import sampling_problem
 
 #: Bounds on what a provision may ask for: far above any real model, far
 #: below what would overflow a wire field or exhaust memory.
@@ -70,12 +69,9 @@ def _field_problem(p: ProvisionStage) -> str:
     if not -1 <= engine.gpu_layers < 1 << 31:
         return f"gpu_layers {engine.gpu_layers} is out of range"
     sampling = p.sampling
-    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
-        return f"temperature {sampling.temperature} is not a finite number >= 0"
-    if not math.isfinite(sampling.top_p):
-        return f"top_p {sampling.top_p} is not a finite number"
-    if not 0 <= sampling.top_k < 1 << 31:
-        return f"top_k {sampling.top_k} is out of range"
+    field, problem = sampling_problem(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+    if field:
+        return f"{field} {problem}"
     offer = p.reuse
     if not fits_bits(offer.run_id, 64) or not 0 <= offer.positions <= model.max_seq_len:
         return f"a prefix offer of {offer.positions} positions of run {offer.run_id} is out of bounds"

@@ -6,6 +6,7 @@ reference. Frozen dataclasses, written by the codec as maps of their fields;
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ggufpipe_agent.stagecache import StageKey
@@ -102,6 +103,28 @@ class SamplingParams:
     top_k: int = 40
     top_p: float = 0.95
     seed: int = 0
+
+
+#: The sampling a stage accepts, one definition for both sides: the agent
+#: refuses a provision outside it (validation.py) and the orchestrator refuses
+#: a user's or an HTTP request's values outside it before any run is made.
+TEMPERATURE_MAX = 1e6
+TOP_K_MAX = (1 << 31) - 1  # llama_sampler_init_top_k takes an int32
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # the API's range; llama.cpp takes the low 32 bits
+
+
+def sampling_problem(temperature: float, top_k: int, top_p: float, seed: int) -> tuple[str, str]:
+    """(field, what is wrong) for sampling a stage would refuse; ("", "") when sound."""
+    if not (isinstance(temperature, int | float) and math.isfinite(temperature) and
+            0 <= temperature <= TEMPERATURE_MAX):
+        return "temperature", f"{temperature!r} is not a finite number in [0, {TEMPERATURE_MAX:g}]"
+    if not (isinstance(top_k, int) and 0 <= top_k <= TOP_K_MAX):
+        return "top_k", f"{top_k!r} is not an integer in [0, {TOP_K_MAX}]"
+    if not (isinstance(top_p, int | float) and math.isfinite(top_p) and 0 < top_p <= 1):
+        return "top_p", f"{top_p!r} is not a number in (0, 1]"
+    if not (isinstance(seed, int) and SEED_MIN <= seed <= SEED_MAX):
+        return "seed", f"{seed!r} is not an integer in [{SEED_MIN}, {SEED_MAX}]"
+    return "", ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,10 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from ggufpipe_agent import __version__
+from ggufpipe_agent.codec import text_problem
 from ggufpipe_agent.errors import GgufpipeError
 
 DESCRIPTION = """\
@@ -16,7 +18,8 @@ Reads INVENTORY (model, hosts, stages), starts one ggufpipe-agent per stage
 (as a local process or over SSH), loads each stage's layer range with
 llama.cpp, and streams the generated text.
 
-Without --prompt it opens the terminal UI; with --prompt it runs headless;
+Without --prompt it opens the terminal UI; with --prompt (or --prompt-file) it
+runs headless;
 with --serve HOST:PORT it serves the OpenAI API (chat completions and
 completions, streamed or not) until SIGTERM; with --plan it prints the plan
 (each stage's layers and the memory it needs and has on its host) and exits
@@ -68,7 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("inventory", metavar="INVENTORY", help="inventory YAML file")
-    parser.add_argument("--prompt", metavar="TEXT", help="run this prompt headless and exit")
+    parser.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        help="run this prompt headless and exit ('-': read it from standard input, so that it is "
+        "not visible in ps)",
+    )
+    parser.add_argument(
+        "--prompt-file", metavar="PATH", help="run the prompt in this UTF-8 file headless and exit"
+    )
     parser.add_argument(
         "--plan",
         action="store_true",
@@ -140,6 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def read_prompt(path: str | None) -> str:
+    """A prompt from a file, or standard input when ``path`` is None, as UTF-8."""
+    where = path or "standard input"
+    try:
+        data = Path(path).read_bytes() if path else sys.stdin.buffer.read()
+    except OSError as error:
+        raise GgufpipeError(f"--prompt-file {path}: cannot read ({error.strerror or error})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise GgufpipeError(f"the prompt in {where} is not UTF-8 (byte {error.start})") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     if given[:1] == ["cache"]:
@@ -148,8 +172,19 @@ def main(argv: list[str] | None = None) -> int:
         return cache_main(given[1:])
     parser = build_parser()
     args = parser.parse_args(given)
+    if args.prompt is not None and args.prompt_file is not None:
+        parser.error("--prompt and --prompt-file: one or the other")
+    if args.prompt_file is not None or args.prompt == "-":
+        try:
+            args.prompt = read_prompt(args.prompt_file)
+        except GgufpipeError as error:
+            print(f"ggufpipe: error: {error}", file=sys.stderr)
+            return 2
     if args.serve is not None and args.prompt is not None:
         parser.error("--serve and --prompt: one or the other")
+    if args.prompt is not None and (problem := text_problem(args.prompt)):
+        print(f"ggufpipe: error: --prompt: {problem}", file=sys.stderr)
+        return 2
     if args.queue < 0:
         parser.error("--queue: must not be negative")
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, stream=sys.stderr)

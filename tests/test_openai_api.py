@@ -81,6 +81,16 @@ def test_a_completion_prompt_is_text_or_token_ids():
         ({"messages": HELLO, "stream": "yes"}, "stream", "true or false"),
         ({"messages": HELLO, "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
         ({"messages": HELLO, "model": 3}, "model", "a string"),
+        # What the stages refuse is refused here, by the same definition.
+        ({"messages": HELLO, "temperature": float("nan")}, "temperature", "a finite number"),
+        ({"messages": HELLO, "top_p": float("inf")}, "top_p", "a finite number"),
+        ({"messages": HELLO, "top_k": 1 << 31}, "top_k", "not in [0, 2147483647]"),
+        ({"messages": HELLO, "seed": 1 << 63}, "seed", "is not in"),
+        # Text that UTF-8 cannot carry to a stage.
+        ({"messages": [{"role": "user", "content": "a \ud800 b"}]}, "messages[0].content", "lone surrogate U+D800"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+         "messages[0].content[0]", "lone surrogate U+DFFF at character 0"),
+        ({"messages": HELLO, "stop": ["ok", "\udc80"]}, "stop", "is not UTF-8"),
     ],
 )
 def test_a_malformed_chat_request_is_refused_by_name(body, param, words):
@@ -91,7 +101,7 @@ def test_a_malformed_chat_request_is_refused_by_name(body, param, words):
     assert error.body() == {"error": {"message": error.message, "type": "invalid_request_error", "param": param, "code": None}}
 
 
-@pytest.mark.parametrize("prompt", [None, 5, [], ["a", "b"], [[1], [2]], [-1], [1, "a"]])
+@pytest.mark.parametrize("prompt", [None, 5, [], ["a", "b"], [[1], [2]], [-1], [1, "a"], "x \udfff y", ["\ud800"]])
 def test_a_malformed_completion_prompt_is_refused(prompt):
     body = {} if prompt is None else {"prompt": prompt}
     with pytest.raises(ApiError, match="prompt"):

@@ -199,11 +199,43 @@ async def test_a_prompt_sets_its_max_tokens_and_bad_options_fail_alone():
     bad = pipeline.queue.submit(Prompt(text="b", options=RunOverrides(temperature=-1.0)))
     after = pipeline.queue.submit(Prompt(text="c"))
     assert (await asyncio.wait_for(short.result(), 5)).tokens == (9,)
-    with pytest.raises(PipelineError, match="temperature: must not be negative"):
+    with pytest.raises(PipelineError, match=r"temperature: -1.0 is not a finite number in \[0, 1e\+06\]"):
         await asyncio.wait_for(bad.result(), 5)
     assert (await asyncio.wait_for(after.result(), 5)).tokens == (9, 10, 11)
     pipeline.queue.stop("done")
     await asyncio.wait_for(serving, 2)
+
+
+async def test_text_that_cannot_reach_a_stage_fails_alone():
+    pipeline = FakePipeline(prepare_ahead=True)
+    serving = await served(pipeline)
+    bad = pipeline.queue.submit(Prompt(text="x \udfff y"))
+    message = pipeline.queue.submit(Prompt(messages=(ChatMessage("user", "\ud800"),), chat=True))
+    after = pipeline.queue.submit(Prompt(text="c"))
+    with pytest.raises(PipelineError, match="the prompt: a lone surrogate U[+]DFFF at character 2"):
+        await asyncio.wait_for(bad.result(), 5)
+    with pytest.raises(PipelineError, match=r"message 0 \(user\): a lone surrogate"):
+        await asyncio.wait_for(message.result(), 5)
+    assert (await asyncio.wait_for(after.result(), 5)).tokens
+    pipeline.queue.stop("done")
+    await asyncio.wait_for(serving, 2)
+
+
+async def test_a_bug_in_the_queue_fails_every_prompt_instead_of_leaving_them_waiting(monkeypatch):
+    pipeline = FakePipeline(prepare_ahead=True)
+
+    async def broken(*args, **kwargs):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(pipeline.queue, "_tokens", broken)
+    serving = await served(pipeline)
+    first = pipeline.queue.submit(Prompt(text="a"))
+    waiting = pipeline.queue.submit(Prompt(text="b"))
+    for handle in (first, waiting):
+        with pytest.raises(PipelineError, match="internal error in the run queue: ValueError: a bug"):
+            await asyncio.wait_for(handle.result(), 5)
+    await asyncio.wait_for(serving, 2)
+    assert pipeline.queue.stopped.startswith("internal error")
 
 
 async def test_a_reply_that_cannot_fit_is_refused_before_or_shortened():

@@ -18,6 +18,7 @@ import yaml
 
 from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_agent.wiretypes import sampling_problem
 
 ACTIVATION_DTYPES = ("float32", "float16")
 #: How activations move between stages (``data:``, globally or per host):
@@ -393,12 +394,10 @@ def check_run_options(run: RunOptions, fail: Callable[[str, str], Exception]) ->
     """Range checks shared by the inventory and the command line."""
     if run.max_tokens < 1:
         raise fail("max_tokens", "must be at least 1")
-    if run.temperature < 0:
-        raise fail("temperature", "must not be negative")
-    if run.top_k < 0:
-        raise fail("top_k", "must not be negative")
-    if not 0 < run.top_p <= 1:
-        raise fail("top_p", "must be in (0, 1]")
+    # Exactly what a stage accepts (one definition, ggufpipe_agent.wiretypes).
+    key, problem = sampling_problem(run.temperature, run.top_k, run.top_p, run.seed)
+    if key:
+        raise fail(key, problem)
     if run.context < 16:
         raise fail("context", "must be at least 16")
     if run.ubatch < 1:

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
+from ggufpipe_agent.codec import text_problem
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.protocol import ChatMessage, SamplingParams
 from ggufpipe_tui.core.events import Event, PromptAssigned, RunResult
@@ -298,6 +300,9 @@ class RunQueue:
                     break
         except GgufpipeError as error:
             reason = str(error)
+        except Exception as error:  # a bug: said, and every prompt fails instead of waiting forever
+            logging.getLogger(__name__).exception("the run queue failed")
+            reason = f"internal error in the run queue: {type(error).__name__}: {error}"
         finally:
             # Cancelled (the pipeline closing) or stopped: the prompt taken
             # from the queue must not be left waiting for its result.
@@ -337,6 +342,13 @@ class RunQueue:
         if prompt.tokens is not None:
             tokens = list(prompt.tokens)
         else:
+            for what, text in (("the prompt", prompt.text), *(
+                (f"message {index} ({message.role})", message.content)
+                for index, message in enumerate(prompt.messages)
+            )):
+                problem = text_problem(text)
+                if problem:
+                    raise PipelineError(f"not run: {what}: {problem}")
             chat = self.pipeline.inventory.run.chat if prompt.chat is None else prompt.chat
             tokens, _ = await self.pipeline.tokenize(prompt.text, chat, prompt.messages)
         return tokens, reply_limit(prompt, len(tokens), options, plan.model.max_seq_len)

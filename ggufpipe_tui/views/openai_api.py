@@ -17,13 +17,16 @@ with a 400: anything this server cannot honour (tools, logprobs, n > 1, ...).
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ggufpipe_agent.codec import text_problem
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.protocol import ChatMessage
+from ggufpipe_agent.wiretypes import SEED_MAX, SEED_MIN, TOP_K_MAX
 from ggufpipe_tui.session.runs import RunOverrides
 
 #: The most stop strings a request may give (OpenAI allows 4).
@@ -152,23 +155,31 @@ def _message(item: object, where: str) -> ChatMessage:
     return ChatMessage(ROLES[role], _content(item.get("content"), f"{where}.content"))
 
 
+def _text(text: str, where: str) -> str:
+    """Text that can reach the stages, or a 400 naming the field."""
+    problem = text_problem(text)
+    if problem:
+        raise bad(where, problem)
+    return text
+
+
 def _content(content: object, where: str) -> str:
     if isinstance(content, str):
-        return content
+        return _text(content, where)
     if isinstance(content, list):
         parts = []
         for index, part in enumerate(content):
             text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
             if not isinstance(text, str):
                 raise bad(f"{where}[{index}]", "only text parts {'type': 'text', 'text': ...} are supported")
-            parts.append(text)
+            parts.append(_text(text, f"{where}[{index}]"))
         return "".join(parts)
     raise bad(where, "a string or a list of text parts is required")
 
 
 def _prompt(value: object) -> tuple[str, tuple[int, ...] | None]:
     if isinstance(value, str):
-        return value, None
+        return _text(value, "prompt"), None
     if isinstance(value, list) and value and all(_is_int(v) for v in value):
         return "", tuple(_token(v) for v in value)
     if isinstance(value, list) and len(value) == 1:
@@ -194,6 +205,8 @@ def _number(
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad(name, f"a number is required, not {value!r}")
+    if not math.isfinite(value):  # Python's JSON reads NaN and Infinity
+        raise bad(name, f"a finite number is required, not {value!r}")
     if value < low or value > high or (low_open and value == low):
         bound = "(" if low_open else "["
         raise bad(name, f"{value!r} is not in {bound}{low:g}, {high:g}]")
@@ -219,6 +232,8 @@ def _stops(value: object) -> tuple[str, ...]:
         raise bad("stop", "a string or a list of strings is required")
     if len(stops) > MAX_STOPS:
         raise bad("stop", f"at most {MAX_STOPS} stop strings, not {len(stops)}")
+    for stop in stops:
+        _text(stop, "stop")
     return tuple(s for s in stops if s)  # an empty stop string stops nothing (as llama.cpp)
 
 
@@ -252,9 +267,9 @@ def _request(
     options = RunOverrides(
         max_tokens=max_tokens,
         temperature=_number(fields, "temperature", 0.0, 2.0),
-        top_k=_integer(fields, "top_k", 0, 1 << 31),
+        top_k=_integer(fields, "top_k", 0, TOP_K_MAX),
         top_p=_number(fields, "top_p", 0.0, 1.0, low_open=True),
-        seed=_integer(fields, "seed", -INT64, INT64 - 1),
+        seed=_integer(fields, "seed", SEED_MIN, SEED_MAX),
     )
     return Request(chat, messages, prompt, tokens, options, _stops(fields.get("stop")), stream, include_usage)
 

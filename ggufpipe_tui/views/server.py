@@ -12,7 +12,13 @@ with it, and a reply that cannot fit the context is refused before it runs
 
 Bounds: at most ``queue`` requests wait behind the running one (a 503 past
 that, never a hang); a client that goes away stops its run or withdraws its
-prompt (aiohttp cancels its handler); ``stop`` strings are applied here as
+prompt (aiohttp cancels its handler); a connection that sends no whole
+request head for :data:`IDLE_SECONDS` is closed, a body that takes more than
+:data:`BODY_SECONDS` is a 408. A bad request is that request's 4xx and
+nothing more: every field is checked to exactly what the stages accept (the
+sampling ranges of :mod:`ggufpipe_agent.wiretypes`, text that UTF-8 can
+carry), a prompt too long for any context is refused by the stage that
+tokenizes it, and a bug in a handler is a 500 for that request alone; ``stop`` strings are applied here as
 the text streams, and the run is stopped at the first one. SIGTERM or SIGINT:
 stop listening, answer what waits with a 503, give the running request
 :data:`SHUTDOWN_GRACE` seconds to finish, stop it, tear every stage down,
@@ -60,6 +66,12 @@ from ggufpipe_tui.views.headless import EXIT_FAULTED, EXIT_OK, EXIT_SETUP, Print
 SHUTDOWN_GRACE = 10.0
 #: The largest request body (a long conversation is a few hundred KiB).
 MAX_BODY = 8 * 1024 * 1024
+#: A connection that has not sent a whole request head within this many
+#: seconds (from its start, or from the end of its last answer) is closed, so
+#: silent sockets cannot pile up to the process's file limit.
+IDLE_SECONDS = 15.0
+#: The most seconds a request's body may take to arrive.
+BODY_SECONDS = 30.0
 STOP_WORDS = {"eos": "stop", "max_tokens": "length"}
 
 
@@ -131,7 +143,8 @@ class Server:
             if request.path.startswith("/v1/") and self.api_key:
                 given = request.headers.get("Authorization", "")
                 expected = f"Bearer {self.api_key}"
-                if not hmac.compare_digest(given.encode(), expected.encode()):
+                # A header of bytes that are not UTF-8 arrives with surrogates in it.
+                if not hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode()):
                     problem = "a missing" if not given else "an invalid"
                     message = f"{problem} API key (Authorization: Bearer KEY)"
                     raise api.ApiError(401, message, code="invalid_api_key")
@@ -146,6 +159,10 @@ class Server:
             message = f"{request.method} {request.path}: {error.reason}"
             self._log_refusal(request, error.status, error.reason)
             return web.json_response(api.error_body(message, kind), status=error.status)
+        except Exception as error:  # a bug of ours: this request fails, the server goes on
+            self.log(f"internal error on {request.method} {request.path}: {type(error).__name__}: {error}")
+            body = api.error_body(f"internal error: {type(error).__name__}", "server_error")
+            return web.json_response(body, status=500)
 
     def _log_refusal(self, request: web.Request, status: int, why: str) -> None:
         self.log(f"{request.remote} {request.method} {request.path} {status}: {why}")
@@ -199,8 +216,12 @@ class Server:
 
     async def _body(self, request: web.Request) -> object:
         try:
-            return await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raw = await asyncio.wait_for(request.read(), BODY_SECONDS)
+        except asyncio.TimeoutError:
+            raise api.ApiError(408, f"the request body took more than {BODY_SECONDS:g} s to arrive") from None
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
             raise api.ApiError(400, f"the request body is not JSON: {error}") from None
 
     # ---------------------------------------------------------- completions
@@ -430,7 +451,13 @@ async def run_server(
     printer = ServerPrinter(inventory, err, verbose, quiet)
     pipeline = Pipeline(inventory, printer, log_dir=log_dir, prepare_ahead=True)
     server = Server(pipeline, inventory, api_key=api_key, queue=queue, err=err)
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    runner = web.AppRunner(
+        server.app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=5.0,
+        keepalive_timeout=IDLE_SECONDS,
+    )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for number in (signal.SIGTERM, signal.SIGINT):
