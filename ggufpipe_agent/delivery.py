@@ -61,6 +61,7 @@ from ggufpipe_agent.receive import (
 )
 from ggufpipe_agent.receiver import MAX_CHUNK, StageFileReceiver
 from ggufpipe_agent.stagecache import (
+    check_entry,
     free_bytes,
     private_cache_dir,
     remove_entry,
@@ -184,8 +185,9 @@ async def _close(
 
 def received_stage_file(cache_dir: Path | None, provision: ProvisionStage) -> Path:
     """The delivered stage file a provision names, checked before it loads:
-    the entry of its key, vouched for by its sidecar (a stat, or a re-hash
-    when the stat differs), of the size and digest that were sent, and a
+    the entry of its key, vouched for by its sidecar (a stat and sampled
+    blocks, or a re-hash when the stat differs; a damaged entry is removed and
+    refused, naming it), of the size and digest that were sent, and a
     header whose block count and width are the plan's."""
     p = provision
     ref = p.stage_file
@@ -202,7 +204,7 @@ def received_stage_file(cache_dir: Path | None, provision: ProvisionStage) -> Pa
         )
     directory = private_cache_dir(cache_directory(cache_dir))
     target = directory / key.file_name
-    sidecar = verify_entry(target)
+    sidecar = check_entry(target)  # damaged: EntryDamaged, naming the file and what to do
     if (
         sidecar is None
         or sidecar.key != key

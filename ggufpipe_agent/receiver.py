@@ -69,6 +69,7 @@ from ggufpipe_agent.stagecache import (
     new_digest,
     private_cache_dir,
     read_private_json,
+    record_entry,
     remove_entry,
     remove_orphans,
     reserve,
@@ -76,7 +77,6 @@ from ggufpipe_agent.stagecache import (
     touch,
     verify_entry,
     write_all,
-    write_sidecar,
     write_small_file,
 )
 
@@ -435,10 +435,9 @@ class StageFileReceiver:
         boot = boot_id()
         if not boot:  # nothing would tell a use after a crash to check it
             os.fsync(self._fd)
-        info = os.fstat(self._fd)
+        inode = os.fstat(self._fd).st_ino
         os.replace(self.partial, self.target)
-        sidecar = Sidecar(actual, self.size, info.st_mtime_ns, info.st_ino, self.key, unsynced_boot=boot)
-        write_sidecar(self.target, sidecar)
+        record_entry(self.target, Sidecar(actual, self.size, 0, inode, self.key, unsynced_boot=boot))
         self.record.unlink(missing_ok=True)
         fsync_directory(self.directory)
         self._release()

@@ -4,8 +4,9 @@ Layout, in one directory (``$GGUFPIPE_CACHE_DIR``, default
 ``~/.cache/ggufpipe/stages``)::
 
     NAME.gguf             a complete stage file (mode 0600)
-    NAME.gguf.json        its sidecar: digest, size, mtime_ns, inode, format,
-                          the model's identity and range, the source files
+    NAME.gguf.json        its sidecar: digest, size, mtime_ns, ctime_ns, inode,
+                          sampled blocks' digests, format, the model's
+                          identity and range, the source files
     NAME.gguf.partial     a transfer in progress (ggufpipe_agent.receiver)
     NAME.gguf.partial.json  how much of it is verified
     .NAME.gguf.PID.RANDOM[.json].tmp   a writer's temporary
@@ -21,10 +22,16 @@ is tightened to 0700). Every file is created with ``O_CREAT | O_EXCL |
 O_NOFOLLOW`` under a random name and renamed into place, so nothing planted
 at a predictable name (a symlink included) is followed or trusted; files are
 0600 whatever the umask or the source's mode. An entry is used only when its
-sidecar vouches for it: by default a stat (size, mtime_ns, inode) against the
-sidecar; any mismatch re-hashes the file, and an entry whose digest does not
-match, or that has no readable sidecar, is removed (logged) so that it is
-written again.
+sidecar vouches for it (:func:`check_entry`, before every use): a stat (size,
+mtime_ns, ctime_ns, inode) against what the sidecar recorded when the file was
+written or last verified, and the digests of a few sampled blocks (first,
+last, pseudo-random ones keyed by the entry: 1 MiB in all). Any stat
+difference (a write leaves a new ctime even when the mtime is set back), a
+sampled block that differs, or a sidecar of version 1 (no ctime, no samples)
+re-hashes the whole file: a match renews the sidecar, a mismatch removes the
+entry (so it is written or sent again) and is refused with the file, the
+cache and what to do (:class:`EntryDamaged`). An entry without a readable
+sidecar is not trusted (callers remove it).
 
 The digest is :mod:`ggufpipe_agent.digest`'s: SHA-256 over the SHA-256 of each
 1 MiB leaf, so writing, sending and receiving each hash every byte once.
@@ -45,7 +52,7 @@ import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ggufpipe_agent.digest import ALGORITHM, FileDigest, digest_descriptor
 from ggufpipe_agent.errors import CacheError, DiskFull
@@ -54,7 +61,14 @@ from ggufpipe_agent.modelfiles import SourceFile
 log = logging.getLogger("ggufpipe.cache")
 
 DIGEST_ALGORITHM = ALGORITHM
-SIDECAR_VERSION = 1
+#: 2 adds ``ctime_ns`` and ``samples``; a version-1 sidecar is still read, and
+#: its entry re-hashed once at its next use (then recorded as version 2).
+SIDECAR_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
+#: The cheap check before every use: this many blocks of this size (the first,
+#: the last and pseudo-random ones keyed by the entry), 1 MiB in all.
+SAMPLE_BLOCK = 64 << 10
+SAMPLE_COUNT = 16
 SIDECAR_SUFFIX = ".json"
 PARTIAL_SUFFIX = ".partial"
 _LABEL = re.compile(r"[^A-Za-z0-9_-]+")
@@ -134,6 +148,13 @@ class Sidecar:
     #: after a reboot (a crash may have lost unwritten pages) the first use
     #: re-hashes the file (:func:`verify_entry`).
     unsynced_boot: str = ""
+    #: The file's ctime when it was written or last verified: nobody can set
+    #: it back, so any write since (an mtime restored with ``touch -d``
+    #: included) shows. 0: not recorded (a version-1 sidecar).
+    ctime_ns: int = 0
+    #: ``(offset, length, sha256 hex)`` of the sampled blocks
+    #: (:func:`sample_spans`), checked before every use.
+    samples: tuple[tuple[int, int, str], ...] = ()
 
 
 #: Linux's id of the running boot; another value after every reboot.
@@ -154,6 +175,13 @@ def boot_id() -> str:
 def private_cache_dir(path: str | os.PathLike[str]) -> Path:
     """The cache directory, created 0700 if missing; refused (CacheError naming
     it and why) when another user owns it or group or others may write in it."""
+    return private_directory(path, "stage cache", "cache_dir")
+
+
+def private_directory(path: str | os.PathLike[str], what: str, setting: str) -> Path:
+    """A directory of this user's that only it may write in (``what`` names
+    it in errors, ``setting`` is where the user chooses another), created
+    0700 if missing; made 0700 if others could read it."""
     directory = Path(path)
     try:
         missing = []
@@ -167,24 +195,24 @@ def private_cache_dir(path: str | os.PathLike[str]) -> Path:
                 os.chmod(level, 0o700)  # mkdir's mode passes through the umask
         info = os.stat(directory)
     except OSError as error:
-        raise CacheError(f"cannot create stage cache {directory}: {error.strerror}") from None
+        raise CacheError(f"cannot create {what} {directory}: {error.strerror}") from None
     if not stat.S_ISDIR(info.st_mode):
-        raise CacheError(f"stage cache {directory} is not a directory")
+        raise CacheError(f"{what} {directory} is not a directory")
     if info.st_uid != os.geteuid():
         raise CacheError(
-            f"stage cache {directory} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}); "
+            f"{what} {directory} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}); "
             "refusing to trust files another user could have put there "
-            "(set cache_dir to a directory of yours)"
+            f"(set {setting} to a directory of yours)"
         )
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o022:
         who = {0o020: "its group", 0o002: "others"}.get(mode & 0o022, "its group and others")
         raise CacheError(
-            f"stage cache {directory} is writable by {who} (mode {mode:04o}); refusing to trust files "
-            f"others could have put there (chmod 700 {directory}, or set cache_dir to a private directory)"
+            f"{what} {directory} is writable by {who} (mode {mode:04o}); refusing to trust files "
+            f"others could have put there (chmod 700 {directory}, or set {setting} to a private directory)"
         )
     if mode & 0o077:
-        log.info("stage cache %s was mode %04o; made private (0700)", directory, mode)
+        log.info("%s %s was mode %04o; made private (0700)", what, directory, mode)
         os.chmod(directory, 0o700)
     return directory
 
@@ -322,15 +350,71 @@ def write_stage_entry(
             raise CacheError(f"{target}: the stage file stream gave {written} bytes, not {size}")
         os.ftruncate(fd, size)
         os.fsync(fd)
-        info = os.fstat(fd)
+        inode = os.fstat(fd).st_ino
         os.replace(temporary, target)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
     finally:
         os.close(fd)
-    write_sidecar(target, Sidecar(digest.hexdigest(), size, info.st_mtime_ns, info.st_ino, key, sources))
+    record_entry(target, Sidecar(digest.hexdigest(), size, 0, inode, key, sources))
     return target
+
+
+def record_entry(target: Path, sidecar: Sidecar) -> Sidecar:
+    """Write the sidecar of a new entry: ``sidecar``'s digest, size, key,
+    sources and boot, with the file's stat taken now, after the rename that
+    made it the entry (a rename changes the ctime), and the digests of its
+    sampled blocks. ``sidecar.inode`` is the file that was written: another
+    one at ``target`` now is refused."""
+    fd = _open_entry(target)
+    try:
+        info = os.fstat(fd)
+        if info.st_ino != sidecar.inode or info.st_size != sidecar.size:
+            raise CacheError(f"{target} was replaced while it was being written; write or send it again")
+        samples = sample_digests(fd, sample_spans(sidecar.key, sidecar.size))
+    finally:
+        os.close(fd)
+    recorded = dataclasses.replace(
+        sidecar,
+        mtime_ns=info.st_mtime_ns,
+        ctime_ns=info.st_ctime_ns,
+        inode=info.st_ino,
+        samples=samples,
+        version=SIDECAR_VERSION,
+    )
+    write_sidecar(target, recorded)
+    return recorded
+
+
+def _open_entry(target: Path) -> int:
+    return os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def sample_spans(key: StageKey, size: int) -> tuple[tuple[int, int], ...]:
+    """The blocks the cheap check reads: ``(offset, length)`` of the first and
+    the last :data:`SAMPLE_BLOCK` bytes and of up to ``SAMPLE_COUNT - 2``
+    others at offsets drawn (4 KiB-aligned) from a hash of the entry's key
+    and size, so each entry has its own, the same at every check. A file of
+    at most ``SAMPLE_COUNT * SAMPLE_BLOCK`` bytes is one block: all of it."""
+    if size <= 0:
+        return ()
+    if size <= SAMPLE_COUNT * SAMPLE_BLOCK:
+        return ((0, size),)
+    last = size - SAMPLE_BLOCK
+    offsets = {0, last}
+    seed = f"{key.digest}|{size}".encode()
+    for index in range(SAMPLE_COUNT - 2):
+        draw = int.from_bytes(hashlib.sha256(seed + b"|%d" % index).digest()[:8], "big")
+        offsets.add(draw % (last + 1) // 4096 * 4096)
+    return tuple((offset, SAMPLE_BLOCK) for offset in sorted(offsets))
+
+
+def sample_digests(fd: int, spans: Iterable[tuple[int, int]]) -> tuple[tuple[int, int, str], ...]:
+    """``(offset, length, sha256 hex)`` of each block of an open file."""
+    return tuple(
+        (offset, length, hashlib.sha256(os.pread(fd, length, offset)).hexdigest()) for offset, length in spans
+    )
 
 
 # ------------------------------------------------------------ sidecars
@@ -389,53 +473,133 @@ def read_sidecar(target: Path) -> Sidecar | None:
     try:
         key = StageKey(**raw.pop("key"))
         sources = tuple(SourceFile(**source) for source in raw.pop("sources"))
-        sidecar = Sidecar(key=key, sources=sources, **raw)
-    except (TypeError, KeyError, AttributeError):
+        samples = tuple(_sample(sample) for sample in raw.pop("samples", ()))
+        sidecar = Sidecar(key=key, sources=sources, samples=samples, **raw)
+    except (TypeError, KeyError, AttributeError, ValueError):
         return None
-    if sidecar.version != SIDECAR_VERSION or sidecar.algorithm != DIGEST_ALGORITHM:
+    if sidecar.version not in _READABLE_VERSIONS or sidecar.algorithm != DIGEST_ALGORITHM:
         return None
     return sidecar
+
+
+def _sample(value: Any) -> tuple[int, int, str]:
+    offset, length, digest = value
+    if not (isinstance(offset, int) and isinstance(length, int) and isinstance(digest, str)):
+        raise ValueError("not a sample")
+    return offset, length, digest
 
 
 # ------------------------------------------------------------ checking
 
 
+class EntryDamaged(CacheError):
+    """A cache entry whose bytes are not the ones its sidecar vouches for.
+    It is removed before this is raised, so it is written or sent again."""
+
+
 def verify_entry(target: Path, full: bool = False) -> Sidecar | None:
-    """The sidecar of a trustworthy entry at ``target``, or None (missing,
-    not a regular file of ours, no valid sidecar, or contents that do not
-    match it). Cheap by default: a stat against the sidecar; a mismatch,
-    ``full``, or an entry whose bytes were not synced before a reboot since,
-    re-hashes the file (a match then renews the sidecar, synced)."""
+    """The sidecar of a trustworthy entry at ``target``, or None: missing,
+    not a regular file of ours, no valid sidecar, or damaged (then removed,
+    logged). :func:`check_entry` without the refusal."""
+    try:
+        return check_entry(target, full)
+    except EntryDamaged:
+        return None
+
+
+def check_entry(target: Path, full: bool = False) -> Sidecar | None:
+    """The sidecar of the entry at ``target``, checked before it is used.
+
+    None when there is nothing to vouch for (no file, not a regular file of
+    ours, no valid sidecar). Cheap when the file's size, mtime_ns, ctime_ns
+    and inode are the ones recorded: the sampled blocks' digests
+    (:func:`sample_spans`, about 1 MiB read). The whole file is re-hashed
+    when any of them changed, a sampled block differs, the sidecar is of
+    version 1 (nothing of that recorded), the bytes were not synced before a
+    reboot since, or ``full``. A match renews the sidecar (stat, samples,
+    synced); a mismatch removes the entry and raises :class:`EntryDamaged`
+    naming the file, the cache and what to do."""
     sidecar = read_sidecar(target)
     if sidecar is None:
         return None
     try:
-        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = _open_entry(target)
     except OSError:
         return None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
             return None
+        recorded = (sidecar.size, sidecar.mtime_ns, sidecar.ctime_ns, sidecar.inode)
+        found = (info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino)
         if stat.S_IMODE(info.st_mode) != 0o600:
-            os.fchmod(fd, 0o600)
-        recorded = (sidecar.size, sidecar.mtime_ns, sidecar.inode)
+            os.fchmod(fd, 0o600)  # a new ctime, but the stat above already differs
         rebooted = bool(sidecar.unsynced_boot) and sidecar.unsynced_boot != boot_id()
-        if (info.st_size, info.st_mtime_ns, info.st_ino) == recorded and not full and not rebooted:
-            return sidecar
-        if rebooted:
-            log.info("stage file %s was written before a reboot and never synced: checking it", target)
-        if info.st_size != sidecar.size or digest_descriptor(fd, info.st_size) != sidecar.digest:
-            log.warning("stage file %s does not match its recorded digest", target)
-            return None
+        legacy = sidecar.version < SIDECAR_VERSION or not sidecar.ctime_ns or not sidecar.samples
+        why = ""
+        if full:
+            why = "a full check"
+        elif rebooted:
+            why = "written before a reboot and never synced"
+        elif legacy:
+            why = "an entry of an older cache version, checked once"
+        elif found != recorded:
+            why = f"its {_changed(recorded, found)} changed since it was written or last verified"
+        else:
+            differs = _first_differing_sample(fd, sidecar.samples)
+            if differs is None:
+                return sidecar
+            why = f"its sampled block at byte {differs} is not the one recorded"
+        log.info("stage file %s: re-hashing it (%s)", target, why)
+        now = os.fstat(fd)  # what is recorded if it matches; a write during the hash shows next time
+        if info.st_size != sidecar.size:
+            _damaged(target, info.st_ino, f"{why}: {info.st_size} bytes, not the {sidecar.size} recorded")
+        if digest_descriptor(fd, info.st_size) != sidecar.digest:
+            _damaged(target, info.st_ino, f"{why}, and its digest is not the one recorded")
+        spans = [(offset, length) for offset, length, _ in sidecar.samples]
+        samples = sample_digests(fd, spans or sample_spans(sidecar.key, sidecar.size))
         if sidecar.unsynced_boot:
             os.fsync(fd)
     finally:
         os.close(fd)
-    renewed = dataclasses.replace(sidecar, mtime_ns=info.st_mtime_ns, inode=info.st_ino, unsynced_boot="")
+    renewed = dataclasses.replace(
+        sidecar,
+        mtime_ns=now.st_mtime_ns,
+        ctime_ns=now.st_ctime_ns,
+        inode=now.st_ino,
+        samples=samples,
+        unsynced_boot="",
+        version=SIDECAR_VERSION,
+    )
     if renewed != sidecar:
         write_sidecar(target, renewed)
     return renewed
+
+
+def _changed(recorded: tuple[int, ...], found: tuple[int, ...]) -> str:
+    names = ("size", "mtime", "ctime", "inode")
+    return ", ".join(name for name, a, b in zip(names, recorded, found, strict=True) if a != b)
+
+
+def _first_differing_sample(fd: int, samples: tuple[tuple[int, int, str], ...]) -> int | None:
+    for offset, length, expected in samples:
+        if hashlib.sha256(os.pread(fd, length, offset)).hexdigest() != expected:
+            return offset
+    return None
+
+
+def _damaged(target: Path, inode: int, why: str) -> NoReturn:
+    """Remove a damaged entry (the file checked, not one another writer has
+    put at its name since) and refuse it, saying what to do."""
+    log.warning("stage file %s does not match its recorded digest (%s)", target, why)
+    with contextlib.suppress(OSError):
+        if os.lstat(target).st_ino == inode:
+            remove_entry(target, "damaged: its contents do not match its recorded digest")
+    raise EntryDamaged(
+        f"{target}: the stage file in the stage cache {target.parent} is damaged ({why}); "
+        "the entry was removed so that the next start writes or sends it again "
+        "(`ggufpipe-tui cache INVENTORY verify` re-hashes every entry of the hosts' caches)"
+    )
 
 
 def remove_entry(target: Path, why: str) -> None:
