@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 from typing import IO
 
+from ggufpipe_agent.errors import CacheError
 from ggufpipe_agent.protocol import to_plain
+from ggufpipe_agent.stagecache import private_directory
 from ggufpipe_tui.core.events import AgentConnected, Event, StageStats, TokenStreamed
 
 
@@ -40,8 +42,10 @@ class RunLog:
     """Events before the first run (agents connecting, the model) are kept
     and written at the top of every run's log.
 
-    A log holds prompts and outputs: it is created 0600 (its directory 0700
-    when this creates it). Opening a run's log removes the oldest run logs
+    A log holds prompts and outputs: it is created 0600, in a directory of
+    this user's that no one else may write in (made 0700 when it is not;
+    refused, and the run goes on without a log, when another user owns it or
+    group or others may write in it). Opening a run's log removes the oldest run logs
     of the directory beyond ``keep`` files or ``keep_bytes`` bytes (only
     files named like run logs; the current one never)."""
 
@@ -68,7 +72,12 @@ class RunLog:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.path = self.directory / f"{stamp}-{run_id:016x}.jsonl"
         try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # Held to the stage cache's rules: this user's, written by no one else.
+            private_directory(self.directory, "run-log directory", "--log-dir or $GGUFPIPE_LOG_DIR")
+        except CacheError as error:
+            self.disable(str(error))
+            raise OSError(str(error)) from None
+        try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
             self._file = os.fdopen(os.open(self.path, flags, 0o600), "w", encoding="utf-8")
             for line in self._session:
