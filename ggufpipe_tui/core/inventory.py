@@ -7,6 +7,7 @@ names the file, the line and the key, e.g.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable
@@ -175,9 +176,18 @@ class _Reader:
     def scalar(self, node: yaml.Node, key: str, kind: type) -> Any:
         if not isinstance(node, yaml.ScalarNode):
             raise self.fail(node, key, f"expected {_kind_name(kind)}")
-        value = yaml.safe_load(yaml.serialize(node)) if node.value != "" else None
+        try:
+            value = yaml.safe_load(yaml.serialize(node)) if node.value != "" else None
+        except (yaml.YAMLError, ValueError, KeyError, AttributeError, TypeError):
+            # A tag that does not fit its text (!!bool maybe, !!int abc) or
+            # that safe_load does not construct (!custom, !!python/...).
+            got = f"{node.tag} {node.value!r}"
+            raise self.fail(node, key, f"expected {_kind_name(kind)}, got {got}") from None
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise self.fail(node, key, f"{node.value!r} is too large a number") from None
         if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
             value = str(node.value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -225,6 +235,8 @@ def parse_size(text: str) -> int:
     value = float(number) * scale
     if value < 1:
         raise ValueError(f"{text!r} is less than one byte")
+    if not math.isfinite(value) or value >= 1 << 62:
+        raise ValueError(f"{text!r} is more bytes than any host has")
     return int(value)
 
 
@@ -312,6 +324,8 @@ def parse_inventory(text: str, path: Path) -> Inventory:
     reader = _Reader(path)
     try:
         root = yaml.compose(text)
+    except RecursionError:
+        raise InventoryError(f"{path}:1: not valid YAML: nested too deeply") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = mark.line + 1 if mark is not None else 1
@@ -374,9 +388,9 @@ def parse_inventory(text: str, path: Path) -> Inventory:
     )
     check_run_options(inventory.run, lambda key, message: _run_error(top.get("run"), reader, key, message))
     for name in ("connect", "ready", "step", "teardown", "heartbeat"):
-        if getattr(timeouts, name) <= 0:
+        if not 0 < getattr(timeouts, name) < math.inf:
             node = top.get("timeouts")
-            raise reader.fail(node, f"timeouts.{name}", "must be positive")
+            raise reader.fail(node, f"timeouts.{name}", "must be a positive number of seconds")
     return inventory
 
 

@@ -148,7 +148,7 @@ def _message(item: object, where: str) -> ChatMessage:
     if not isinstance(item, dict):
         raise bad(where, "a message is an object with a role and a content")
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise bad(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}")
     if item.get("tool_calls") or item.get("function_call"):
         raise bad(f"{where}.tool_calls", "tool calls are not supported by this server")
@@ -205,7 +205,11 @@ def _number(
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad(name, f"a number is required, not {value!r}")
-    if not math.isfinite(value):  # Python's JSON reads NaN and Infinity
+    try:
+        finite = math.isfinite(value)  # Python's JSON reads NaN and Infinity, and integers of any size
+    except OverflowError:
+        finite = False
+    if not finite:
         raise bad(name, f"a finite number is required, not {value!r}")
     if value < low or value > high or (low_open and value == low):
         bound = "(" if low_open else "["
