@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import re
 from collections import deque
 from collections.abc import Callable
@@ -41,10 +42,26 @@ STREAM_LIMIT = 1 << 20
 CONNECT_FRAME_LIMIT = 4096
 # The agent's own routine log records ("2026-01-01 12:00:00,000 INFO name: ...").
 ROUTINE_LOG = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (DEBUG|INFO) ")
+#: A hand-started agent (listen:) that is busy or closes the connection before
+#: its handshake is done is tried again after these pauses (the last repeats,
+#: each +-20%), within the connect timeout; a try starts only with at least
+#: LISTEN_TRY_MIN seconds of it left.
+LISTEN_BACKOFF = (0.25, 0.5, 1.0, 2.0, 4.0)
+LISTEN_TRY_MIN = 1.0
 
 
 class TransportError(GgufpipeError):
     """An agent that cannot be started, reached or understood."""
+
+
+class ListenRetry(TransportError):
+    """A hand-started agent that may take this orchestrator on another try:
+    it is busy, or it closed the connection before its handshake was done.
+    ``met`` says which, in a few words, for the error that gives up."""
+
+    def __init__(self, message: str, met: str) -> None:
+        super().__init__(message)
+        self.met = met
 
 
 class AgentLink:
@@ -67,6 +84,7 @@ class AgentLink:
         self.share_process = False
         self.sharers: list[int] = [stage]
         self.settled = asyncio.Event()  # start() has returned or failed (StageHandle.start)
+        self._listen_key: bytes | None = None  # a hand-started agent's key, once read
 
     @property
     def process_label(self) -> str:
@@ -93,8 +111,12 @@ class AgentLink:
 
     # -------------------------------------------------------------- control
 
-    async def _first(self, timeout: float, what: str, limit: int = CONNECT_FRAME_LIMIT) -> Message:
-        """The next control message while connecting, small and within ``timeout``."""
+    async def _first(
+        self, timeout: float, what: str, limit: int = CONNECT_FRAME_LIMIT, listening: bool = False
+    ) -> Message:
+        """The next control message while connecting, small and within ``timeout``.
+        On a hand-started agent's connection (``listening``) an end of stream
+        is the connection closed, which another try may get past."""
         try:
             first = await asyncio.wait_for(self._control_reader.message(limit), timeout)
         except asyncio.TimeoutError:
@@ -107,6 +129,11 @@ class AgentLink:
                 f"'{self.host.agent}' a ggufpipe agent?{self._tail()}"
             ) from None
         if first is None:
+            if listening:
+                raise ListenRetry(
+                    f"{self.label}: the agent closed the connection before its {what}{self._tail()}",
+                    f"closed before its {what}",
+                )
             raise TransportError(f"{self.label}: the agent exited before its {what}{self._tail()}")
         return first
 
@@ -120,9 +147,14 @@ class AgentLink:
                 f"speaks {PROTOCOL_VERSION}: install ggufpipe=={__version__} on {self.host.name}"
             )
 
-    async def handshake(self, timeout: float) -> Hello:
-        first = await self._first(timeout, "Hello", limit=1 << 20)
+    async def handshake(self, timeout: float, listening: bool = False) -> Hello:
+        first = await self._first(timeout, "Hello", limit=1 << 20, listening=listening)
         if isinstance(first, Refused):
+            if listening:  # after the proofs, only "another orchestrator is attached"
+                busy = "another orchestrator" in first.reason
+                raise ListenRetry(
+                    str(self._refused(first)), "busy: serving another orchestrator" if busy else first.reason
+                )
             raise self._refused(first)
         if not isinstance(first, Hello):
             raise TransportError(f"{self.label}: the agent's first message is {first.tag}, not Hello")
@@ -138,15 +170,76 @@ class AgentLink:
         """The key file of the hand-started agent, read where it runs."""
         raise NotImplementedError
 
+    async def attach_listening(self, timeout: float) -> Hello:
+        """A hand-started agent (``listen:``): connect, authenticate, Hello.
+        One that is busy (another orchestrator attached, or too many
+        connections authenticating) or closes the connection before the
+        handshake is done is tried again after a pause (LISTEN_BACKOFF), as
+        long as ``timeout`` allows; giving up names what each try met."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        deadline = began + timeout
+        met: list[str] = []
+        while True:
+            try:
+                return await self._listen_try(max(deadline - loop.time(), LISTEN_TRY_MIN))
+            except ListenRetry as error:
+                met.append(error.met)
+                last = str(error).removeprefix(f"{self.label}: ")
+            await self._drop_listening()
+            pause = LISTEN_BACKOFF[min(len(met), len(LISTEN_BACKOFF)) - 1] * random.uniform(0.8, 1.2)
+            if deadline - loop.time() - pause < LISTEN_TRY_MIN:
+                break
+            await asyncio.sleep(pause)
+        tries = "; ".join(f"try {number}: {what}" for number, what in enumerate(met, 1))
+        count = f"{len(met)} tries" if len(met) > 1 else "1 try"
+        raise TransportError(
+            f"{self.label}: the agent listening on {self.host.listen} on {self.host.name} did not take "
+            f"this orchestrator ({count} in {loop.time() - began:.1f}s: {tries}); the last: {last}"
+        )
+
+    async def _listen_try(self, timeout: float) -> Hello:
+        """One try of :meth:`attach_listening`."""
+        await self._open_listening(timeout)
+        await self.authenticate(timeout)
+        return await self.handshake(timeout, listening=True)
+
+    async def _open_listening(self, timeout: float) -> None:
+        """A new control connection to the hand-started agent (its streams)."""
+        raise NotImplementedError
+
+    async def _drop_listening(self) -> None:
+        """Close what :meth:`_open_listening` opened, after a failed try."""
+        raise NotImplementedError
+
     async def authenticate(self, timeout: float) -> None:
         """A hand-started agent (``listen:``): prove we hold its listen key and
         check that it does, before anything is sent to it or believed from it
         (ggufpipe_agent/credential.py). Whoever else took the endpoint gets
-        nothing but our proof for its own challenge, which it cannot use."""
+        nothing but our proof for its own challenge, which it cannot use.
+
+        The key file is read (once; later tries reuse it) while the challenge
+        is on its way: the agent gives a connection little time to answer.
+        A failure to read it is said only once the endpoint has answered."""
+        reading = None
+        if self._listen_key is None:
+            reading = asyncio.ensure_future(self.read_listen_key(timeout))
+            reading.add_done_callback(lambda task: task.cancelled() or task.exception())
+        try:
+            challenge = self._check_challenge(await self._first(timeout, "challenge", listening=True))
+            if reading is not None:
+                self._listen_key = await reading
+        finally:
+            if reading is not None:
+                reading.cancel()
+        assert self._listen_key is not None
+        await self._prove(challenge, self._listen_key, timeout)
+
+    def _check_challenge(self, challenge: Message) -> AuthChallenge:
+        """The endpoint's first message, if it is a well-formed challenge."""
         where = f"{self.host.listen} on {self.host.name}"
-        challenge = await self._first(timeout, "challenge")
-        if isinstance(challenge, Refused):
-            raise self._refused(challenge)
+        if isinstance(challenge, Refused):  # budgets: too many connections authenticating
+            raise ListenRetry(str(self._refused(challenge)), challenge.reason)
         if isinstance(challenge, Hello):
             raise TransportError(
                 f"{self.label}: the endpoint {where} sent a Hello without asking for the listen key: "
@@ -161,15 +254,24 @@ class AgentLink:
         self._check_protocol(challenge.protocol, "")
         if len(challenge.nonce) != credential.NONCE_BYTES:
             raise TransportError(f"{self.label}: the endpoint {where} sent a malformed challenge")
-        key = await self.read_listen_key(timeout)
+        return challenge
+
+    async def _prove(self, challenge: AuthChallenge, key: bytes, timeout: float) -> None:
+        """Our answer to the challenge, then the agent's proof, checked."""
+        where = f"{self.host.listen} on {self.host.name}"
         nonce = credential.new_nonce()
         response = AuthResponse(nonce, credential.proof(key, credential.ORCHESTRATOR, challenge.nonce, nonce))
         assert self.control is not None
         try:
             await asyncio.wait_for(self.control.send(response), timeout)
-        except (asyncio.TimeoutError, ConnectionError, OSError) as error:
-            raise TransportError(f"{self.label}: the connection to {where} broke ({error})") from None
-        answer = await self._first(timeout, "proof of the listen key")
+        except asyncio.TimeoutError:
+            raise TransportError(f"{self.label}: the connection to {where} stalled") from None
+        except (ConnectionError, OSError) as error:
+            raise ListenRetry(
+                f"{self.label}: the connection to {where} broke ({error})",
+                "closed before it had our answer to its challenge",
+            ) from None
+        answer = await self._first(timeout, "proof of the listen key", listening=True)
         if isinstance(answer, Refused):
             raise TransportError(
                 f"{self._refused(answer)}; the key file {self.listen_key_path} on {self.host.name} "

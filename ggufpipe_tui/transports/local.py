@@ -45,16 +45,7 @@ class LocalAgent(AgentLink):
 
     async def start(self, timeout: float) -> Hello:
         if self.host.listen:
-            try:
-                reader, writer = await asyncio.wait_for(open_endpoint(self.host.listen), timeout)
-            except (OSError, asyncio.TimeoutError) as error:
-                raise TransportError(
-                    f"{self.label}: no agent listening on {self.host.listen} ({error or 'timeout'}); "
-                    f"start one with: ggufpipe-agent --listen {self.host.listen}"
-                ) from None
-            self._streams(reader, writer)
-            await self.authenticate(timeout)
-            return await self.handshake(timeout)
+            return await self.attach_listening(timeout)
         command = self.command()
         try:
             self.process = await asyncio.create_subprocess_exec(
@@ -70,6 +61,23 @@ class LocalAgent(AgentLink):
         self._streams(self.process.stdout, self.process.stdin)
         self.tasks.spawn(self.pump_stderr(self.process.stderr), "stderr pump")
         return await self.handshake(timeout)
+
+    async def _open_listening(self, timeout: float) -> None:
+        try:
+            reader, writer = await asyncio.wait_for(open_endpoint(self.host.listen), timeout)
+        except (OSError, asyncio.TimeoutError) as error:
+            raise TransportError(
+                f"{self.label}: no agent listening on {self.host.listen} ({error or 'timeout'}); "
+                f"start one with: ggufpipe-agent --listen {self.host.listen}"
+            ) from None
+        self._streams(reader, writer)
+
+    async def _drop_listening(self) -> None:
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1.0)
 
     async def read_listen_key(self, timeout: float) -> bytes:
         try:

@@ -33,7 +33,7 @@ from ggufpipe_agent import __version__, credential, selfcheck
 from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.protocol import Hello
 from ggufpipe_tui.core.inventory import HostSpec
-from ggufpipe_tui.transports.link import AgentLink, LogLine, TransportError
+from ggufpipe_tui.transports.link import AgentLink, ListenRetry, LogLine, TransportError
 from ggufpipe_tui.transports.sshconn import (
     ConnectionPool,
     PooledConnection,
@@ -100,19 +100,61 @@ class SshAgent(AgentLink):
             # Into the stage log, not the stderr tail that error messages quote.
             self.on_log(f"WARNING: host key checking is OFF for {self.host.name} (insecure setting)")
         await self.connect(timeout)
-        listen = self.host.listen
-        command = self.bridge_command(listen) if listen else self.agent_command()
-        self.process = await self._exec(command, timeout)
-        self._control_stream = SshReader(self.process.stdout)
-        self._streams(self._control_stream, SshWriter(self.process.stdin))
-        prefix = "bridge: " if listen else ""
-        self.tasks.spawn(self.pump_stderr(SshReader(self.process.stderr), prefix), "stderr pump")
+        if self.host.listen:
+            return await self.attach_listening(timeout)
+        await self._open_control(self.agent_command(), timeout)
         try:
-            if listen:
-                await self.authenticate(timeout)
             return await self.handshake(timeout)
         except TransportError as error:
             raise await self._explain(error) from None
+
+    async def _open_control(self, command: str, timeout: float, prefix: str = "") -> None:
+        self.process = await self._exec(command, timeout)
+        self._control_stream = SshReader(self.process.stdout)
+        self._streams(self._control_stream, SshWriter(self.process.stdin))
+        self.tasks.spawn(self.pump_stderr(SshReader(self.process.stderr), prefix), "stderr pump")
+
+    async def _open_listening(self, timeout: float) -> None:
+        """A bridge to the hand-started agent's socket, on a new exec session."""
+        await self._open_control(self.bridge_command(self.host.listen), timeout, "bridge: ")
+
+    async def _listen_try(self, timeout: float) -> Hello:
+        await self._open_listening(timeout)
+        try:
+            await self.authenticate(timeout)
+            return await self.handshake(timeout, listening=True)
+        except ListenRetry:
+            if self._control_stream is not None and self._control_stream.received > 0:
+                raise  # the agent spoke (busy, or closed mid-handshake): its words say it all
+            raise await self._explain_listening() from None
+        except TransportError as error:
+            raise await self._explain(error) from None
+
+    async def _explain_listening(self) -> TransportError:
+        """A bridge that ended before the agent said anything: it could not
+        connect (no agent there: the bridge says why and exits 1), or it did
+        and the agent closed the connection (the bridge exits 0)."""
+        closed = ListenRetry(
+            f"{self.label}: the agent listening on {self.host.listen} on {self.host.name} closed the "
+            f"connection before its challenge{self._tail()}",
+            "closed before its challenge",
+        )
+        explained = await self._explain(closed)
+        process = self.process
+        if explained is not closed and process is not None and process.exit_status == 0:
+            return closed
+        return explained
+
+    async def _drop_listening(self) -> None:
+        """End a failed try's bridge (its stderr pump ends at its EOF)."""
+        process, self.process, self._control_stream = self.process, None, None
+        if process is None:
+            return
+        with contextlib.suppress(asyncssh.Error, OSError):
+            process.stdin.write_eof()
+        process.close()
+        with contextlib.suppress(asyncio.TimeoutError, asyncssh.Error, OSError):
+            await asyncio.wait_for(process.wait_closed(), SETTLE_SECONDS)
 
     async def connect(self, timeout: float) -> None:
         """This host's shared SSH connection (opened if it is the first stage there)."""
