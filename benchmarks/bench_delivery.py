@@ -260,7 +260,7 @@ async def asyncssh_cat(server: Any, source: Path, target: Path) -> tuple[float, 
 
 async def deliver_once(args: argparse.Namespace) -> dict[str, Any]:
     """The child: one delivery as Pipeline does it; times and peak RSS."""
-    from ggufpipe_agent.modelfiles import read_model_files
+    from ggufpipe_agent.gguf.files import read_model_files
     from ggufpipe_tui.core.inventory import HostSpec, Timeouts
     from ggufpipe_tui.session.delivery import deliver_stage
     from ggufpipe_tui.session.stages import StageHandle
@@ -379,7 +379,7 @@ def main() -> int:
         print(json.dumps(aio.run(deliver_once(args))))
         return 0
 
-    from ggufpipe_agent.stagestream import open_stage_stream
+    from ggufpipe_agent.stagefiles.stream import open_stage_stream
     from tests.sshd import Sshd
 
     work = Path(tempfile.mkdtemp(prefix="bench-delivery-", dir=args.work))
@@ -388,7 +388,7 @@ def main() -> int:
         model = write_big_model(work / "bench-delivery.gguf", int(args.size_gib * 2**30))
         end = BLOCKS // 2
         payload = work / "stage.gguf"  # the same bytes, as a file, for cat
-        from ggufpipe_agent.modelfiles import read_model_files
+        from ggufpipe_agent.gguf.files import read_model_files
 
         with open_stage_stream(read_model_files(model), 0, end) as stream, payload.open("wb") as out:
             for chunk in stream.chunks():

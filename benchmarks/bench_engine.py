@@ -24,7 +24,7 @@ import llama_cpp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ggufpipe_agent.protocol import EngineOptions  # noqa: E402
+from ggufpipe_agent.wire.protocol import EngineOptions  # noqa: E402
 from tests.chain import Chain  # noqa: E402
 from tests.conftest import LONG_PROMPT, smollm_path  # noqa: E402
 

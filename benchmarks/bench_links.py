@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ggufpipe_agent import aio  # noqa: E402
-from ggufpipe_agent.links import client_context, server_context  # noqa: E402
+from ggufpipe_agent.process.peer_links import client_context, server_context  # noqa: E402
 from ggufpipe_tui.dataplane.credentials import SessionAuthority  # noqa: E402
 
 ACTIVATION = 44 + 576 * 4

@@ -51,8 +51,8 @@ import llama_cpp  # noqa: E402
 
 from benchmarks.raw_ring import RawRing  # noqa: E402
 from ggufpipe_agent import aio  # noqa: E402
-from ggufpipe_agent.engine import StageEngine, StageShape  # noqa: E402
-from ggufpipe_agent.protocol import EngineOptions, SamplingParams  # noqa: E402
+from ggufpipe_agent.llama.engine import StageEngine, StageShape  # noqa: E402
+from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams  # noqa: E402
 from ggufpipe_tui.core.inventory import Inventory, parse_inventory, with_run_options  # noqa: E402
 from ggufpipe_tui.session.pipeline import Pipeline  # noqa: E402
 from tests.chain import even_splits  # noqa: E402
@@ -89,7 +89,7 @@ class Config:
 CONFIGS = [
     Config("local, direct, ring", "local", "direct", "ring"),
     Config("local, one process, direct, ring", "local-shared", "direct", "ring"),
-    # The same without the chain (ggufpipe_agent/chain.py): what the worker's
+    # The same without the chain (ggufpipe_agent/stage/handover.py): what the worker's
     # hand-off through the event loop costs.
     Config("local, one process, no chain (links through sockets)", "local-shared", "direct", "ring", (("GGUFPIPE_NO_CHAIN", "1"),)),
     Config("local, relay, ring", "local", "relay", "ring"),

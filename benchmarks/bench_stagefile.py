@@ -36,10 +36,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ggufpipe_agent.digest import ALGORITHM, FileDigest  # noqa: E402
-from ggufpipe_agent.modelfiles import read_model_files  # noqa: E402
-from ggufpipe_agent.stagefile import ensure_stage_file  # noqa: E402
-from ggufpipe_agent.stagestream import open_stage_stream  # noqa: E402
+from ggufpipe_agent.gguf.files import read_model_files  # noqa: E402
+from ggufpipe_agent.stagefiles.digest import ALGORITHM, FileDigest  # noqa: E402
+from ggufpipe_agent.stagefiles.stream import open_stage_stream  # noqa: E402
+from ggufpipe_agent.stagefiles.writer import ensure_stage_file  # noqa: E402
 from tests.conftest import smollm_path  # noqa: E402
 from tests.reference_stagefile import write_reference_stage_file  # noqa: E402
 
@@ -116,7 +116,8 @@ def bench_reading(name: str, source: Path, repeats: int) -> list[str]:
     (uncached) against gguf.GGUFReader, which parses every array element."""
     import gguf
 
-    from ggufpipe_agent import identity, modelfiles
+    from ggufpipe_agent.gguf import files as modelfiles
+    from ggufpipe_agent.gguf import identity
 
     def header() -> None:
         modelfiles._header.cache_clear()

@@ -106,7 +106,7 @@ async def synthetic(rate: float, seconds: float) -> tuple[float, int]:
     """The app alone, no pipeline: tokens (and step statistics, four a second
     per stage) posted at ``rate`` a second as the pipeline would; returns the
     process's CPU seconds per second of streaming and the tokens drawn."""
-    from ggufpipe_agent.protocol import StepCounters
+    from ggufpipe_agent.wire.protocol import StepCounters
     from ggufpipe_tui.core.events import StageStats, TokenStreamed
     from ggufpipe_tui.views.app import GgufpipeApp
     from tests.test_app_snapshots import RUN_ID, inventory, running

@@ -4,7 +4,7 @@ Loads stages of the real models (SmolLM2-135M, Gemma 3 270M) and of synthetic
 GGUFs whose shapes make each phase of the compute graph the widest (a tiny
 vocabulary with a wide feed-forward, wide attention, long contexts), reads
 the buffers llama.cpp logs (model, KV cache, output, compute), and compares
-each with :func:`ggufpipe_agent.memory.estimate_stage`. Then measures what
+each with :func:`ggufpipe_agent.gguf.memory.estimate_stage`. Then measures what
 the output buffer of a non-last stage grows to after a full-batch prefill
 (llama.cpp does not log that reallocation): the process's anonymous memory
 before and after.
@@ -26,8 +26,8 @@ import llama_cpp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tests.synthetic as synthetic  # noqa: E402
-from ggufpipe_agent.memory import MIB, estimate_stage, memory_facts_of  # noqa: E402
-from ggufpipe_agent.model import read_model_facts  # noqa: E402
+from ggufpipe_agent.gguf.facts import read_model_facts  # noqa: E402
+from ggufpipe_agent.gguf.memory import MIB, estimate_stage, memory_facts_of  # noqa: E402
 from ggufpipe_tui.core.inventory import RunOptions  # noqa: E402
 from ggufpipe_tui.core.plan import engine_options  # noqa: E402
 from tests.chain import even_splits  # noqa: E402

@@ -29,8 +29,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ggufpipe_agent.memory import GIB, MIB, format_size  # noqa: E402
-from ggufpipe_agent.protocol import Device, Hello, MemoryFacts, ModelFacts  # noqa: E402
+from ggufpipe_agent.gguf.memory import GIB, MIB, format_size  # noqa: E402
+from ggufpipe_agent.wire.protocol import Device, Hello, MemoryFacts, ModelFacts  # noqa: E402
 from ggufpipe_tui.core.inventory import parse_inventory  # noqa: E402
 from ggufpipe_tui.core.placement import MARGIN, Placement, PlacementError, evaluate, place_stages  # noqa: E402
 

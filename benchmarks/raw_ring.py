@@ -58,10 +58,10 @@ def _stage(
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # before libgomp loads, as the agent does
     import numpy as np
 
-    from ggufpipe_agent.engine import StageEngine, StageShape
-    from ggufpipe_agent.model import read_model_facts
-    from ggufpipe_agent.protocol import EngineOptions, SamplingParams
-    from ggufpipe_agent.stagefile import ensure_stage_file
+    from ggufpipe_agent.gguf.facts import read_model_facts
+    from ggufpipe_agent.llama.engine import StageEngine, StageShape
+    from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+    from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
 
     facts = read_model_facts(model)
     hidden = facts.hidden_dim

@@ -40,7 +40,7 @@ echo "== $REPO $(git -C "$REPO" rev-parse --short HEAD) $(date -u +%H:%M:%S) loa
 tmux new -d -s $S -x 120 -y 40 -c "$REPO" "env DECODE_CPU_OUT=$LOGS/cpu-tui $V/python benchmarks/decode_cpu.py $INV --log-dir $LOGS"
 for _ in $(seq 1 240); do tmux capture-pane -p -t $S | grep -q "ready for a prompt" && break; sleep 0.5; done
 # A first, untimed prompt: the run after it probes each stage's batch
-# invariance once (seconds of compute, ggufpipe_agent/engine.py), which
+# invariance once (seconds of compute, ggufpipe_agent/llama/engine.py), which
 # would land on the first headless run. Wait until the probes are logged.
 before=$(finished)
 tmux send-keys -t $S -l "$P1"; tmux send-keys -t $S Enter

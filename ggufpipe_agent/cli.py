@@ -68,11 +68,11 @@ environment:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["bridge"]:
-        from ggufpipe_agent.bridge import bridge_main
+        from ggufpipe_agent.process.bridge import bridge_main
 
         return bridge_main(args[1:])
     if args[:1] == ["receive"]:
-        from ggufpipe_agent.receive import receive_main
+        from ggufpipe_agent.delivery.receive_command import receive_main
 
         _die_with_parent()
         return receive_main(args[1:])
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{problem.describe()}; install ggufpipe's dependencies for {sys.executable}", file=sys.stderr)
         return 3
     if options.listen:
-        from ggufpipe_agent.bridge import parse_endpoint
+        from ggufpipe_agent.wire.endpoints import parse_endpoint
 
         try:
             parse_endpoint(options.listen)
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
 
-    from ggufpipe_agent.runtime import serve_stdio
+    from ggufpipe_agent.process.runtime import serve_stdio
 
     _die_with_parent()
 
@@ -209,7 +209,7 @@ def _die_with_parent() -> None:
 
 
 async def _serve_listen(endpoint: str, cache_dir: Path | None, key_file: Path | None) -> None:
-    from ggufpipe_agent.listener import serve_listen
+    from ggufpipe_agent.process.listener import serve_listen
 
     await serve_listen(endpoint, cache_dir, key_file)
 

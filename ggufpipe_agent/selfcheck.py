@@ -37,10 +37,10 @@ IMPORT_ERRORS = ("ImportError", "ModuleNotFoundError")
 #: unconditionally, each with the first agent module that does (as
 #: :func:`requirements` finds them; tests/test_selfcheck.py keeps them equal).
 REQUIRED = {
-    "gguf": "ggufpipe_agent.arch",
-    "llama_cpp": "ggufpipe_agent.engine",
-    "msgpack": "ggufpipe_agent.protocol",
-    "numpy": "ggufpipe_agent.engine",
+    "gguf": "ggufpipe_agent.gguf.architectures",
+    "llama_cpp": "ggufpipe_agent.llama.devices",
+    "msgpack": "ggufpipe_agent.wire.protocol",
+    "numpy": "ggufpipe_agent.llama.engine",
 }
 
 

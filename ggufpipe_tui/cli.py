@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from ggufpipe_agent import __version__
-from ggufpipe_agent.codec import text_problem
 from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_agent.wire.codec import text_problem
 
 DESCRIPTION = """\
 Pipeline-parallel LLM inference from one GGUF model across several hosts.
@@ -167,7 +167,7 @@ def read_prompt(path: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     if given[:1] == ["cache"]:
-        from ggufpipe_tui.views.cachecmd import cache_main
+        from ggufpipe_tui.commands.cache import cache_main
 
         return cache_main(given[1:])
     parser = build_parser()
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.plan:
         from ggufpipe_agent import aio
-        from ggufpipe_tui.views.planview import run_plan
+        from ggufpipe_tui.commands.plan import run_plan
 
         return aio.run(
             run_plan(
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.prompt is not None:
         from ggufpipe_agent import aio
-        from ggufpipe_tui.views.headless import run_headless
+        from ggufpipe_tui.commands.headless import run_headless
 
         return aio.run(
             run_headless(
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.serve is not None:
         from ggufpipe_agent import aio
-        from ggufpipe_tui.views.server import run_server
+        from ggufpipe_tui.server.run import run_server
 
         return aio.run(
             run_server(

@@ -8,8 +8,8 @@ import contextlib
 import sys
 from typing import Any
 
-from ggufpipe_agent.framing import read_message
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.wire.framing import read_message
+from ggufpipe_agent.wire.protocol import (
     DataAttach,
     EngineOptions,
     Hello,

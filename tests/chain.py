@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ggufpipe_agent import objects
-from ggufpipe_agent.engine import StageEngine, StageShape
-from ggufpipe_agent.model import read_model_facts
-from ggufpipe_agent.protocol import EngineOptions, SamplingParams
-from ggufpipe_agent.stagefile import ensure_stage_file
+from ggufpipe_agent.gguf.facts import read_model_facts
+from ggufpipe_agent.llama.engine import StageEngine, StageShape
+from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.wire import objects
+from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
 
 
 def even_splits(blocks: int, stages: int) -> list[tuple[int, int]]:

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.wire.protocol import (
     Message,
     ModelFacts,
     PrefixHeld,
@@ -20,7 +21,6 @@ from ggufpipe_agent.protocol import (
     StepCounters,
     StopRun,
 )
-from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core.events import Event
 from ggufpipe_tui.core.inventory import Inventory, RunOptions, Timeouts, parse_inventory
 from ggufpipe_tui.core.plan import RunPlan, build_plan
@@ -238,7 +238,7 @@ class Autopilot:
 
     def _token(self, sequence: int) -> None:
         if sequence == self.fault_at:
-            from ggufpipe_agent.protocol import StageFault
+            from ggufpipe_agent.wire.protocol import StageFault
 
             self.rig.agent_says(0, StageFault(self.rig.plan.run_id, 0, "a", f"step {sequence} failed"))
             return

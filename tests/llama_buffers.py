@@ -14,10 +14,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ggufpipe_agent.engine import StageEngine, StageShape
-from ggufpipe_agent.model import read_model_facts
-from ggufpipe_agent.protocol import EngineOptions
-from ggufpipe_agent.stagefile import ensure_stage_file
+from ggufpipe_agent.gguf.facts import read_model_facts
+from ggufpipe_agent.llama.engine import StageEngine, StageShape
+from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.wire.protocol import EngineOptions
 
 _BUFFER = re.compile(r"(\S+)\s+(model|KV|output|compute) buffer size =\s+([\d.]+) MiB")
 

@@ -1,5 +1,5 @@
 """The stage file as gguf.GGUFWriter writes it: the reference the streamed
-producer (ggufpipe_agent.stagestream) is compared with, byte for byte.
+producer (ggufpipe_agent.stagefiles.stream) is compared with, byte for byte.
 
 This is the writer ggufpipe used before the stream (stage format 3), kept
 here as an oracle built on the ``gguf`` package's own reader and writer:
@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ggufpipe_agent.arch import stage_metadata_overrides
-from ggufpipe_agent.modelfiles import read_model_files
+from ggufpipe_agent.gguf.architectures import stage_metadata_overrides
+from ggufpipe_agent.gguf.files import read_model_files
 
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.*)$")
 

@@ -9,7 +9,7 @@ import signal
 import stat
 from pathlib import Path
 
-from ggufpipe_agent.privatedir import LOCK_NAME, PREFIX, STARTING_NAME, PrivateDirectory, remove_stale
+from ggufpipe_agent.process.privatedir import LOCK_NAME, PREFIX, STARTING_NAME, PrivateDirectory, remove_stale
 from tests.agent_client import AgentClient
 
 

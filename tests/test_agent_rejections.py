@@ -11,9 +11,9 @@ import struct
 import numpy as np
 import pytest
 
-from ggufpipe_agent import objects
-from ggufpipe_agent.framing import FrameReader, FrameWriter
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.wire import objects
+from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
+from ggufpipe_agent.wire.protocol import (
     CONTROL_MAGIC,
     LinkAttach,
     LinkCredentials,
@@ -328,7 +328,7 @@ async def test_an_object_for_no_run_is_refused_at_its_header(agent, model_path):
 
 
 def test_the_run_ids_an_agent_remembers_are_bounded():
-    from ggufpipe_agent.session import SeenRuns
+    from ggufpipe_agent.process.control import SeenRuns
 
     seen = SeenRuns()
     for run_id in range(SeenRuns.keep + 10):

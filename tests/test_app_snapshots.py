@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from textual.app import App, ComposeResult
 
-from ggufpipe_agent.protocol import Device, Hello, ModelFacts, StepCounters
+from ggufpipe_agent.wire.protocol import Device, Hello, ModelFacts, StepCounters
 from ggufpipe_tui.core.events import (
     AgentConnected,
     AgentLog,

@@ -15,7 +15,7 @@ import time
 from textual.selection import Selection
 from textual.widgets import Input
 
-from ggufpipe_agent.protocol import StepCounters
+from ggufpipe_agent.wire.protocol import StepCounters
 from ggufpipe_tui.core.events import AgentLog, Event, Notice, StageStateChanged, StageStats, TokenStreamed
 from ggufpipe_tui.views.app import GgufpipeApp
 from ggufpipe_tui.views.drawing import (

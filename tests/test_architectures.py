@@ -1,6 +1,6 @@
 """Every accepted architecture is proven split-exact; the rest are refused.
 
-For each architecture in ``ggufpipe_agent.arch.SUPPORTED`` a chain of stage
+For each architecture in ``ggufpipe_agent.gguf.architectures.SUPPORTED`` a chain of stage
 engines (1, 2 and 3 stages, split at awkward places, one-block stages
 included) must give the same 64 greedy tokens as the whole model in one
 llama.cpp context, with a prompt that spans several ubatches. The models are
@@ -22,12 +22,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from ggufpipe_agent import stagefile
-from ggufpipe_agent.arch import ISSUES_URL, SUPPORTED, check_architecture, check_plan, check_split
 from ggufpipe_agent.errors import ModelError, UnsupportedArchitecture
-from ggufpipe_agent.gguf_header import read_header
-from ggufpipe_agent.protocol import EngineOptions
-from ggufpipe_agent.stagefile import ensure_stage_file
+from ggufpipe_agent.gguf.architectures import (
+    ISSUES_URL,
+    SUPPORTED,
+    check_architecture,
+    check_plan,
+    check_split,
+)
+from ggufpipe_agent.gguf.header import read_header
+from ggufpipe_agent.stagefiles import writer as stagefile
+from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.wire.protocol import EngineOptions
 from tests import synthetic
 from tests.chain import Chain
 from tests.conftest import LONG_PROMPT, REPO, whole_model_greedy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ggufpipe_agent.errors import ModelError
-from ggufpipe_agent.protocol import ChatMessage
+from ggufpipe_agent.wire.protocol import ChatMessage
 from ggufpipe_tui.core.conversation import Conversation
 from ggufpipe_tui.core.events import RunResult, Timings
 
@@ -56,8 +56,8 @@ def test_a_turn_without_a_reply_leaves_nothing():
 @pytest.mark.model
 def test_the_chat_template_renders_every_turn(model_path):
     """The agent's side: SmolLM2's template, a two-turn conversation, ready for the next reply."""
-    from ggufpipe_agent.model import read_model_facts
-    from ggufpipe_agent.vocab import vocabulary
+    from ggufpipe_agent.gguf.facts import read_model_facts
+    from ggufpipe_agent.llama.vocabulary import vocabulary
 
     facts = read_model_facts(str(model_path))
     vocab = vocabulary(facts.path)

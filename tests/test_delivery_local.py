@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from ggufpipe_agent.modelfiles import read_model_files
-from ggufpipe_agent.sender import StageChunk, StageSender
+from ggufpipe_agent.delivery.sender import StageChunk, StageSender
+from ggufpipe_agent.gguf.files import read_model_files
 from ggufpipe_tui.core.events import RunFinished, StageDelivery
 from ggufpipe_tui.core.inventory import HostSpec, Timeouts, load_inventory
 from ggufpipe_tui.session.delivery import DeliveryError, deliver_stage
@@ -234,7 +234,7 @@ async def test_a_conversation_is_tokenized_here_as_stage_0_would(tmp_path, model
     conversation (Tokenize.messages, the TUI's turns and the server's chat
     requests) renders and tokenizes exactly as stage 0's agent does it from
     its own copy."""
-    from ggufpipe_agent.protocol import ChatMessage
+    from ggufpipe_agent.wire.protocol import ChatMessage
 
     turns = (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"), ChatMessage("assistant", "Hello!"),
              ChatMessage("user", "What is 2+2?"))

@@ -8,8 +8,12 @@ import io
 
 import pytest
 
-from ggufpipe_agent.cacheadmin import CacheEntry
-from ggufpipe_agent.deliverywire import (
+from ggufpipe_agent.delivery.receiver import ReceiveStatus
+from ggufpipe_agent.delivery.sender import StageOffer
+from ggufpipe_agent.gguf.identity import model_identity
+from ggufpipe_agent.stagefiles.admin import CacheEntry
+from ggufpipe_agent.stagefiles.cache import StageKey
+from ggufpipe_agent.wire.delivery_messages import (
     CacheReport,
     CacheRequest,
     ReceiveAnswer,
@@ -19,16 +23,12 @@ from ggufpipe_agent.deliverywire import (
     StageDataEnd,
     StageStored,
 )
-from ggufpipe_agent.identity import model_identity
-from ggufpipe_agent.protocol import StageFileRef, decode_message, encode_message
-from ggufpipe_agent.receiver import ReceiveStatus
-from ggufpipe_agent.sender import StageOffer
-from ggufpipe_agent.stagecache import StageKey
+from ggufpipe_agent.wire.protocol import StageFileRef, decode_message, encode_message
+from ggufpipe_tui.commands import headless
+from ggufpipe_tui.core import format as fmt
 from ggufpipe_tui.core.events import StageDelivery
 from ggufpipe_tui.core.plan import provision_message
 from ggufpipe_tui.session.delivery import with_stage_files
-from ggufpipe_tui.views import format as fmt
-from ggufpipe_tui.views import headless
 from ggufpipe_tui.views.viewstate import ViewState
 from ggufpipe_tui.views.widgets import StageTable
 from tests.fakes import FACTS, inventory, plan_for
@@ -66,7 +66,7 @@ def test_a_provision_names_the_delivered_file_and_model_info_carries_the_identit
     sent = provision_message(with_stage_files(plan, {0: ref}), 0)
     assert decode_message(encode_message(sent)).stage_file == ref
     assert provision_message(with_stage_files(plan, {0: ref}), 1).stage_file is None
-    from ggufpipe_agent.protocol import ModelInfo
+    from ggufpipe_agent.wire.protocol import ModelInfo
 
     info = ModelInfo(1, FACTS, (), model_identity(model_path))
     assert decode_message(encode_message(info)) == info

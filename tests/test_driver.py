@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.wire.protocol import (
     PrefixHeld,
     PrefixOffer,
     ProvisionStage,

@@ -8,11 +8,11 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
-from ggufpipe_agent.engine import StageEngine, StageShape
 from ggufpipe_agent.errors import ContextOverflow, ModelError, ProtocolError, RangeError
-from ggufpipe_agent.model import read_model_facts
-from ggufpipe_agent.protocol import EngineOptions, SamplingParams
-from ggufpipe_agent.stagefile import ensure_stage_file
+from ggufpipe_agent.gguf.facts import read_model_facts
+from ggufpipe_agent.llama.engine import StageEngine, StageShape
+from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
 from tests.chain import Chain, agreement
 from tests.conftest import LONG_PROMPT, whole_model_greedy
 

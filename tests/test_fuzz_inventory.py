@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.wiretypes import sampling_problem
+from ggufpipe_agent.wire.records import sampling_problem
 from ggufpipe_tui.core.inventory import (
     DATA_MODES,
     HostSpec,

@@ -36,11 +36,18 @@ from typing import Any
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from ggufpipe_agent.codec import text_problem
-from ggufpipe_agent.protocol import Tokenize, decode_message, encode_message
-from ggufpipe_agent.wiretypes import SEED_MAX, SEED_MIN, TOP_K_MAX, sampling_problem
+from ggufpipe_agent.wire.codec import text_problem
+from ggufpipe_agent.wire.protocol import Tokenize, decode_message, encode_message
+from ggufpipe_agent.wire.records import SEED_MAX, SEED_MIN, TOP_K_MAX, sampling_problem
 from ggufpipe_tui.core.inventory import RunOptions
-from ggufpipe_tui.views.openai_api import DEFAULTS, MAX_STOPS, ApiError, Request, parse_chat, parse_completion
+from ggufpipe_tui.server.openai_api import (
+    DEFAULTS,
+    MAX_STOPS,
+    ApiError,
+    Request,
+    parse_chat,
+    parse_completion,
+)
 
 DEFAULT_RUN = RunOptions()
 ROLES = ("system", "developer", "user", "assistant")

@@ -4,7 +4,7 @@ model, no agent process).
 What a peer sends is only ever decoded by :func:`protocol.decode_message`
 (a whole frame), :func:`protocol.parse_prefix` (the 8-byte frame prefix) and
 :func:`protocol.decode_payload` (the msgpack payload), which build messages
-with :mod:`ggufpipe_agent.codec`. Each property and its budget
+with :mod:`ggufpipe_agent.wire.codec`. Each property and its budget
 (``max_examples``; the whole file takes about 7 s on two cores):
 
 * ``test_any_bytes_are_a_message_or_a_refusal`` (400): any bytes, as a
@@ -44,10 +44,10 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from ggufpipe_agent import protocol
-from ggufpipe_agent.codec import REGISTRY, _hints
 from ggufpipe_agent.errors import ProtocolError
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.wire import protocol
+from ggufpipe_agent.wire.codec import REGISTRY, _hints
+from ggufpipe_agent.wire.protocol import (
     CONTROL_MAGIC,
     CONTROL_PREFIX_SIZE,
     Message,

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggufpipe_agent.gguf_header import LongArray, read_header
-from ggufpipe_agent.identity import describe_difference, model_identity
+from ggufpipe_agent.gguf.header import LongArray, read_header
+from ggufpipe_agent.gguf.identity import describe_difference, model_identity
 from tests import synthetic
 
 BLOCKS = 4

@@ -1,4 +1,4 @@
-"""Direct stage links, the agent's side (ggufpipe_agent/links.py), with real
+"""Direct stage links, the agent's side (ggufpipe_agent/process/peer_links.py), with real
 sockets and real TLS in one process: who is let in and who is not."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from ggufpipe_agent.links import Links
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.process.peer_links import Links
+from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.wire.protocol import (
     LinkConnect,
     LinkConnected,
     LinkCredentials,
@@ -22,7 +23,6 @@ from ggufpipe_agent.protocol import (
     Message,
     RequestFailed,
 )
-from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.dataplane.credentials import SessionAuthority
 
 
@@ -148,7 +148,7 @@ async def test_each_pair_gets_its_link_edge_once_when_the_stages_set_up_at_once(
     open the consumer's end twice (refused: the run faults)."""
     from types import SimpleNamespace
 
-    from ggufpipe_agent.protocol import LinkEdge
+    from ggufpipe_agent.wire.protocol import LinkEdge
     from ggufpipe_tui.core.events import DataPath
     from ggufpipe_tui.dataplane import DataPlaneEvents
     from ggufpipe_tui.dataplane.direct import DirectPlane

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_agent import PROTOCOL_VERSION, credential
-from ggufpipe_agent.framing import FrameReader, FrameWriter
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent import PROTOCOL_VERSION
+from ggufpipe_agent.process import credential
+from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
+from ggufpipe_agent.wire.protocol import (
     AuthChallenge,
     AuthProof,
     AuthResponse,

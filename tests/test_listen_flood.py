@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from ggufpipe_agent import credential, listener
-from ggufpipe_agent.framing import FrameReader, FrameWriter
-from ggufpipe_agent.protocol import AuthChallenge, AuthResponse, Refused, encode_message
+from ggufpipe_agent.process import credential, listener
+from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
+from ggufpipe_agent.wire.protocol import AuthChallenge, AuthResponse, Refused, encode_message
 from ggufpipe_tui.core.inventory import HostSpec, load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.transports.link import TransportError

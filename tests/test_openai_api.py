@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ggufpipe_agent.protocol import ChatMessage
+from ggufpipe_agent.wire.protocol import ChatMessage
+from ggufpipe_tui.server.openai_api import ApiError, StopScanner, parse_chat, parse_completion
 from ggufpipe_tui.session.runs import RunOverrides
-from ggufpipe_tui.views.openai_api import ApiError, StopScanner, parse_chat, parse_completion
 
 HELLO = [{"role": "user", "content": "Hi"}]
 

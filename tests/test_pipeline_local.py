@@ -161,7 +161,7 @@ def test_missing_model_names_the_path(tmp_path, no_agent_left):
 
 def test_the_agent_package_is_a_leaf():
     code = (
-        "import sys, ggufpipe_agent.cli, ggufpipe_agent.runtime, ggufpipe_agent.engine;"
+        "import sys, ggufpipe_agent.cli, ggufpipe_agent.process.runtime, ggufpipe_agent.llama.engine;"
         "bad = [m for m in sys.modules if m.startswith(('ggufpipe_tui', 'textual', 'asyncssh'))];"
         "print(bad); sys.exit(1 if bad else 0)"
     )

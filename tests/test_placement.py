@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_agent.memory import GIB, MIB, estimate_stage
-from ggufpipe_agent.protocol import Device, EngineOptions, Hello, MemoryFacts, ModelFacts
+from ggufpipe_agent.gguf.memory import GIB, MIB, estimate_stage
+from ggufpipe_agent.wire.protocol import Device, EngineOptions, Hello, MemoryFacts, ModelFacts
 from ggufpipe_tui.core.inventory import InventoryError, parse_inventory
 from ggufpipe_tui.core.placement import MARGIN, RAM, Placement, PlacementError, evaluate, place_stages
 from ggufpipe_tui.core.plan import build_plan

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_agent.protocol import ModelFacts
+from ggufpipe_agent.wire.protocol import ModelFacts
 from ggufpipe_tui.core.inventory import (
     InventoryError,
     assign_layers,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_agent.memory import GIB
+from ggufpipe_agent.gguf.memory import GIB
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.model

@@ -15,10 +15,10 @@ from typing import Any
 import llama_cpp
 import pytest
 
-from ggufpipe_agent import objects
 from ggufpipe_agent.errors import EngineError
-from ggufpipe_agent.framing import FrameReader
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.wire import objects
+from ggufpipe_agent.wire.framing import FrameReader
+from ggufpipe_agent.wire.protocol import (
     EngineOptions,
     PrefixHeld,
     PrefixOffer,

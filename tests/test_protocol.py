@@ -11,10 +11,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from ggufpipe_agent import objects, protocol
 from ggufpipe_agent.errors import ProtocolError
-from ggufpipe_agent.framing import read_message
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.wire import objects, protocol
+from ggufpipe_agent.wire.framing import read_message
+from ggufpipe_agent.wire.protocol import (
     CONTROL_MAGIC,
     MAX_CONTROL_BYTES,
     ChatMessage,

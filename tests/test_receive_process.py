@@ -10,10 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ggufpipe_agent.deliverywire import ReceiveAnswer, ReceiveStage, StageData, StageDataEnd, StageStored
-from ggufpipe_agent.protocol import CONTROL_PREFIX_SIZE, decode_payload, encode_message, parse_prefix
-from ggufpipe_agent.sender import StageSender
-from ggufpipe_agent.stagecache import verify_entry
+from ggufpipe_agent.delivery.sender import StageSender
+from ggufpipe_agent.stagefiles.cache import verify_entry
+from ggufpipe_agent.wire.delivery_messages import (
+    ReceiveAnswer,
+    ReceiveStage,
+    StageData,
+    StageDataEnd,
+    StageStored,
+)
+from ggufpipe_agent.wire.protocol import CONTROL_PREFIX_SIZE, decode_payload, encode_message, parse_prefix
 from tests.conftest import REPO
 
 CHUNK = 1 << 20

@@ -19,15 +19,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggufpipe_agent import receiver as receiver_module
-from ggufpipe_agent import stagecache
-from ggufpipe_agent.cacheadmin import list_entries
-from ggufpipe_agent.digest import digest_file
+from ggufpipe_agent.delivery import receiver as receiver_module
+from ggufpipe_agent.delivery.receiver import StageFileReceiver
+from ggufpipe_agent.delivery.sender import StageSender
 from ggufpipe_agent.errors import CacheError, DiskFull, TransferError
-from ggufpipe_agent.receiver import StageFileReceiver
-from ggufpipe_agent.sender import StageSender
-from ggufpipe_agent.stagecache import boot_id, read_sidecar, verify_entry
-from ggufpipe_agent.stagefile import ensure_stage_file
+from ggufpipe_agent.stagefiles import cache as stagecache
+from ggufpipe_agent.stagefiles.admin import list_entries
+from ggufpipe_agent.stagefiles.cache import boot_id, read_sidecar, verify_entry
+from ggufpipe_agent.stagefiles.digest import digest_file
+from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from tests.conftest import REPO
 
 CHUNK = 1 << 20
@@ -116,8 +116,8 @@ def test_a_killed_agent_resumes_from_its_last_checkpoint(sender, model_path, tmp
     script = textwrap.dedent(
         f"""
         import os, signal
-        from ggufpipe_agent.receiver import StageFileReceiver
-        from ggufpipe_agent.sender import StageSender
+        from ggufpipe_agent.delivery.receiver import StageFileReceiver
+        from ggufpipe_agent.delivery.sender import StageSender
         sender = StageSender({str(model_path)!r}, {RANGE[0]}, {RANGE[1]}, chunk_size={CHUNK},
                              memo_dir={str(tmp_path / "other-sent")!r})
         offer = sender.offer
@@ -413,9 +413,9 @@ def big_model(path: Path, blocks: int = 8, mib_per_tensor: int = 8) -> Path:
 MEASURE = """
 import json, sys
 from pathlib import Path
-from ggufpipe_agent.receiver import StageFileReceiver
-from ggufpipe_agent.sender import StageSender
-from ggufpipe_agent.stagefile import ensure_stage_file
+from ggufpipe_agent.delivery.receiver import StageFileReceiver
+from ggufpipe_agent.delivery.sender import StageSender
+from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -460,7 +460,7 @@ def test_memory_stays_bounded_whatever_the_file_size(tmp_path):
 
 
 def test_the_file_digest_is_the_same_however_the_bytes_arrive():
-    from ggufpipe_agent.digest import LEAF, FileDigest, chunk_digest, leaf_digests
+    from ggufpipe_agent.stagefiles.digest import LEAF, FileDigest, chunk_digest, leaf_digests
 
     data = np.random.default_rng(3).bytes(5 * LEAF + 12345)
     whole = FileDigest()

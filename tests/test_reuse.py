@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ggufpipe_agent.protocol import PrefixHeld
+from ggufpipe_agent.wire.protocol import PrefixHeld
 from ggufpipe_tui.core.reuse import ReuseSource, choose_kept, common_prefix
 
 RUN = 0x51

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from ggufpipe_agent.protocol import ChatMessage
+from ggufpipe_agent.wire.protocol import ChatMessage
 from ggufpipe_tui.core.events import Event, PromptAssigned, RunFinished, TokenStreamed
 from ggufpipe_tui.core.inventory import RunOptions
 from ggufpipe_tui.session.driver import RunDriver

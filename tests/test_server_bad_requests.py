@@ -120,7 +120,7 @@ def test_an_authorization_header_that_is_not_utf8_is_a_401(server) -> None:
 
 
 def test_idle_connections_are_closed(server) -> None:
-    from ggufpipe_tui.views.server import IDLE_SECONDS
+    from ggufpipe_tui.server.http import IDLE_SECONDS
 
     served, text, agents = server
     silent = [socket.create_connection(("127.0.0.1", served.port), timeout=5) for _ in range(64)]

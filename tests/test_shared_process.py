@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from ggufpipe_agent.framing import FrameReader, FrameWriter
-from ggufpipe_agent.protocol import Hello, ShareAttach
+from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
+from ggufpipe_agent.wire.protocol import Hello, ShareAttach
 from ggufpipe_tui.core.events import AgentConnected, AgentLog, Notice, TokenStreamed
 from ggufpipe_tui.core.inventory import InventoryError, load_inventory, parse_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
@@ -77,7 +77,7 @@ CHAINED = "decode steps run on the worker right after the previous stage's"
 @pytest.mark.parametrize("chain", ["on", "off"])
 async def test_a_shared_process_chains_its_stages_steps(tmp_path, model_path, no_agent_left, monkeypatch, chain):
     """On the direct links of one process, the worker runs stage i+1's decode
-    step right after stage i's (ggufpipe_agent/chain.py); GGUFPIPE_NO_CHAIN=1
+    step right after stage i's (ggufpipe_agent/stage/handover.py); GGUFPIPE_NO_CHAIN=1
     turns it off. Either way the tokens are the whole model's."""
     if chain == "off":
         monkeypatch.setenv("GGUFPIPE_NO_CHAIN", "1")  # the agent process inherits it

@@ -18,13 +18,13 @@ import llama_cpp
 import pytest
 
 from ggufpipe_agent.errors import ModelError
-from ggufpipe_agent.gguf_header import read_header
-from ggufpipe_agent.identity import describe_difference, model_identity
-from ggufpipe_agent.model import read_model_facts
-from ggufpipe_agent.modelfiles import read_model_files, split_path, split_prefix
-from ggufpipe_agent.protocol import EngineOptions
-from ggufpipe_agent.stagefile import ensure_stage_file
-from ggufpipe_agent.vocab import Vocabulary
+from ggufpipe_agent.gguf.facts import read_model_facts
+from ggufpipe_agent.gguf.files import read_model_files, split_path, split_prefix
+from ggufpipe_agent.gguf.header import read_header
+from ggufpipe_agent.gguf.identity import describe_difference, model_identity
+from ggufpipe_agent.llama.vocabulary import Vocabulary
+from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.wire.protocol import EngineOptions
 from tests.chain import Chain
 from tests.conftest import LONG_PROMPT, REPO, whole_model_greedy
 from tests.splitset import write_split_set

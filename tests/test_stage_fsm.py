@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from ggufpipe_agent.errors import TransitionError
-from ggufpipe_agent.stage_fsm import (
+from ggufpipe_agent.stage.fsm import (
     CancelPrepare,
     EdgeEstablished,
     EmitFault,

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_agent.cacheadmin import list_entries, remove_entries
-from ggufpipe_agent.digest import digest_file
 from ggufpipe_agent.errors import CacheError
-from ggufpipe_agent.gguf_header import read_header
-from ggufpipe_agent.stagecache import create_private, read_sidecar, sidecar_path
-from ggufpipe_agent.stagefile import ensure_stage_file
+from ggufpipe_agent.gguf.header import read_header
+from ggufpipe_agent.stagefiles.admin import list_entries, remove_entries
+from ggufpipe_agent.stagefiles.cache import read_sidecar, sidecar_path
+from ggufpipe_agent.stagefiles.digest import digest_file
+from ggufpipe_agent.stagefiles.private_files import create_private
+from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from tests import synthetic
 
 
@@ -131,7 +132,7 @@ def test_temporaries_are_created_exclusively_and_never_through_a_symlink(tmp_pat
 
 
 def test_temporary_names_are_unpredictable(tmp_path):
-    from ggufpipe_agent import stagecache
+    from ggufpipe_agent.stagefiles import cache as stagecache
 
     names = [stagecache.temporary_path(tmp_path, "x.gguf").name for _ in range(3)]
     assert len(set(names)) == 3 and all(name.startswith(f".x.gguf.{os.getpid()}.") for name in names)

@@ -18,28 +18,28 @@ from typing import Any
 
 import pytest
 
-from ggufpipe_agent import stagecache
-from ggufpipe_agent.cacheadmin import list_entries
-from ggufpipe_agent.delivery import answer_cache_request
-from ggufpipe_agent.deliverywire import CacheRequest
+from ggufpipe_agent.delivery.receiver import StageFileReceiver
+from ggufpipe_agent.delivery.sender import StageSender
+from ggufpipe_agent.delivery.service import answer_cache_request
 from ggufpipe_agent.errors import CacheError
-from ggufpipe_agent.receiver import StageFileReceiver
-from ggufpipe_agent.sender import StageSender
-from ggufpipe_agent.stagecache import (
+from ggufpipe_agent.stagefiles import cache as stagecache
+from ggufpipe_agent.stagefiles.admin import list_entries
+from ggufpipe_agent.stagefiles.cache import (
     SAMPLE_BLOCK,
     SAMPLE_COUNT,
     SIDECAR_VERSION,
     EntryDamaged,
     StageKey,
     check_entry,
-    private_cache_dir,
     read_sidecar,
     sidecar_path,
     verify_entry,
     write_sidecar,
     write_stage_entry,
 )
-from ggufpipe_agent.stagefile import ensure_stage_file
+from ggufpipe_agent.stagefiles.private_files import private_cache_dir
+from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.wire.delivery_messages import CacheRequest
 from tests import synthetic
 
 KEY = StageKey("ab" * 32, "damage test", 0, 4, 8, 3)

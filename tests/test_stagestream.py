@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from ggufpipe_agent.errors import ModelError
-from ggufpipe_agent.gguf_header import read_header
-from ggufpipe_agent.modelfiles import read_model_files
-from ggufpipe_agent.stagestream import StageFileStream, open_stage_stream
+from ggufpipe_agent.gguf.files import read_model_files
+from ggufpipe_agent.gguf.header import read_header
+from ggufpipe_agent.stagefiles.stream import StageFileStream, open_stage_stream
 from tests import synthetic
 from tests.reference_stagefile import write_reference_stage_file
 from tests.splitset import write_split_set

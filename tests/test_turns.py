@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ggufpipe_agent.protocol import ChatMessage
+from ggufpipe_agent.wire.protocol import ChatMessage
 from ggufpipe_tui.core.events import RunResult, Timings
 from ggufpipe_tui.session.runs import REFUSE, ContextOverflow, Prompt, RunHandle
 from ggufpipe_tui.session.stages import PipelineError

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from ggufpipe_agent.errors import ModelError
-from ggufpipe_agent.model import check_gguf_path
-from ggufpipe_agent.protocol import Inspect, RequestFailed
+from ggufpipe_agent.gguf.facts import check_gguf_path
+from ggufpipe_agent.wire.protocol import Inspect, RequestFailed
 from tests.agent_client import AgentClient
 
 

@@ -15,7 +15,7 @@ leaves depends on how its run ended:
 
 from __future__ import annotations
 
-from ggufpipe_agent.protocol import ChatMessage
+from ggufpipe_agent.wire.protocol import ChatMessage
 from ggufpipe_tui.core.events import RunResult
 
 LEFT_OUT = "left out of the conversation"

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ggufpipe_agent.protocol import Hello, ModelFacts, StepCounters
+from ggufpipe_agent.wire.protocol import Hello, ModelFacts, StepCounters
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from ggufpipe_agent.bridge import parse_endpoint
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.wiretypes import sampling_problem
+from ggufpipe_agent.wire.endpoints import parse_endpoint
+from ggufpipe_agent.wire.records import sampling_problem
 
 ACTIVATION_DTYPES = ("float32", "float16")
 #: How activations move between stages (``data:``, globally or per host):
@@ -408,7 +408,7 @@ def check_run_options(run: RunOptions, fail: Callable[[str, str], Exception]) ->
     """Range checks shared by the inventory and the command line."""
     if run.max_tokens < 1:
         raise fail("max_tokens", "must be at least 1")
-    # Exactly what a stage accepts (one definition, ggufpipe_agent.wiretypes).
+    # Exactly what a stage accepts (one definition, ggufpipe_agent.wire.records).
     key, problem = sampling_problem(run.temperature, run.top_k, run.top_p, run.seed)
     if key:
         raise fail(key, problem)

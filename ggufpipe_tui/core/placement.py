@@ -1,7 +1,7 @@
 """The placement: which blocks each stage runs, chosen from what each host has.
 
 Pure: a function of the inventory, the model's facts and the agents' Hellos
-(no I/O). Every stage's need is estimated by :mod:`ggufpipe_agent.memory`
+(no I/O). Every stage's need is estimated by :mod:`ggufpipe_agent.gguf.memory`
 where llama.cpp will put it: host RAM, or the GPUs of a stage that offloads.
 Each host's RAM and each of its GPUs is a *pool*; the stages of a host share
 its pools. A pool may hold its stages' estimates plus a margin:
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.memory import (
+from ggufpipe_agent.gguf.memory import (
     GIB,
     MIB,
     MemoryFacts,
@@ -36,7 +36,7 @@ from ggufpipe_agent.memory import (
     kv_block_bytes,
     memory_facts_of,
 )
-from ggufpipe_agent.protocol import EngineOptions, Hello, ModelFacts
+from ggufpipe_agent.wire.protocol import EngineOptions, Hello, ModelFacts
 from ggufpipe_tui.core.inventory import Inventory, InventoryError, assign_layers
 from ggufpipe_tui.core.plan import engine_options
 

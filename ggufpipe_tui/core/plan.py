@@ -11,13 +11,14 @@ stage 0's next input (docs/rings.md).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.memory import StageMemory, estimate_stage, memory_facts_of
-from ggufpipe_agent.objects import HEADER_SIZE
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.gguf.memory import StageMemory, estimate_stage, memory_facts_of
+from ggufpipe_agent.wire.objects import HEADER_SIZE
+from ggufpipe_agent.wire.protocol import (
     EngineOptions,
     InboundEdgeProvision,
     ModelFacts,
@@ -33,8 +34,28 @@ from ggufpipe_agent.protocol import (
 )
 from ggufpipe_tui.core.inventory import Inventory, RunOptions
 
-if TYPE_CHECKING:
-    from ggufpipe_tui.core.placement import Placement
+
+class PlacedStage(Protocol):
+    """One stage as the memory plan placed it (core/placement.py's StagePlacement)."""
+
+    @property
+    def layers(self) -> tuple[int, int]: ...
+
+    @property
+    def needed(self) -> int: ...
+
+    @property
+    def available(self) -> int: ...
+
+    @property
+    def memory(self) -> StageMemory: ...
+
+
+class Placed(Protocol):
+    """The memory plan's figures a run plan shows (core/placement.py's Placement)."""
+
+    @property
+    def stages(self) -> Sequence[PlacedStage]: ...
 
 ORCHESTRATOR = "orchestrator"
 #: Slots per edge ring. The MVP keeps one object in flight per edge, so two
@@ -136,7 +157,7 @@ def build_plan(
     ranges: list[tuple[int, int]],
     run_id: int,
     edge_base: int | None = None,
-    placement: Placement | None = None,
+    placement: Placed | None = None,
 ) -> RunPlan:
     """The run plan. ``placement`` (:func:`ggufpipe_tui.core.placement.place_stages`)
     gives each stage its memory figures where its layers go; without it they

@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ggufpipe_agent.protocol import PrefixHeld, PrefixOffer
+from ggufpipe_agent.wire.protocol import PrefixHeld, PrefixOffer
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,12 +19,44 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ggufpipe_agent.protocol import Message
+from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
+from ggufpipe_agent.wire.protocol import Message
 from ggufpipe_tui.core.events import DataPath
+from ggufpipe_tui.core.inventory import HostSpec
 from ggufpipe_tui.core.plan import RunPlan
 
 #: The bound run's consumer of token-out objects: (sequence, token).
 TokenSink = Callable[[int, int], None]
+
+
+@dataclass(slots=True)
+class DataStream:
+    """A stage's data stream as the orchestrator holds it: one reader, one writer."""
+
+    reader: FrameReader
+    writer: FrameWriter
+
+
+class DataStage(Protocol):
+    """What a data plane needs of a stage (the session's StageHandle)."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def host(self) -> HostSpec: ...
+
+    data: DataStream | None
+
+    async def open_data(self, timeout: float) -> DataStream: ...
+
+    def close_data(self) -> None: ...
+
+    def alive(self) -> bool: ...
+
+    async def send(self, message: Message) -> None: ...
+
+    async def request(self, make: Callable[[int], Message], timeout: float) -> Message: ...
 
 
 def _ignore(path: DataPath) -> None:

@@ -3,7 +3,7 @@ and the last stage its tokens straight to stage 0 (the token ring).
 
 When the plane opens, the orchestrator sets up one link per pair of
 neighbours (``LinkListen`` to the consumer, ``LinkConnect`` to the producer,
-over their control channels; ``ggufpipe_agent.links``): a Unix socket when
+over their control channels; ``ggufpipe_agent.process.peer_links``): a Unix socket when
 both stages run on one inventory host, mutual TLS over TCP between hosts,
 with certificates of a per-session authority made here
 (:mod:`~ggufpipe_tui.dataplane.credentials`). The producer's connect and
@@ -30,7 +30,8 @@ import asyncio
 import secrets
 from collections.abc import Sequence
 
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.wire.protocol import (
     LinkConnect,
     LinkConnected,
     LinkCredentials,
@@ -43,12 +44,11 @@ from ggufpipe_agent.protocol import (
     RequestFailed,
     encode_message,
 )
-from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_tui.core.errors import PipelineError
 from ggufpipe_tui.core.events import DataPath
 from ggufpipe_tui.core.plan import RunPlan
-from ggufpipe_tui.dataplane import DataPlaneEvents
+from ggufpipe_tui.dataplane import DataPlaneEvents, DataStage
 from ggufpipe_tui.dataplane.relay import RelayPlane
-from ggufpipe_tui.session.stages import PipelineError, StageHandle
 
 #: How long a producer may take to reach one endpoint of its consumer and
 #: attach: a firewalled host costs this much before its relay fallback.
@@ -57,7 +57,7 @@ PROBE_SECONDS = 5.0
 LINK_GRACE_SECONDS = 1.5
 
 
-def _edge_mode(producer: StageHandle, consumer: StageHandle) -> str:
+def _edge_mode(producer: DataStage, consumer: DataStage) -> str:
     """The inventory's word for a pair: relay wins, then direct, else auto."""
     modes = {producer.host.data or "auto", consumer.host.data or "auto"}
     if "relay" in modes:
@@ -65,7 +65,7 @@ def _edge_mode(producer: StageHandle, consumer: StageHandle) -> str:
     return "direct" if "direct" in modes else "auto"
 
 
-def _same_host(producer: StageHandle, consumer: StageHandle) -> bool:
+def _same_host(producer: DataStage, consumer: DataStage) -> bool:
     """One machine: every local host is this one; an SSH host is itself.
     (Two inventory hosts that are one machine get TLS: nobody can tell.)"""
     a, b = producer.host, consumer.host
@@ -77,7 +77,7 @@ def _tcp(address: str, port: int) -> str:
 
 
 class DirectPlane(RelayPlane):
-    def __init__(self, stages: Sequence[StageHandle], tasks: TaskOwner, events: DataPlaneEvents) -> None:
+    def __init__(self, stages: Sequence[DataStage], tasks: TaskOwner, events: DataPlaneEvents) -> None:
         super().__init__(stages, tasks, events)
         self.paths: dict[int, DataPath] = {}  # by producer: its link to (producer + 1) % n
         self._authority: object | None = None
@@ -105,7 +105,7 @@ class DirectPlane(RelayPlane):
         issued = self._authority.issue(stage)
         return LinkCredentials(issued.certificate, issued.key, self._authority.certificate_pem)
 
-    def _endpoints(self, consumer: StageHandle, listening: LinkListening) -> tuple[str, ...]:
+    def _endpoints(self, consumer: DataStage, listening: LinkListening) -> tuple[str, ...]:
         if listening.endpoint.startswith("unix:"):
             return (listening.endpoint,)
         port = int(listening.endpoint.removeprefix("tcp:"))

@@ -8,7 +8,7 @@ and handed to the bound run; in a token-ring run its ring objects (the next
 input of stage 0) are forwarded to stage 0. The token-in edge is stage 0's
 data stream.
 
-Each stream has one writer (:class:`~ggufpipe_agent.framing.FrameWriter`),
+Each stream has one writer (:class:`~ggufpipe_agent.wire.framing.FrameWriter`),
 held for a whole object while a relay forwards it, so edge setup for the next
 run never lands inside one.
 """
@@ -18,18 +18,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from ggufpipe_agent import objects
 from ggufpipe_agent.errors import ProtocolError
-from ggufpipe_agent.framing import FrameWriter, TruncatedFrame
-from ggufpipe_agent.protocol import Message, OpenEdge, encode_message
 from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.wire import objects
+from ggufpipe_agent.wire.framing import FrameWriter, TruncatedFrame
+from ggufpipe_agent.wire.protocol import Message, OpenEdge, encode_message
 from ggufpipe_tui.core.plan import EdgePlan, RunPlan
-from ggufpipe_tui.dataplane import DataPlaneEvents, TokenSink
-from ggufpipe_tui.session.stages import DataStream, StageHandle
+from ggufpipe_tui.dataplane import DataPlaneEvents, DataStage, DataStream, TokenSink
 
 
 class RelayPlane:
-    def __init__(self, stages: Sequence[StageHandle], tasks: TaskOwner, events: DataPlaneEvents) -> None:
+    def __init__(self, stages: Sequence[DataStage], tasks: TaskOwner, events: DataPlaneEvents) -> None:
         self.stages = stages
         self.tasks = tasks
         self.events = events

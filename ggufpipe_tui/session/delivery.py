@@ -12,7 +12,7 @@ One stage's delivery (:func:`deliver_stage`) has a connection of its own
 (``AgentLink.open_delivery()``), so gigabytes of chunks never hold up a
 control message: over SSH an exec session running ``ggufpipe-agent receive``,
 which writes the file into the agent's cache itself
-(:mod:`ggufpipe_agent.receive`); locally, and to a hand-started agent, a data
+(:mod:`ggufpipe_agent.delivery.receive_command`); locally, and to a hand-started agent, a data
 connection to the agent attached with the Hello's token. On it::
 
     ReceiveStage(offer)  ->            what the host has:
@@ -22,7 +22,7 @@ connection to the agent attached with the Hello's token. On it::
                          <-  StageStored | ReceiveFailed
 
 The chunks are read from the model's own files (a single GGUF or a split
-set) by :class:`~ggufpipe_agent.sender.StageSender`, hashed and framed on a
+set) by :class:`~ggufpipe_agent.delivery.sender.StageSender`, hashed and framed on a
 thread of the stage while the previous chunk is written, and every write
 waits for the channel to drain (asyncssh sends within the peer's window):
 two chunks in memory per stage, whatever the model's size, and nothing
@@ -41,7 +41,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from ggufpipe_agent.deliverywire import (
+from ggufpipe_agent.delivery.sender import StageChunk, StageSender
+from ggufpipe_agent.errors import GgufpipeError, ProtocolError
+from ggufpipe_agent.gguf.files import ModelFiles
+from ggufpipe_agent.wire.delivery_messages import (
     ReceiveAnswer,
     ReceiveFailed,
     ReceiveStage,
@@ -49,11 +52,8 @@ from ggufpipe_agent.deliverywire import (
     StageDataEnd,
     StageStored,
 )
-from ggufpipe_agent.errors import GgufpipeError, ProtocolError
-from ggufpipe_agent.framing import FrameReader, FrameWriter, TruncatedFrame
-from ggufpipe_agent.modelfiles import ModelFiles
-from ggufpipe_agent.protocol import Message, StageFileRef, encode_message
-from ggufpipe_agent.sender import StageChunk, StageSender
+from ggufpipe_agent.wire.framing import FrameReader, FrameWriter, TruncatedFrame
+from ggufpipe_agent.wire.protocol import Message, StageFileRef, encode_message
 from ggufpipe_tui.core.events import Emit, StageDelivery
 from ggufpipe_tui.core.inventory import Timeouts
 from ggufpipe_tui.core.plan import RunPlan

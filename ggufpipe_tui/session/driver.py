@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from ggufpipe_agent.errors import TransitionError
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.wire.protocol import (
     Message,
     PrefixHeld,
     StageFault,
@@ -30,7 +31,6 @@ from ggufpipe_agent.protocol import (
     StepStats,
     StopRun,
 )
-from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core import run_fsm as fsm
 from ggufpipe_tui.core.events import (
     Emit,

@@ -5,7 +5,7 @@
   Each host's agent reads its copy's facts and identity (Inspect); stage 0's
   also its vocabulary, and it tokenizes the prompts. Every copy must be the
   same model as stage 0's: a copy whose identity differs (metadata or tensor
-  table, :mod:`ggufpipe_agent.identity`) is refused before anything loads,
+  table, :mod:`ggufpipe_agent.gguf.identity`) is refused before anything loads,
   naming both hosts and what differs.
 * :class:`LocalModel`: the model lies here. Its facts, vocabulary and chat
   template are read here (the agent package's own functions, in
@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.identity import describe_difference
-from ggufpipe_agent.modelfiles import ModelFiles, read_model_files
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.gguf.files import ModelFiles, read_model_files
+from ggufpipe_agent.gguf.identity import describe_difference
+from ggufpipe_agent.wire.protocol import (
     ChatMessage,
     Inspect,
     ModelFacts,
@@ -108,9 +108,9 @@ class HostCopies:
 
 def _read_local(path: str) -> tuple[ModelRead, ModelFiles]:
     """In a thread: facts and vocabulary of the model here (its identity is
-    the stage files' business: :mod:`ggufpipe_agent.stagefile`)."""
-    from ggufpipe_agent.model import read_model_facts
-    from ggufpipe_agent.vocab import vocabulary
+    the stage files' business: :mod:`ggufpipe_agent.stagefiles.writer`)."""
+    from ggufpipe_agent.gguf.facts import read_model_facts
+    from ggufpipe_agent.llama.vocabulary import vocabulary
 
     files = read_model_files(path)  # the whole split set, checked (a missing part is named)
     facts = read_model_facts(path)
@@ -123,7 +123,7 @@ def _read_local(path: str) -> tuple[ModelRead, ModelFiles]:
 def _tokenize_local(
     path: str, template: str, text: str, chat: bool, messages: tuple[ChatMessage, ...]
 ) -> tuple[list[int], str]:
-    from ggufpipe_agent.vocab import vocabulary
+    from ggufpipe_agent.llama.vocabulary import vocabulary
 
     tokens, rendered = vocabulary(path).prompt_tokens(template, text, chat, messages)
     return list(tokens), rendered

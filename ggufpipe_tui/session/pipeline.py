@@ -24,9 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ggufpipe_agent.arch import check_architecture, check_plan
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.gguf.architectures import check_architecture, check_plan
+from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.wire.protocol import (
     ChatMessage,
     Message,
     ModelFacts,
@@ -34,7 +35,6 @@ from ggufpipe_agent.protocol import (
     Shutdown,
     StageFileRef,
 )
-from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core import run_fsm as fsm
 from ggufpipe_tui.core.events import (
     AgentConnected,

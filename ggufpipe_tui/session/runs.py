@@ -26,21 +26,41 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from ggufpipe_agent.codec import text_problem
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.protocol import ChatMessage, SamplingParams
+from ggufpipe_agent.wire.codec import text_problem
+from ggufpipe_agent.wire.protocol import ChatMessage, SamplingParams
 from ggufpipe_tui.core.events import Event, PromptAssigned, RunResult
-from ggufpipe_tui.core.inventory import RunOptions, check_run_options
+from ggufpipe_tui.core.inventory import Inventory, RunOptions, check_run_options
 from ggufpipe_tui.core.plan import RunPlan
 from ggufpipe_tui.session.driver import RunDriver
 from ggufpipe_tui.session.stages import PipelineError
 
-if TYPE_CHECKING:
-    from ggufpipe_tui.session.pipeline import Pipeline
+
+class QueuePipeline(Protocol):
+    """What the run queue needs of the pipeline it serves (session/pipeline.py's
+    Pipeline; tests/test_run_queue.py's FakePipeline)."""
+
+    @property
+    def inventory(self) -> Inventory: ...
+
+    @property
+    def broken(self) -> str: ...
+
+    async def prepare_run(self, options: RunOptions | None = None) -> RunDriver: ...
+
+    async def tokenize(
+        self, text: str, chat: bool, messages: Sequence[ChatMessage] = ()
+    ) -> tuple[list[int], str]: ...
+
+    def route(self, driver: RunDriver, handle: RunHandle) -> None: ...
+
+    async def run_prompt(
+        self, driver: RunDriver, tokens: list[int], submitted: float, max_tokens: int = 0
+    ) -> RunResult: ...
 
 
 #: What a prompt whose tokens and max_tokens do not fit the context gets.
@@ -204,7 +224,7 @@ class RunHandle:
 
 
 class RunQueue:
-    def __init__(self, pipeline: Pipeline, prepare_ahead: bool) -> None:
+    def __init__(self, pipeline: QueuePipeline, prepare_ahead: bool) -> None:
         self.pipeline = pipeline
         self.prepare_ahead = prepare_ahead
         self.waiting: deque[RunHandle] = deque()

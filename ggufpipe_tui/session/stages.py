@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
-from ggufpipe_agent.deliverywire import CacheReport
-from ggufpipe_agent.errors import GgufpipeError, ProtocolError
-from ggufpipe_agent.framing import FrameReader, FrameWriter
-from ggufpipe_agent.heartbeat import Silence
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.process.heartbeat import Silence
+from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.wire.delivery_messages import CacheReport
+from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
+from ggufpipe_agent.wire.protocol import (
     Heartbeat,
     Hello,
     LinkConnected,
@@ -29,8 +29,9 @@ from ggufpipe_agent.protocol import (
     RequestFailed,
     Tokenized,
 )
-from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_tui.core.errors import PipelineError  # noqa: F401 - this module's API too
 from ggufpipe_tui.core.inventory import HostSpec
+from ggufpipe_tui.dataplane import DataStream
 from ggufpipe_tui.transports.link import AgentLink, TransportError
 
 #: Replies that answer a request by its request_id.
@@ -45,10 +46,6 @@ def heartbeat_interval(timeout: float) -> float:
     return timeout / 5
 
 
-class PipelineError(GgufpipeError):
-    """The pipeline could not be set up (agents, model, plan) or run a prompt."""
-
-
 class StagePort(Protocol):
     """What a run driver needs of one stage."""
 
@@ -60,14 +57,6 @@ class StagePort(Protocol):
     async def send(self, message: Message) -> None: ...
 
     def report_lost(self, symptom: str) -> None: ...
-
-
-@dataclass(slots=True)
-class DataStream:
-    """A stage's data stream as the orchestrator holds it: one reader, one writer."""
-
-    reader: FrameReader
-    writer: FrameWriter
 
 
 class StageHandle:

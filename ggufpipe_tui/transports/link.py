@@ -1,8 +1,8 @@
 """How the orchestrator reaches an agent: one small interface, two transports.
 
 An :class:`AgentLink` is one running agent with a control stream (msgpack
-frames through one :class:`~ggufpipe_agent.framing.FrameWriter` and one
-:class:`~ggufpipe_agent.framing.FrameReader`), a way to open its data stream
+frames through one :class:`~ggufpipe_agent.wire.framing.FrameWriter` and one
+:class:`~ggufpipe_agent.wire.framing.FrameReader`), a way to open its data stream
 (edge objects) and its stderr. :mod:`ggufpipe_tui.transports.local` starts the
 agent as a subprocess (the embedded default, no SSH);
 :mod:`ggufpipe_tui.transports.ssh` starts it over SSH. Nothing above this
@@ -19,10 +19,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ggufpipe_agent import PROTOCOL_VERSION, __version__, credential
+from ggufpipe_agent import PROTOCOL_VERSION, __version__
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
-from ggufpipe_agent.framing import FrameReader, FrameWriter
-from ggufpipe_agent.protocol import (
+from ggufpipe_agent.process import credential
+from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
+from ggufpipe_agent.wire.protocol import (
     AuthChallenge,
     AuthProof,
     AuthResponse,
@@ -31,7 +33,6 @@ from ggufpipe_agent.protocol import (
     Message,
     Refused,
 )
-from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core.inventory import HostSpec
 
 log = logging.getLogger("ggufpipe.transport")
@@ -215,7 +216,7 @@ class AgentLink:
     async def authenticate(self, timeout: float) -> None:
         """A hand-started agent (``listen:``): prove we hold its listen key and
         check that it does, before anything is sent to it or believed from it
-        (ggufpipe_agent/credential.py). Whoever else took the endpoint gets
+        (ggufpipe_agent/process/credential.py). Whoever else took the endpoint gets
         nothing but our proof for its own challenge, which it cannot use.
 
         The key file is read (once; later tries reuse it) while the challenge

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ggufpipe_agent import credential
-from ggufpipe_agent.bridge import parse_endpoint
-from ggufpipe_agent.protocol import Hello
+from ggufpipe_agent.process import credential
+from ggufpipe_agent.wire.endpoints import parse_endpoint
+from ggufpipe_agent.wire.protocol import Hello
 from ggufpipe_tui.core.inventory import HostSpec
 from ggufpipe_tui.transports.link import STREAM_LIMIT, AgentLink, LogLine, TransportError
 

@@ -2,7 +2,7 @@
 
 The first stage placed on such a host starts its agent as always (local
 subprocess or SSH exec session), with ``--share-process``; its Hello names a
-share socket and a secret (ggufpipe_agent/sharing.py). Every further stage on
+share socket and a secret (ggufpipe_agent/process/sharing.py). Every further stage on
 the host is a :class:`SharedAgent`: it waits for that Hello, reaches the
 socket (locally: directly; over SSH: ``<agent> bridge unix:PATH`` on an exec
 session of the host's connection, control traffic only), presents the secret
@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from ggufpipe_agent.protocol import Hello, Message, ShareAttach
+from ggufpipe_agent.wire.protocol import Hello, Message, ShareAttach
 from ggufpipe_tui.core.inventory import HostSpec
 from ggufpipe_tui.transports.link import AgentLink, LogLine, TransportError
 

@@ -29,9 +29,10 @@ from typing import Any
 
 import asyncssh
 
-from ggufpipe_agent import __version__, credential, selfcheck
-from ggufpipe_agent.bridge import parse_endpoint
-from ggufpipe_agent.protocol import Hello
+from ggufpipe_agent import __version__, selfcheck
+from ggufpipe_agent.process import credential
+from ggufpipe_agent.wire.endpoints import parse_endpoint
+from ggufpipe_agent.wire.protocol import Hello
 from ggufpipe_tui.core.inventory import HostSpec
 from ggufpipe_tui.transports.link import AgentLink, ListenRetry, LogLine, TransportError
 from ggufpipe_tui.transports.sshconn import (

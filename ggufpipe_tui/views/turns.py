@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from rich.text import Text
 
-from ggufpipe_agent.protocol import ModelFacts
+from ggufpipe_agent.wire.protocol import ModelFacts
 from ggufpipe_tui.core.conversation import Conversation
 from ggufpipe_tui.core.events import RunResult
 from ggufpipe_tui.session.runs import REFUSE, ContextOverflow, Prompt

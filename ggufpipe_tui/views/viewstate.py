@@ -18,7 +18,8 @@ from typing import Any
 
 from rich.text import Text
 
-from ggufpipe_agent.protocol import StepCounters
+from ggufpipe_agent.wire.protocol import StepCounters
+from ggufpipe_tui.core import format as fmt
 from ggufpipe_tui.core.events import (
     AgentConnected,
     AgentLog,
@@ -39,7 +40,6 @@ from ggufpipe_tui.core.events import (
 )
 from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.core.run_fsm import RunPhase
-from ggufpipe_tui.views import format as fmt
 
 STAGE_STYLES = {
     "Unprovisioned": "grey58",

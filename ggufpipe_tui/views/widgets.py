@@ -27,8 +27,8 @@ from textual.screen import Screen
 from textual.widgets import Footer, RichLog, Static
 from textual.widgets._footer import FooterKey
 
+from ggufpipe_tui.core.format import delivery_line, format_bytes, format_seconds
 from ggufpipe_tui.core.placement import MARGIN
-from ggufpipe_tui.views.format import delivery_line, format_bytes, format_seconds
 from ggufpipe_tui.views.viewstate import PHASE_STYLES, STAGE_STYLES, StageRow
 
 SPINNER = "◐◓◑◒"

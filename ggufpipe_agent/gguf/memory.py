@@ -1,0 +1,413 @@
+"""What a stage needs in memory, from the GGUF alone, and what a host has.
+
+A stage is one llama.cpp model and context (:mod:`ggufpipe_agent.llama.engine`), so
+its memory is what llama.cpp allocates for it, in the places llama.cpp puts it:
+
+* **weights**: the tensor bytes of its blocks; ``token_embd`` on every stage
+  (stage files always carry it and llama.cpp keeps the input layer in host
+  memory); the output norm and projection where llama.cpp puts the output
+  layer. A stage file has ``output.weight`` only on the last stage, so every
+  other stage (and a model with tied embeddings) gets llama.cpp's
+  ``TENSOR_DUPLICATED`` copy of ``token_embd`` as its projection: free on the
+  CPU (the same mapped bytes), a real copy on a GPU.
+* **KV cache**: per block ``cells * (K + V widths) * 2`` bytes (f16), where
+  ``cells`` is the context padded to 256. Sliding-window blocks (gemma3) get
+  the full context too: llama.cpp's default ``swa_full = true`` is what the
+  engine runs with.
+* **compute buffer**: llama.cpp reserves the worst-case graph, a micro-batch
+  of ``n_ubatch`` tokens that are all outputs, so every stage's graph holds
+  the logits ``n_ubatch * n_vocab * 4`` even where the engine stops the graph
+  before them. Measured (benchmarks/calibrate_memory.py) the peak is the
+  largest of three phases (flash attention, as the engine runs):
+  logits ``n_ub * (n_vocab + 2 n_embd) * 4``, feed-forward
+  ``n_ub * (3 n_ff + 4 n_embd) * 4 + masks`` and attention
+  ``n_ub * (2 n_embd + 2 q + kv) * 4 + masks``, a mask being
+  ``cells * n_ub * 2`` bytes (two for a sliding-window model).
+* **outputs**: llama.cpp's output buffer holds logits for every output row.
+  The last stage flags one row; every other stage flags every row (the
+  engine needs the whole residual stream), so it holds ``n_batch * n_vocab *
+  4`` bytes after a long prefill although nothing is ever written there.
+* **runtime**: the agent process and its activation buffers.
+
+GPU placement follows llama.cpp's ``llama_model::load_tensors``: with
+``n_gpu_layers = g`` the last ``g`` of the ``n + 1`` slots (``n`` blocks and
+the output layer) go to the GPUs, split over several GPUs in proportion to
+their free memory. It is computed, not measured: no GPU was at hand.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ggufpipe_agent.errors import ModelError
+from ggufpipe_agent.wire.protocol import EngineOptions, MemoryFacts, ModelFacts
+
+MIB = 1 << 20
+GIB = 1 << 30
+#: llama.cpp pads the context (KV cells) to a multiple of 256.
+KV_PAD = 256
+#: f16 K and V, llama.cpp's default cache type (the engine does not change it).
+KV_ELEMENT_BYTES = 2
+#: An agent process with llama.cpp, numpy and a vocabulary loaded: 97 MiB
+#: resident measured here (Python 3.11, llama-cpp-python 0.3.36), rounded up.
+AGENT_BASELINE = 128 * MIB
+#: Copies of the largest activation object a stage holds at once: the
+#: inbound payload, its decoded rows and the captured outbound rows.
+ACTIVATION_COPIES = 3
+_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
+
+
+# ------------------------------------------------------------ model facts
+
+
+def _per_block(value: Any, count: int, default: int = 0) -> list[int]:
+    if isinstance(value, list):
+        values = [int(v) for v in value[:count]]
+        return values + [values[-1] if values else default] * (count - len(values))
+    return [int(value if value is not None else default)] * count
+
+
+def _widest(value: Any, default: int = 0) -> int:
+    if isinstance(value, list):
+        return int(max(value)) if value else default
+    return int(value) if value is not None else default
+
+
+def memory_facts(header: Any, tensors: Any = None) -> MemoryFacts:
+    """The memory facts of a parsed GGUF header (:class:`~ggufpipe_agent.gguf.header.GgufHeader`);
+    ``tensors``: the tensor table when it spans more files than the header's
+    (a split set), else the header's own."""
+    from ggufpipe_agent.gguf.architectures import gemma3_swa_flags
+
+    arch = header.architecture
+    get = header.get
+    blocks = int(get(f"{arch}.block_count", 0))
+    n_embd = int(get(f"{arch}.embedding_length", 0))
+    heads = _per_block(get(f"{arch}.attention.head_count"), blocks)
+    kv_heads = _per_block(get(f"{arch}.attention.head_count_kv", get(f"{arch}.attention.head_count")), blocks)
+    widest_heads: int = max(heads, default=0)
+    head_dim = n_embd // widest_heads if widest_heads else 0
+    key_length = int(get(f"{arch}.attention.key_length", head_dim))
+    value_length = int(get(f"{arch}.attention.value_length", head_dim))
+    experts = int(get(f"{arch}.expert_count", 0) or 0)
+    if experts:
+        n_ff = _widest(get(f"{arch}.expert_feed_forward_length", get(f"{arch}.feed_forward_length")))
+        n_ff *= int(get(f"{arch}.expert_used_count", 1) or 1)
+    else:
+        n_ff = _widest(get(f"{arch}.feed_forward_length"), 4 * n_embd)
+    tokens = get("tokenizer.ggml.tokens")
+    n_vocab = len(tokens) if tokens is not None else int(get(f"{arch}.vocab_size", 0))
+    swa: list[bool] = [False] * blocks
+    window = 0
+    if arch == "gemma3":
+        flags = gemma3_swa_flags(get, 0, blocks)
+        if flags is not None:
+            swa = flags
+            window = int(get("gemma3.attention.sliding_window", 0) or 0)
+
+    block_bytes = [0] * blocks
+    named = {"token_embd.weight": 0, "output_norm.weight": 0, "output.weight": 0}
+    global_bytes = 0
+    for tensor in header.tensors if tensors is None else tensors:
+        match = _BLOCK_TENSOR.match(tensor.name)
+        if match:
+            index = int(match.group(1))
+            if index >= blocks:
+                raise ModelError(f"{header.path}: tensor {tensor.name} beyond block_count {blocks}")
+            block_bytes[index] += tensor.nbytes
+        elif tensor.name in named:
+            named[tensor.name] += tensor.nbytes
+        else:
+            global_bytes += tensor.nbytes
+    return MemoryFacts(
+        block_bytes=tuple(block_bytes),
+        token_embd_bytes=named["token_embd.weight"],
+        output_norm_bytes=named["output_norm.weight"],
+        output_bytes=named["output.weight"],
+        global_bytes=global_bytes,
+        kv_widths=tuple(kv * (key_length + value_length) for kv in kv_heads),
+        swa_blocks=tuple(swa),
+        sliding_window=window,
+        n_embd=n_embd,
+        n_vocab=n_vocab,
+        n_ff=n_ff,
+        q_width=widest_heads * key_length,
+    )
+
+
+def memory_facts_of(facts: ModelFacts) -> MemoryFacts:
+    """``facts.memory``, or a coarser record from the older fields when the
+    facts were made by hand (tests): tied output, no sliding window, 4x FFN."""
+    if facts.memory is not None:
+        return facts.memory
+    blocks = facts.block_count
+    return MemoryFacts(
+        block_bytes=facts.block_bytes,
+        token_embd_bytes=facts.embedding_bytes,
+        output_norm_bytes=facts.output_bytes,
+        output_bytes=0,
+        global_bytes=0,
+        kv_widths=(facts.head_count_kv * (facts.key_length + facts.value_length),) * blocks,
+        swa_blocks=(False,) * blocks,
+        sliding_window=0,
+        n_embd=facts.hidden_dim,
+        n_vocab=facts.vocab_size,
+        n_ff=4 * facts.hidden_dim,
+        q_width=facts.head_count * facts.key_length,
+    )
+
+
+# ------------------------------------------------------------ the estimate
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a stage needs in one place: host RAM or one GPU."""
+
+    place: str  # "RAM" or the device's name ("CUDA0")
+    weights: int = 0
+    kv: int = 0
+    compute: int = 0
+    outputs: int = 0
+    runtime: int = 0
+    blocks: int = 0  # how many of the stage's blocks are here
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute + self.outputs + self.runtime
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """A stage's needs: host RAM and each GPU it uses (in the Hello's order)."""
+
+    host: Usage
+    devices: tuple[Usage, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.host.total + sum(device.total for device in self.devices)
+
+    @property
+    def offloaded(self) -> bool:
+        return any(device.total for device in self.devices)
+
+
+def kv_cells(n_ctx: int) -> int:
+    return -(-n_ctx // KV_PAD) * KV_PAD
+
+
+def kv_block_bytes(memory: MemoryFacts, block: int, options: EngineOptions, swa_full: bool = True) -> int:
+    """KV cache bytes of one block (f16 K and V)."""
+    cells = kv_cells(options.n_ctx)
+    if memory.swa_blocks[block] and not swa_full:
+        # llama_kv_cache_iswa: GGML_PAD(min(size, n_swa + n_ubatch), 256)
+        cells = min(cells, kv_cells(memory.sliding_window + options.n_ubatch))
+    return cells * memory.kv_widths[block] * KV_ELEMENT_BYTES
+
+
+def compute_phases(memory: MemoryFacts, start: int, end: int, options: EngineOptions) -> tuple[int, int, int]:
+    """The compute buffer's peaks (logits phase, widest block phase) and the
+    KQ masks' bytes (graph inputs, part of the block phase)."""
+    ub = min(options.n_ubatch, options.n_ctx)
+    masks = 2 if any(memory.swa_blocks[start:end]) else 1
+    mask = masks * kv_cells(options.n_ctx) * ub * 2  # f16, [cells, n_ubatch] each
+    kv_width = max(memory.kv_widths[start:end], default=0)
+    logits = ub * (memory.n_vocab + 2 * memory.n_embd) * 4
+    feed_forward = ub * (3 * memory.n_ff + 4 * memory.n_embd) * 4 + mask
+    attention = ub * (2 * memory.n_embd + 2 * memory.q_width + kv_width) * 4 + mask
+    return logits, max(feed_forward, attention), mask
+
+
+def _slots(blocks: int, options: EngineOptions, free: Sequence[int]) -> list[int]:
+    """llama.cpp's device of each of the ``blocks + 1`` slots (the last one is
+    the output layer): -1 for the CPU, else an index into ``free``."""
+    if not free:
+        return [-1] * (blocks + 1)
+    layers = blocks + 1 if options.gpu_layers < 0 else options.gpu_layers
+    start = max(blocks + 1 - layers, 0)
+    active = min(layers, blocks + 1)
+    weights = [float(value) for value in free]
+    if not any(weights):
+        weights = [1.0] * len(free)
+    total = sum(weights)
+    splits, running = [], 0.0
+    for value in weights:
+        running += value
+        splits.append(running / total)
+    placed = []
+    for slot in range(blocks + 1):
+        if slot < start or slot - start >= active:
+            placed.append(-1)
+        else:
+            device = bisect.bisect_right(splits, (slot - start) / active)
+            placed.append(min(device, len(free) - 1))
+    return placed
+
+
+def estimate_stage(
+    memory: MemoryFacts,
+    start: int,
+    end: int,
+    options: EngineOptions,
+    devices: Sequence[tuple[str, int]] = (),
+    swa_full: bool = True,
+) -> StageMemory:
+    """What the stage running blocks ``[start, end)`` needs. ``devices`` are
+    the host's GPUs as (name, free bytes) when the stage offloads (the engine
+    passes ``gpu_layers`` to llama.cpp); empty for a CPU stage."""
+    blocks = end - start
+    last = end == len(memory.block_bytes)
+    slots = _slots(blocks, options, [free for _, free in devices])
+    places = ["RAM", *(name for name, _ in devices)]
+    weights = [0] * len(places)
+    kv = [0] * len(places)
+    counts = [0] * len(places)
+    for offset in range(blocks):
+        where = slots[offset] + 1
+        weights[where] += memory.block_bytes[start + offset]
+        kv[where] += kv_block_bytes(memory, start + offset, options, swa_full)
+        counts[where] += 1
+    # The input layer (token_embd) and the other global tensors stay in RAM.
+    weights[0] += memory.token_embd_bytes + memory.global_bytes
+    output = slots[blocks] + 1
+    projection = memory.output_bytes if last and memory.output_bytes else 0
+    if output != 0 and not projection:
+        projection = memory.token_embd_bytes  # TENSOR_DUPLICATED: a copy on the GPU
+    weights[output] += memory.output_norm_bytes + projection
+
+    logits, block_phase, mask = compute_phases(memory, start, end, options)
+    compute = [0] * len(places)
+    for where in range(1, len(places)):
+        if counts[where] or where == output:
+            compute[where] = max(logits if where == output else 0, block_phase)
+    if len(places) == 1 or counts[0] or output == 0:
+        compute[0] = max(logits if output == 0 else 0, block_phase)
+    else:
+        # All on GPUs: the host keeps the graph inputs (embedding rows, the
+        # masks) for the copy to the device. Not measured.
+        compute[0] = min(options.n_ubatch, options.n_ctx) * memory.n_embd * 4 + mask
+    rows = 1 if last else min(options.n_batch, options.n_ctx)
+    outputs = rows * memory.n_vocab * 4
+    activation = options.n_ctx * memory.n_embd * 4 * ACTIVATION_COPIES if start or not last else 0
+    usages = [
+        Usage(
+            place,
+            weights[i],
+            kv[i],
+            compute[i],
+            outputs if i == 0 else 0,
+            AGENT_BASELINE + activation if i == 0 else 0,
+            counts[i],
+        )
+        for i, place in enumerate(places)
+    ]
+    return StageMemory(usages[0], tuple(usages[1:]))
+
+
+# ------------------------------------------------------------ the host
+
+
+def _read_int(path: Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        text = path.read_text().strip()
+        return None if text == "max" else int(text)
+    return None
+
+
+def _stat(path: Path, key: str) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    return 0
+
+
+def _cgroup_dirs(root: Path, controller: str) -> list[Path]:
+    """This process's cgroup directory and its ancestors, for cgroup v2
+    (``controller`` "") or the v1 hierarchy of ``controller``."""
+    paths = []
+    with contextlib.suppress(OSError):
+        for line in (root / "proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if (not controller and controllers == "") or controller in controllers.split(","):
+                paths.append(path.strip("/"))
+    base = root / "sys/fs/cgroup" / controller if controller else root / "sys/fs/cgroup"
+    found = []
+    for path in paths:
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts), -1, -1):
+            found.append(base.joinpath(*parts[:depth]))
+    found.append(base)  # a container's own cgroup is mounted at the root
+    unique: list[Path] = []
+    for directory in found:
+        if directory not in unique:
+            unique.append(directory)
+    return unique
+
+
+def cgroup_memory(root: Path = Path("/")) -> tuple[int, int] | None:
+    """(limit, bytes in use that cannot be reclaimed) of the tightest memory
+    cgroup limit over this process, or None when there is none. cgroup v2
+    (``memory.max``) first, then v1 (``memory.limit_in_bytes``)."""
+    best: tuple[int, int] | None = None
+    for directory in _cgroup_dirs(root, ""):
+        limit = _read_int(directory / "memory.max")
+        if limit is None:
+            continue
+        used = (_read_int(directory / "memory.current") or 0) - _stat(
+            directory / "memory.stat", "inactive_file"
+        )
+        if best is None or limit < best[0]:
+            best = (limit, max(used, 0))
+    if best is not None:
+        return best
+    for directory in _cgroup_dirs(root, "memory"):
+        limit = _read_int(directory / "memory.limit_in_bytes")
+        if limit is None or limit >= 1 << 62:  # v1 says "no limit" with a huge number
+            continue
+        usage = _read_int(directory / "memory.usage_in_bytes") or 0
+        used = usage - _stat(directory / "memory.stat", "total_inactive_file")
+        if best is None or limit < best[0]:
+            best = (limit, max(used, 0))
+    return best
+
+
+def system_memory(root: Path = Path("/")) -> tuple[int, int]:
+    """(total, available) RAM in bytes: /proc/meminfo, bounded by the memory
+    cgroup's limit when the agent runs in a container."""
+    total = available = 0
+    with contextlib.suppress(OSError, ValueError), (root / "proc/meminfo").open() as handle:
+        for line in handle:
+            key, _, rest = line.partition(":")
+            if key == "MemTotal":
+                total = int(rest.split()[0]) * 1024
+            elif key == "MemAvailable":
+                available = int(rest.split()[0]) * 1024
+    limit = cgroup_memory(root)
+    if limit is not None:
+        cap, used = limit
+        if not total or cap < total:
+            total = cap
+        available = min(available, max(cap - used, 0)) if available else max(cap - used, 0)
+    return total, available
+
+
+def format_size(count: int) -> str:
+    """Bytes for a person: MiB below 10 GiB (one decimal below 10 MiB), else GiB."""
+    if count < 0:
+        return f"-{format_size(-count)}"
+    if count >= 10 * GIB:
+        return f"{count / GIB:.1f} GiB"
+    if count >= GIB:
+        return f"{count / GIB:.2f} GiB"
+    if count >= 10 * MIB:
+        return f"{count / MIB:.0f} MiB"
+    return f"{count / MIB:.1f} MiB"

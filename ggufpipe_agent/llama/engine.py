@@ -1,0 +1,495 @@
+"""The stage engine (the GPU worker): one layer range of a model in llama.cpp.
+
+A stage file (see :mod:`ggufpipe_agent.stagefiles.writer`) is loaded into a llama.cpp
+context; :meth:`StageEngine.step` runs one sequence:
+
+* stage 0 takes token ids, every other stage takes activations [n, hidden];
+* a non-last stage returns the residual stream after its last block for every
+  position, read from the compute graph through the eval callback, and stops
+  the graph right there (final norm and vocabulary projection are skipped);
+* the last stage returns the token sampled by llama.cpp's sampler chain.
+
+Sequence 0 is the prefill over the prompt; each later sequence is one token
+at the next position. :meth:`StageEngine.reset` starts a new run with the
+loaded weights, and either empties the KV cache or keeps it for
+:meth:`StageEngine.keep`, which trims it to a prefix the new run shares with
+the previous one (prefix reuse, docs/worker.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ggufpipe_agent.errors import ContextOverflow, EngineError, GgufpipeError, ProtocolError
+from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
+
+log = logging.getLogger("ggufpipe.engine")
+
+Progress = Callable[[float], None]
+#: Rows of the batch-invariance probe compared between batch shapes.
+PROBE_ROWS = 4
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_LLAMA_LOG_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_llama_log = logging.getLogger("ggufpipe.llama")
+
+
+def _init_backend() -> None:
+    """llama_backend_init once per process, with llama.cpp's log routed to ours."""
+    global _backend_ready, _log_callback
+    with _backend_lock:
+        if _backend_ready:
+            return
+        import llama_cpp
+
+        @llama_cpp.llama_log_callback
+        def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+            mapped = _LLAMA_LOG_LEVELS.get(level, logging.DEBUG)
+            if _llama_log.isEnabledFor(mapped):
+                _llama_log.log(mapped, "%s", text.decode("utf-8", errors="replace").rstrip())
+
+        _log_callback = forward  # keep the ctypes thunk alive
+        llama_cpp.llama_log_set(forward, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
+
+
+_log_callback: object = None
+
+
+def gpu_offload_supported() -> bool:
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+@dataclass(frozen=True, slots=True)
+class StageShape:
+    """Where a stage sits in the pipeline."""
+
+    first: bool
+    last: bool
+    block_count: int  # blocks in this stage file
+    hidden: int
+
+
+class StageEngine:
+    """One llama.cpp model and context running a stage file. Not thread-safe:
+    the agent calls it from one worker thread."""
+
+    def __init__(
+        self,
+        path: str,
+        shape: StageShape,
+        options: EngineOptions,
+        progress: Progress | None = None,
+    ) -> None:
+        import llama_cpp
+
+        _init_backend()
+        self._lib = llama_cpp
+        self.path = path
+        self.shape = shape
+        self.options = options
+        self._n_past = 0
+        self._abort = threading.Event()
+        self._closed = False
+        self._sampler: ctypes.c_void_p | None = None
+        self._capture_name = f"l_out-{shape.block_count - 1}".encode()
+        self._capture: np.ndarray | None = None
+        self._capture_row = 0
+
+        model_params = llama_cpp.llama_model_default_params()
+        gpu = gpu_offload_supported()
+        model_params.n_gpu_layers = (
+            0 if not gpu else (2**31 - 1 if options.gpu_layers < 0 else options.gpu_layers)
+        )
+        self._progress_thunk = None
+        if progress is not None:
+
+            @llama_cpp.llama_progress_callback
+            def on_progress(fraction: float, _user: ctypes.c_void_p) -> bool:
+                progress(float(fraction))
+                return True
+
+            self._progress_thunk = on_progress
+            model_params.progress_callback = on_progress
+        self.model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
+        if not self.model:
+            raise EngineError(f"llama.cpp could not load {path} (see the agent log for why)")
+
+        n_embd = llama_cpp.llama_model_n_embd(self.model)
+        if n_embd != shape.hidden:
+            self.close()
+            raise EngineError(f"{path}: hidden size {n_embd}, the plan says {shape.hidden}")
+        threads = options.threads or os.cpu_count() or 1
+        context_params = llama_cpp.llama_context_default_params()
+        context_params.n_ctx = options.n_ctx
+        context_params.n_batch = options.n_batch
+        context_params.n_ubatch = options.n_ubatch
+        context_params.n_seq_max = 1
+        context_params.n_threads = threads
+        context_params.n_threads_batch = threads
+        context_params.no_perf = True
+        # A full-size sliding-window cache (gemma3) never drops a position, so
+        # a kept prefix is laid out cell for cell as a cold run lays it out.
+        context_params.swa_full = True
+        self._eval_thunk = None
+        if not shape.last:
+            self._eval_thunk = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
+            context_params.cb_eval = self._eval_thunk
+            context_params.cb_eval_user_data = None
+        self._abort_thunk = llama_cpp.ggml_abort_callback(lambda _data: self._abort.is_set())
+        self.context = llama_cpp.llama_init_from_model(self.model, context_params)
+        if not self.context:
+            self.close()
+            raise EngineError(f"llama.cpp could not create a context of {options.n_ctx} positions for {path}")
+        # llama.cpp may round the context up; the plan's size is the limit.
+        self.n_ctx = min(options.n_ctx, llama_cpp.llama_n_ctx(self.context))
+        self.n_batch = min(options.n_batch, self.n_ctx)
+        self.n_ubatch = min(options.n_ubatch, self.n_batch)
+        # A cold run computes its prompt in ubatches that start at multiples of
+        # this (prefill chunks are aligned to absolute positions, see step()).
+        self.granularity = self.n_ubatch if self.n_batch % self.n_ubatch == 0 else self.n_batch
+        self._exact_end = 0  # positions [0, this) were computed as a cold run computes them
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0 if shape.first else n_embd, 1)
+        self._tokens = (
+            np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,)) if shape.first else None
+        )
+        self._embd = (
+            None if shape.first else np.ctypeslib.as_array(self._batch.embd, shape=(self.n_batch, n_embd))
+        )
+        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
+        self._outputs = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
+        n_seq_id = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))
+        n_seq_id[:] = 1
+        for index in range(self.n_batch):
+            self._batch.seq_id[index][0] = 0
+        from ggufpipe_agent.llama.devices import ggml
+
+        self._ggml = ggml()
+        # Whether a row comes out bit for bit alike in any batch: probed the
+        # first time a run may keep a prefix (None: not yet), so a load and a
+        # run that keeps nothing pay nothing for it.
+        self.batch_invariant: bool | None = None
+        self.probe_note = ""
+        self.reset(SamplingParams())
+
+    # ------------------------------------------------------------------ run
+
+    @property
+    def n_past(self) -> int:
+        """Positions in the KV cache: 0 .. n_past-1."""
+        return self._n_past
+
+    def reset(self, sampling: SamplingParams, keep: bool = False) -> None:
+        """Start a new run: a fresh sampler chain and an empty KV cache, or
+        (``keep``) the cache as the last run left it, to be trimmed by
+        :meth:`keep` when the new run's prompt says where it starts."""
+        lib = self._lib
+        if not keep:
+            lib.llama_memory_clear(lib.llama_get_memory(self.context), True)
+            self._n_past = 0
+            self._exact_end = 0
+        self._abort.clear()
+        if not self.shape.last:
+            return
+        if self._sampler is not None:
+            lib.llama_sampler_free(self._sampler)
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if sampling.temperature <= 0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+        else:
+            if sampling.top_k > 0:
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(sampling.top_k))
+            if 0 < sampling.top_p < 1:
+                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(sampling.top_p, 1))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(sampling.temperature))
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
+        self._sampler = chain
+
+    def keepable(self) -> tuple[int, str]:
+        """How many leading positions of the cache a new run may keep and
+        still compute exactly what a cold run of the same tokens computes,
+        and why fewer than all when fewer. A new run keeps K of them only if
+        K is a multiple of :attr:`keep_granularity`."""
+        lib = self._lib
+        if self._n_past == 0:
+            return 0, "its cache is empty"
+        lowest = lib.llama_memory_seq_pos_min(lib.llama_get_memory(self.context), 0)
+        if lowest > 0:
+            # Not with swa_full; kept as a guard should llama.cpp ever evict.
+            return 0, f"its sliding-window cache dropped the positions before {lowest}"
+        if self.batch_invariant is None:
+            self._probe_keeping_the_cache()
+            if self._n_past == 0:
+                return 0, f"its cache was lost to the batch-invariance probe ({self.probe_note})"
+        if self.batch_invariant or self._exact_end == self._n_past:
+            return self._n_past, ""
+        return self._exact_end, (
+            f"only the first {self._exact_end} of its {self._n_past} positions were computed in whole "
+            f"ubatches as a cold run computes them ({self.probe_note})"
+        )
+
+    @property
+    def keep_granularity(self) -> int:
+        """1 where a row comes out bit for bit the same in any batch; else (or
+        not probed yet) a kept prefix must end where a cold run's ubatch
+        ends, so that the new run's ubatches are the cold run's."""
+        return 1 if self.batch_invariant else self.granularity
+
+    def keep(self, positions: int) -> None:
+        """Keep the first ``positions`` positions of the cache and drop the
+        rest (``llama_memory_seq_rm``); the run's first step starts there."""
+        lib = self._lib
+        if not 0 <= positions <= self._n_past:
+            raise EngineError(f"cannot keep {positions} positions: the cache holds {self._n_past}")
+        memory = lib.llama_get_memory(self.context)
+        if positions == 0:
+            lib.llama_memory_clear(memory, True)
+        elif positions < self._n_past and not lib.llama_memory_seq_rm(memory, 0, positions, -1):
+            raise EngineError(f"llama.cpp could not drop positions {positions}.. of the KV cache")
+        self._n_past = positions
+        self._exact_end = min(self._exact_end, positions)
+
+    def abort(self) -> None:
+        """Make a running prefill stop at its next graph node (StopRun)."""
+        self._abort.set()
+
+    def step(self, inputs: np.ndarray | list[int], position: int | None = None) -> np.ndarray | int:
+        """Run one sequence. ``inputs`` is token ids (stage 0) or float32
+        activations [n, hidden]; ``position`` is where its first row goes
+        (None: the next position), which must be the next position. Returns
+        activations [n, hidden] float32, or the sampled token id in the last
+        stage."""
+        if self._closed:
+            raise EngineError("the stage engine is closed")
+        if position is not None and position != self._n_past:
+            raise EngineError(
+                f"an object at position {position}, this stage is at position {self._n_past} "
+                "(the stages disagree on positions)"
+            )
+        if self.shape.first:
+            tokens = np.asarray(inputs, dtype=np.int32).reshape(-1)
+            n = int(tokens.shape[0])
+        else:
+            rows = np.asarray(inputs)
+            if rows.ndim != 2 or rows.shape[1] != self.shape.hidden:
+                raise ProtocolError(
+                    f"activation of shape {tuple(rows.shape)}, stage expects [n, {self.shape.hidden}]"
+                )
+            n = int(rows.shape[0])
+        if n == 0:
+            raise EngineError("a step needs at least one token")
+        if self._n_past + n > self.n_ctx:
+            raise ContextOverflow(
+                f"context full: {self._n_past} positions used + {n} new > context size "
+                f"{self.n_ctx} (raise run.context in the inventory or lower max_tokens)"
+            )
+        lib = self._lib
+        long_step = n > self.options.n_ubatch
+        if long_step:
+            # Only long prefills can be worth aborting; the callback costs a
+            # Python call per graph node, too much for every decode step.
+            lib.llama_set_abort_callback(self.context, self._abort_thunk, None)
+        if not self.shape.last:
+            self._capture = np.empty((n, self.shape.hidden), dtype=np.float32)
+            self._capture_row = 0
+        start = self._n_past
+        try:
+            begin = 0
+            while begin < n:
+                # Chunks end at multiples of n_batch (absolute positions), so a
+                # prompt that starts after a kept prefix is cut where a cold
+                # run cuts it; llama.cpp cuts each chunk into ubatches.
+                count = min(n - begin, self.n_batch - self._n_past % self.n_batch)
+                if self.shape.first:
+                    assert self._tokens is not None
+                    self._tokens[:count] = tokens[begin : begin + count]
+                else:
+                    assert self._embd is not None
+                    self._embd[:count] = rows[begin : begin + count]
+                self._pos[:count] = np.arange(self._n_past, self._n_past + count, dtype=np.int32)
+                if self.shape.last:
+                    self._outputs[:count] = 0
+                    self._outputs[count - 1] = 1 if begin + count == n else 0
+                else:
+                    # Every row must be an output, or the last block keeps
+                    # only the rows flagged for logits.
+                    self._outputs[:count] = 1
+                self._batch.n_tokens = count
+                status = lib.llama_decode(self.context, self._batch)
+                if status != 0:
+                    if status == 2 or self._abort.is_set():
+                        raise EngineError("step aborted")
+                    if status == 1:
+                        raise ContextOverflow(
+                            f"llama.cpp found no KV slot for {count} tokens at position "
+                            f"{self._n_past} (context size {self.n_ctx})"
+                        )
+                    raise EngineError(f"llama_decode failed with status {status}")
+                self._n_past += count
+                begin += count
+        finally:
+            if long_step:
+                lib.llama_set_abort_callback(self.context, lib.ggml_abort_callback(), None)  # NULL: none
+        if start == self._exact_end and start % self.granularity == 0:
+            # Whole ubatches from an aligned start are what a cold run computes.
+            self._exact_end = start + (n // self.granularity) * self.granularity
+        if self.shape.last:
+            return int(lib.llama_sampler_sample(self._sampler, self.context, -1))
+        captured, self._capture = self._capture, None
+        assert captured is not None
+        if self._capture_row != n:
+            raise EngineError(
+                f"captured {self._capture_row} of {n} activation rows from {self._capture_name.decode()}"
+            )
+        return captured
+
+    def _on_eval(self, tensor: int, ask: bool, _user: int) -> bool:
+        lib = self._ggml
+        if ask:
+            return bool(lib.get_name(tensor) == self._capture_name)
+        if lib.get_name(tensor) != self._capture_name:
+            return True
+        assert self._capture is not None
+        nbytes = lib.nbytes(tensor)
+        rows = nbytes // (4 * self.shape.hidden)
+        end = self._capture_row + rows
+        if end > self._capture.shape[0]:
+            return False
+        target = self._capture[self._capture_row : end]
+        lib.tensor_get(tensor, target.ctypes.data, 0, nbytes)
+        self._capture_row = end
+        # Stop the graph here: the final norm and the vocabulary projection of a
+        # non-last stage are dead work. llama_decode still returns 0 and the KV
+        # cache of every block in the stage is written.
+        return False
+
+    def _probe_keeping_the_cache(self) -> None:
+        """Probe batch invariance once, with the cache saved and put back."""
+        saved, positions, exact_end = self._sequence_state(), self._n_past, self._exact_end
+        try:
+            self.probe_note = self._probe_batch_invariance()
+            self.batch_invariant = not self.probe_note
+        except GgufpipeError as error:
+            self.batch_invariant, self.probe_note = False, f"the probe failed: {error}"
+        try:
+            self._restore_sequence(saved, positions)
+            self._exact_end = exact_end
+        except GgufpipeError:
+            self.reset(SamplingParams())  # nothing kept rather than something wrong
+        log.info(
+            "%s: %s",
+            self.path,
+            "rows come out alike in any batch: decoded positions can be kept"
+            if self.batch_invariant
+            else f"{self.probe_note}: only whole prefilled ubatches can be kept",
+        )
+
+    def _probe_batch_invariance(self) -> str:
+        """Whether a row's results depend on the batch around it: '' when the
+        last rows of a ubatch come out bit for bit the same (KV cache and
+        outputs: activations, or the last row's logits) computed in the
+        ubatch, one by one, and in a small batch; else what differed.
+        Kernels that switch with the batch size (llamafile's sgemm, repacked
+        weights, a tiled attention, GPU batch kernels) make a decode step's
+        KV differ from a prefill's; only where this holds may a new run keep
+        the positions the last run decoded (docs/worker.md, "Prefix reuse")."""
+        lib = self._lib
+        rows = min(self.n_ubatch, self.n_ctx)
+        tail = min(PROBE_ROWS, rows - 1)
+        random = np.random.default_rng(0)
+        n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        inputs: np.ndarray | list[int]
+        if self.shape.first:
+            inputs = random.integers(1, max(2, n_vocab), rows).tolist()
+        else:
+            inputs = random.standard_normal((rows, self.shape.hidden)).astype(np.float32)
+
+        def result(outputs: list[Any]) -> tuple[bytes, bytes]:
+            """The KV cache and the outputs (activations, or the last row's logits)."""
+            if self.shape.last:
+                logits = lib.llama_get_logits_ith(self.context, -1)
+                out = np.ctypeslib.as_array(logits, shape=(n_vocab,)).tobytes()
+            else:
+                out = np.concatenate(outputs).tobytes()
+            return self._sequence_state(), out
+
+        try:
+            self.reset(SamplingParams())
+            reference = result([self.step(inputs)])
+            if tail == 0:
+                return ""
+            self.reset(SamplingParams())
+            head = self.step(inputs[: rows - tail])
+            after_head = self._sequence_state()
+            arms = {"one by one": [1] * tail, "in a small batch": [tail] if tail > 1 else []}
+            for name, sizes in arms.items():
+                if not sizes:
+                    continue
+                self._restore_sequence(after_head, rows - tail)
+                outputs = [head]
+                begin = rows - tail
+                for size in sizes:
+                    outputs.append(self.step(inputs[begin : begin + size]))
+                    begin += size
+                cache, out = result(outputs)
+                if cache != reference[0]:
+                    return f"its KV cache differs when rows are computed {name} and in one ubatch"
+                if out != reference[1]:
+                    return f"its outputs differ when rows are computed {name} and in one ubatch"
+            return ""
+        finally:
+            self.reset(SamplingParams())
+
+    def _sequence_state(self) -> bytes:
+        """The KV cache of the sequence, as llama.cpp serializes it."""
+        lib = self._lib
+        size = lib.llama_state_seq_get_size(self.context, 0)
+        buffer = (ctypes.c_uint8 * size)()
+        written = lib.llama_state_seq_get_data(self.context, buffer, size, 0)
+        return ctypes.string_at(buffer, written)  # one copy (the KV cache may be large)
+
+    def _restore_sequence(self, state: bytes, positions: int) -> None:
+        lib = self._lib
+        lib.llama_memory_clear(lib.llama_get_memory(self.context), True)
+        buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if lib.llama_state_seq_set_data(self.context, buffer, len(state), 0) != len(state):
+            raise EngineError("llama.cpp could not restore a KV cache it saved")
+        self._n_past = positions
+
+    # -------------------------------------------------------------- cleanup
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        lib = self._lib
+        if self._sampler is not None:
+            lib.llama_sampler_free(self._sampler)
+            self._sampler = None
+        if getattr(self, "_batch", None) is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "context", None):
+            lib.llama_free(self.context)
+            self.context = None
+        if getattr(self, "model", None):
+            lib.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self) -> None:
+        # At interpreter shutdown llama_cpp may already be gone: nothing to report to.
+        with contextlib.suppress(Exception):
+            self.close()

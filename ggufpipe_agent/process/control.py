@@ -1,0 +1,556 @@
+"""One orchestrator session of the agent: its control stream, the stage run
+it drives, its edges and links (:class:`Session`), and the runs it has seen.
+
+:mod:`ggufpipe_agent.process.runtime` holds the process around it (the data socket,
+the worker thread every stage steps on, the sessions of a shared process) and
+starts a session on stdio; :mod:`ggufpipe_agent.process.listener` starts one per
+authenticated connection of a hand-started agent.
+
+Everything §10 says a stage rejects is refused here with a ``Refused`` message
+and a log line; nothing a peer sends can crash the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import secrets
+from concurrent.futures import Executor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from ggufpipe_agent.delivery.service import answer_cache_request, serve_delivery
+from ggufpipe_agent.errors import GgufpipeError, ProtocolError
+from ggufpipe_agent.llama.slot import EngineSlot
+from ggufpipe_agent.process.heartbeat import Silence
+from ggufpipe_agent.process.peer_links import Links
+from ggufpipe_agent.stage.fsm import EdgeEstablished, Provision, StageState, StopRunEvent
+from ggufpipe_agent.stage.run import StageRun
+from ggufpipe_agent.stage.validation import fits_bits, validate_provision
+from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.wire import objects
+from ggufpipe_agent.wire.codec import MAX_PROMPT_TOKENS
+from ggufpipe_agent.wire.delivery_messages import CacheRequest, ReceiveStage
+from ggufpipe_agent.wire.framing import FrameReader, FrameWriter, TruncatedFrame
+from ggufpipe_agent.wire.protocol import (
+    Heartbeat,
+    Hello,
+    Inspect,
+    LinkConnect,
+    LinkEdge,
+    LinkListen,
+    Message,
+    ModelInfo,
+    OpenEdge,
+    ProvisionStage,
+    Refused,
+    RequestFailed,
+    RewireEdge,
+    Shutdown,
+    StageStopped,
+    StopRun,
+    Tokenize,
+    Tokenized,
+)
+
+log = logging.getLogger("ggufpipe.agent")
+
+
+class GuestStages(Protocol):
+    """The stages attached to a shared process (process/sharing.py)."""
+
+    async def end_guests(self, reason: str) -> None: ...
+
+
+class AgentProcess(Protocol):
+    """What a control session needs of the process it runs in
+    (:class:`ggufpipe_agent.process.runtime.Agent` is one)."""
+
+    @property
+    def cache_dir(self) -> Path | None: ...
+
+    @property
+    def data_token(self) -> str: ...
+
+    @property
+    def engines(self) -> EngineSlot: ...
+
+    @property
+    def seen_runs(self) -> SeenRuns: ...
+
+    @property
+    def private_dir(self) -> Path: ...
+
+    @property
+    def sessions(self) -> list[Session]: ...
+
+    @property
+    def share(self) -> GuestStages | None: ...
+
+    @property
+    def worker(self) -> Executor: ...
+
+    @property
+    def helper(self) -> Executor: ...
+
+    def hello(self, data_token: str, guest: bool) -> Hello: ...
+
+#: How long an agent waits for a word from its orchestrator before the first
+#: Heartbeat says how long to wait (the orchestrator's timeouts.heartbeat).
+DEFAULT_SILENCE_S = 120.0
+#: The range a Heartbeat's timeout is held to.
+SILENCE_RANGE_S = (0.5, 3600.0)
+
+
+
+class SeenRuns:
+    """The run ids this agent has taken, to refuse a stale one (spec §10):
+    the newest :attr:`keep`, so an agent that serves for months stays the
+    same size (an id older than that is refused as unknown instead)."""
+
+    keep = 1 << 16
+
+    def __init__(self) -> None:
+        self._ids: dict[int, None] = {}  # insertion-ordered: oldest first
+
+    def add(self, run_id: int) -> None:
+        self._ids[run_id] = None
+        while len(self._ids) > self.keep:
+            del self._ids[next(iter(self._ids))]
+
+    def __contains__(self, run_id: object) -> bool:
+        return run_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+
+class Session:
+    """One orchestrator on one control stream.
+
+    The session ends when the stream does, and also when the orchestrator
+    falls silent: once it has sent a Heartbeat, nothing from it for that
+    Heartbeat's ``timeout`` ends the session (an agent on stdio then exits;
+    a hand-started one waits for the next orchestrator), and so does a
+    control stream it stops reading for as long. The agent's own heartbeats
+    tell the orchestrator it is alive in turn.
+
+    ``guest``: a further stage attached to a shared process (its own data
+    token, engine and run ids; it ends with the process's first session)."""
+
+    def __init__(self, agent: AgentProcess, reader: Any, writer: Any, guest: bool = False) -> None:
+        self.agent = agent
+        self.guest = guest
+        self.data_token = secrets.token_hex(16) if guest else agent.data_token
+        self.engines = EngineSlot() if guest else agent.engines
+        self.seen_runs = SeenRuns() if guest else agent.seen_runs
+        self.reader = FrameReader(reader, "control stream")
+        self.writer = FrameWriter(writer, what="control stream")
+        self.run: StageRun | None = None
+        self.closing = False
+        self.tasks = TaskOwner(self._task_failed, "agent session")
+        # Every message to the orchestrator goes through one outbox, in the
+        # order it was posted: a stage's StageFault is always read before the
+        # refusal of an OpenEdge that arrived after the fault.
+        self._outbox: asyncio.Queue[Message | None] = asyncio.Queue()
+        self.links = Links(
+            agent.private_dir,
+            self.post,
+            self.serve_data,
+            self.tasks.spawn,
+            lambda: self.run,
+            self.inbound_object,
+        )
+        self.silence = Silence(DEFAULT_SILENCE_S)
+        self._beat_interval = 0.0
+        self._beating: asyncio.Task[None] | None = None
+        self._writer_lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    def end(self, reason: str) -> None:
+        """End the session from outside (a shared process's first session ended)."""
+        if not self._ended.done():
+            self._ended.set_result(reason)
+
+    def _task_failed(self, name: str, error: BaseException) -> None:
+        """A session task that fails (answering a request) is a fault of the
+        active run, if any: the orchestrator hears of it, never silence."""
+        if self.run is not None:
+            self.run.internal_fault(f"internal error in the agent ({name}): {type(error).__name__}: {error}")
+
+    def post(self, message: Message) -> None:
+        """Queue a message to the orchestrator (sent in posting order)."""
+        if self.closing and not isinstance(message, StageStopped):
+            return
+        self._outbox.put_nowait(message)
+
+    async def _send_posted(self) -> None:
+        """The control stream's one writer. A stream that breaks, or that the
+        orchestrator stops reading past the heartbeat bound, ends the session."""
+        while True:
+            message = await self._outbox.get()
+            if message is None:
+                return
+            try:
+                await self.writer.send(message)
+            except (ConnectionError, OSError) as error:
+                if not self._writer_lost.done():
+                    self._writer_lost.set_result(f"the control stream broke ({error})")
+                return
+
+    def refuse(self, what: str, reason: str, run_id: int = 0) -> None:
+        log.warning("refused %s: %s", what, reason)
+        self.post(Refused(what, reason, run_id))
+
+    # ------------------------------------------------------------ control
+
+    async def serve(self) -> str:
+        """Answer control messages until the stream ends or the orchestrator
+        falls silent; returns why it ended."""
+        self.agent.sessions.append(self)
+        sender = self.tasks.spawn(self._send_posted(), "control writer")
+        reading = self.tasks.spawn(self._read(), "control reader")
+        watching = self.tasks.spawn(self._watch(), "silence watch")
+        try:
+            self.post(self.agent.hello(self.data_token, self.guest))
+            await asyncio.wait(
+                {reading, watching, self._writer_lost, self._ended}, return_when=asyncio.FIRST_COMPLETED
+            )
+            for ended in (reading, watching):
+                if ended.done() and not ended.cancelled() and ended.exception() is None:
+                    return ended.result()
+            for lost in (self._writer_lost, self._ended):
+                if lost.done():
+                    return lost.result()
+            return f"internal error in the agent's control reader: {reading.exception()!r}"
+        finally:
+            reading.cancel()
+            watching.cancel()
+            await self.stop_all("orchestrator session ended")
+            share = self.agent.share
+            if share is not None and not self.guest:
+                # The process lives as long as its first session: the stages
+                # sharing it end with it (each stops its run first).
+                await share.end_guests("the shared process's first stage ended")
+            self.closing = True
+            self.links.close()
+            self._outbox.put_nowait(None)  # what was posted still goes, then the writer ends
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(sender), 5)
+            await self.tasks.close()
+            if self in self.agent.sessions:
+                self.agent.sessions.remove(self)
+            if self.guest:
+                await self._unload()
+
+    async def _unload(self) -> None:
+        """A guest's engine is its own: freed with its session (on the worker,
+        where every engine call runs), not kept for a next orchestrator."""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(asyncio.TimeoutError, RuntimeError):
+            await asyncio.wait_for(loop.run_in_executor(self.agent.worker, self.engines.close), 30)
+
+    async def _watch(self) -> str:
+        bound = await self.silence.expired()
+        return f"no message from the orchestrator for {bound:g}s"
+
+    async def _read(self) -> str:
+        """The control reader; returns why the session ends."""
+        while True:
+            try:
+                message = await self.reader.message()
+            except ProtocolError as error:
+                # A corrupt control stream cannot be resynchronised.
+                self.refuse("control frame", str(error))
+                return f"corrupt control stream: {error}"
+            except (ConnectionError, OSError) as error:
+                return f"the control stream broke ({error})"
+            self.silence.heard()
+            if message is None:
+                return "the orchestrator closed the control stream"
+            if isinstance(message, Shutdown):
+                return f"shutdown requested: {message.reason}"
+            if isinstance(message, Heartbeat):
+                self._heartbeat(message)
+                continue
+            await self.dispatch(message)
+
+    def _heartbeat(self, beat: Heartbeat) -> None:
+        """The orchestrator's heartbeat: its bound becomes the session's, and
+        the agent beats back at its interval."""
+        low, high = SILENCE_RANGE_S
+        if not (math.isfinite(beat.timeout) and math.isfinite(beat.interval)):
+            return
+        self.silence.timeout = min(max(beat.timeout, low), high)
+        self._beat_interval = min(max(beat.interval, low / 10), self.silence.timeout / 2)
+        self.writer.drain_timeout = self.silence.timeout
+        if self._beating is None:
+            self._beating = self.tasks.spawn(self._beat(), "heartbeat")
+
+    async def _beat(self) -> None:
+        while True:
+            self.post(Heartbeat(self._beat_interval, self.silence.timeout))
+            await asyncio.sleep(self._beat_interval)
+
+    async def dispatch(self, message: Message) -> None:
+        if isinstance(message, ProvisionStage):
+            await self.provision(message)
+        elif isinstance(message, StopRun):
+            await self.stop_run(message)
+        elif isinstance(message, Inspect | Tokenize | CacheRequest):
+            self.tasks.spawn(self.answer(message), f"answer to {message.tag}")
+        elif isinstance(message, LinkListen | LinkConnect):
+            self.tasks.spawn(self.link_request(message), f"answer to {message.tag}")
+        elif isinstance(message, LinkEdge):
+            await self.link_edge(message)
+        elif isinstance(message, RewireEdge):
+            self.refuse(
+                "RewireEdge",
+                f"edge {message.edge_id} of run {message.run_id:016x}: peer rewiring is "
+                "refused; only the orchestrator's ProvisionStage wires a stage",
+            )
+        else:
+            self.refuse(message.tag, "not a message an orchestrator sends to an agent")
+
+    async def answer(self, request: Inspect | Tokenize | CacheRequest) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            reply = await loop.run_in_executor(self.agent.helper, _answer, request, self.agent.cache_dir)
+        except GgufpipeError as error:
+            reply = RequestFailed(request.request_id, str(error))
+        except Exception as error:  # noqa: BLE001 - a boundary: report, don't crash
+            log.exception("request failed")
+            reply = RequestFailed(request.request_id, f"{type(error).__name__}: {error}")
+        self.post(reply)
+
+    async def link_request(self, request: LinkListen | LinkConnect) -> None:
+        try:
+            if isinstance(request, LinkListen):
+                reply = await self.links.listen(request)
+            else:
+                reply = await self.links.connect(request)
+        except (OSError, ValueError, GgufpipeError) as error:  # ssl.SSLError is an OSError
+            reply = RequestFailed(request.request_id, f"{type(error).__name__}: {error}")
+        self.post(reply)
+
+    async def provision(self, message: ProvisionStage) -> None:
+        run = self.run
+        if run is not None and run.fsm.state is not StageState.STOPPED:
+            if run.run_id == message.run_id:
+                reason = f"run {message.run_id:016x} is already provisioned (StopRun it first)"
+            else:
+                reason = f"stage is busy with run {run.run_id:016x} (one run at a time)"
+            self.refuse("ProvisionStage", reason, message.run_id)
+            return
+        problem = validate_provision(message)
+        if problem:
+            # Nothing of it is taken: the stage stays as it was, free for a
+            # sound provision (a field the wire cannot carry must never reach
+            # struct.pack or llama.cpp and fault a step).
+            sound_id = fits_bits(message.run_id, 64)
+            refused_id = message.run_id if sound_id else 0
+            self.refuse("ProvisionStage", f"run {message.run_id:#x}: {problem}", refused_id)
+            if sound_id:
+                self.seen_runs.add(message.run_id)
+            return
+        if message.run_id in self.seen_runs:
+            self.refuse("ProvisionStage", f"stale run id {message.run_id:016x}", message.run_id)
+            return
+        self.seen_runs.add(message.run_id)
+        run = StageRun(message, self.post, self.agent.worker, self.engines, self.agent.cache_dir)
+        self.run = run
+        ring = message.ring
+        run.apply(
+            Provision(
+                message.run_id,
+                ring_in=ring is not None and ring.consume,
+                ring_out=ring is not None and ring.produce,
+                eog=frozenset(ring.eog_token_ids) if ring else frozenset(),
+                max_tokens=ring.max_tokens if ring else 0,
+            )
+        )
+
+    async def stop_run(self, message: StopRun) -> None:
+        run = self.run
+        if run is None or run.run_id != message.run_id:
+            if message.run_id in self.seen_runs:
+                # An older run than the current one. (A retried StopRun of the
+                # current, stopped run is answered with StageStopped again.)
+                self.refuse("StopRun", f"stale run id {message.run_id:016x}")
+            else:
+                self.refuse("StopRun", f"unknown run id {message.run_id:016x}")
+            return
+        run.apply(StopRunEvent(message.reason))
+
+    async def stop_all(self, reason: str) -> None:
+        run = self.run
+        if run is None or run.fsm.state is StageState.STOPPED:
+            return
+        run.apply(StopRunEvent(reason))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(run.stopped.wait(), timeout=30)
+
+    # --------------------------------------------------------------- data
+
+    async def serve_data(self, reader: asyncio.StreamReader, writer: Any, peer: int = -1) -> str:
+        """Edge streams: OpenEdge frames and inbound object records, from the
+        orchestrator or (``peer`` >= 0) over the link from stage ``peer``. A
+        frame that cannot be parsed loses the stream (it cannot be
+        resynchronised), and with it the active run. Returns why it ended."""
+        what = "data connection" if peer < 0 else f"link from stage {peer}"
+        frames = FrameReader(reader, what)
+        outbound = FrameWriter(writer, what="outbound edge")
+        while True:
+            run = self.run
+            limit = run.provision.inbound.object_spec.max_extent if run else objects.ABSOLUTE_MAX_PAYLOAD
+            payload = b""
+            try:
+                frame = await frames.frame(limit)
+                if isinstance(frame, objects.ObjectHeader):
+                    problem = self._object_problem(frame)
+                    if problem:
+                        # Refused at its header; the payload is skipped in
+                        # bounded chunks, never held: the stream stays in
+                        # step and memory stays flat whatever it claims.
+                        self.refuse("object", f"{frame.describe()}: {problem}")
+                        async for _chunk in frames.chunks(frame):
+                            pass
+                        continue
+                    payload = await frames.payload(frame)
+            except TruncatedFrame:
+                await self._data_fault(f"truncated frame: the {what} ended inside it", peer)
+                return "it ended inside a frame"
+            except ProtocolError as error:
+                await self._data_fault(str(error), peer)
+                return f"a malformed frame ({error})"
+            except (ConnectionError, OSError) as error:
+                return f"it broke ({error})"
+            if frame is None:
+                return "it was closed"
+            if isinstance(frame, OpenEdge):
+                await self.open_edge(frame, outbound, from_link=peer >= 0)
+            elif isinstance(frame, ReceiveStage) and peer < 0:
+                # A delivery connection (model send: true): a stage file, not edges.
+                await serve_delivery(frame, frames, outbound, self.agent.cache_dir)
+                return "the stage file was delivered"
+            elif isinstance(frame, Message):
+                self.refuse(frame.tag, f"not a message for the {what}")
+            else:
+                await self.inbound_object(frame, payload)
+
+    async def _data_fault(self, reason: str, peer: int = -1) -> None:
+        """A frame that cannot be parsed: the stream is lost, and with it the run."""
+        self.refuse("data frame", reason)
+        run = self.run
+        if run is not None and run.fsm.state in (
+            StageState.READY,
+            StageState.EXECUTING,
+            StageState.PREPARING,
+        ):
+            from ggufpipe_agent.stage.fsm import InboundFault
+
+            run.fault_peer = peer
+            run.apply(InboundFault(f"malformed frame on the inbound edge: {reason}"))
+
+    async def open_edge(self, message: OpenEdge, writer: Any, from_link: bool = False) -> None:
+        run = self.run
+        problem = self._run_problem(message.run_id)
+        if problem:
+            self.refuse("OpenEdge", problem, message.run_id)
+            return
+        assert run is not None
+        expected = run.edge_ids(from_link).get(message.role)
+        if expected is None or expected != message.edge_id:
+            self.refuse(
+                "OpenEdge",
+                f"edge {message.edge_id} ({message.role}) is not in the provision message of run "
+                f"{run.run_id:016x}",
+                message.run_id,
+            )
+            return
+        if run.fsm.state is not StageState.PREPARING:
+            self.refuse("OpenEdge", f"edge {message.edge_id} set up outside Preparing", message.run_id)
+            return
+        if message.role == "outbound":
+            run.outbound = writer
+        elif message.role == "ring-out":
+            run.ring_out = writer
+        try:
+            run.apply(EdgeEstablished(message.role))
+        except GgufpipeError as error:
+            self.refuse("OpenEdge", str(error), message.run_id)
+
+    async def link_edge(self, message: LinkEdge) -> None:
+        """This run's outbound (or ring-out) end on the stage's link."""
+        run = self.run
+        problem = self._run_problem(message.run_id)
+        if problem:
+            self.refuse("LinkEdge", problem, message.run_id)
+            return
+        assert run is not None
+        await self.links.edge(run, message, self.refuse, self.inbound_object)
+
+    def _object_problem(self, header: objects.ObjectHeader) -> str:
+        """Why an inbound object is refused ('' when the active run takes it)."""
+        problem = self._run_problem(header.run_id)
+        if problem:
+            return problem
+        run = self.run
+        assert run is not None
+        ring = run.provision.ring
+        ring_edge = ring.edge_id if ring is not None and ring.consume else None
+        if header.edge_id not in (run.provision.inbound.edge_id, ring_edge):
+            return f"edge {header.edge_id} is not this stage's inbound edge"
+        return ""
+
+    async def inbound_object(self, header: objects.ObjectHeader, payload: bytes) -> None:
+        problem = self._object_problem(header)  # the run may have stopped since the header
+        if problem:
+            self.refuse("object", f"{header.describe()}: {problem}")
+            return
+        assert self.run is not None
+        await self.run.deliver(header, payload)
+
+    def _run_problem(self, run_id: int) -> str:
+        run = self.run
+        if run is not None and run.run_id == run_id and run.fsm.state is not StageState.STOPPED:
+            return ""
+        if run_id in self.seen_runs:
+            return f"stale run id {run_id:016x}"
+        return f"unknown run id {run_id:016x}"
+
+
+def _answer(request: Inspect | Tokenize | CacheRequest, cache_dir: Path | None) -> Message:
+    """Inspect, Tokenize and CacheRequest, in a helper thread (vocabulary
+    loads take a moment)."""
+    from ggufpipe_agent.gguf.facts import read_model_facts
+    from ggufpipe_agent.llama.vocabulary import vocabulary
+
+    if isinstance(request, CacheRequest):
+        return answer_cache_request(cache_dir, request)
+    facts = read_model_facts(request.path)
+    if isinstance(request, Inspect):
+        from ggufpipe_agent.gguf.identity import model_identity
+
+        pieces: tuple[bytes, ...] = ()
+        if request.vocabulary:
+            vocab = vocabulary(facts.path)
+            pieces = vocab.pieces()
+            facts = replace(facts, eog_token_ids=vocab.eog_tokens())
+        return ModelInfo(request.request_id, facts, pieces, model_identity(facts.path))
+    vocab = vocabulary(facts.path)
+    tokens, rendered = vocab.prompt_tokens(facts.chat_template, request.text, request.chat, request.messages)
+    if len(tokens) > MAX_PROMPT_TOKENS:
+        # Refused here: a reply this long would break the control stream.
+        return RequestFailed(
+            request.request_id,
+            f"the prompt is {len(tokens)} tokens, more than any context holds (at most {MAX_PROMPT_TOKENS})",
+        )
+    return Tokenized(request.request_id, tuple(tokens), rendered)
+
+
+# ------------------------------------------------------------------ entry

@@ -1,0 +1,529 @@
+"""One provisioned run of a stage: the §6 FSM with its effects performed.
+
+The controller is control-path only: it decides when ``ExecuteStep`` runs
+(driven by object arrival and local readiness, never by the orchestrator) and
+hands payloads between the inbound ring, the engine and the outbound edge.
+See docs/rings.md for the ring and pump design.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ggufpipe_agent.delivery.service import received_stage_file
+from ggufpipe_agent.errors import GgufpipeError, ProtocolError
+from ggufpipe_agent.gguf.architectures import check_architecture
+from ggufpipe_agent.gguf.facts import read_model_facts
+from ggufpipe_agent.llama.engine import StageEngine, StageShape
+from ggufpipe_agent.llama.slot import EngineSlot
+from ggufpipe_agent.stage.fsm import (
+    CancelPrepare,
+    EmitFault,
+    EmitReady,
+    EmitStopped,
+    EndGeneration,
+    ExecuteStep,
+    FeedToken,
+    InboundFault,
+    ObjectLoaded,
+    OutputFault,
+    RejectWork,
+    ReleaseInput,
+    SetupFailed,
+    Stage,
+    StageEvent,
+    StageState,
+    StartPrepare,
+    StepCompleted,
+    StepFailed,
+    StopComplete,
+    StopLocal,
+    TokenSampled,
+    WorkerBound,
+    transition,
+)
+from ggufpipe_agent.stage.handover import ConsumerRun, Precomputed, chain_next
+from ggufpipe_agent.stage.writers import RecordWriter
+from ggufpipe_agent.stagefiles.writer import check_range, ensure_stage_file
+from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.wire import objects
+from ggufpipe_agent.wire.protocol import (
+    Message,
+    PrefixHeld,
+    ProvisionStage,
+    Refused,
+    StageFault,
+    StageProgress,
+    StageReady,
+    StageStopped,
+    StepCounters,
+    StepStats,
+)
+
+log = logging.getLogger("ggufpipe.stage")
+
+#: Queues a message to the orchestrator; messages leave in the order posted.
+Post = Callable[[Message], None]
+#: Step statistics reach the orchestrator at most this often while running.
+STATS_INTERVAL_S = 0.25
+PROGRESS_INTERVAL_S = 0.1
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    last_ms: float = 0.0
+    total_ms: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    prefill_ms: float = 0.0
+    prefill_rows: int = 0
+    kept: int = 0
+    sent_at: float = field(default=0.0)
+
+    def count(self, sequence: int, elapsed_ms: float, sent: int, rows: int, position: int) -> None:
+        self.last_ms = elapsed_ms
+        self.bytes_out += sent
+        if sequence == 0:
+            self.prefill_ms = elapsed_ms
+            self.prefill_rows = rows
+            self.kept = position
+        else:
+            self.steps += 1
+            self.total_ms += elapsed_ms
+
+    def snapshot(self) -> StepCounters:
+        return StepCounters(
+            self.steps,
+            self.last_ms,
+            self.total_ms,
+            self.bytes_in,
+            self.bytes_out,
+            self.prefill_ms,
+            self.prefill_rows,
+            self.kept,
+        )
+
+
+class StageRun:
+    def __init__(
+        self,
+        provision: ProvisionStage,
+        post: Post,
+        worker: Executor,
+        engines: EngineSlot,
+        cache_dir: Path | None,
+    ) -> None:
+        self.provision = provision
+        self.run_id = provision.run_id
+        self.index = provision.stage_index
+        self.first = provision.stage_index == 0
+        self.last = provision.stage_index == provision.stage_count - 1
+        self._post = post
+        self._worker = worker
+        self._engines = engines
+        self._cache_dir = cache_dir
+        self.fsm = Stage()
+        self.ring: asyncio.Queue[tuple[objects.ObjectHeader, bytes]] = asyncio.Queue(
+            maxsize=max(1, provision.inbound.ring_spec.slots)
+        )
+        self.outbound: RecordWriter | None = None
+        self.ring_out: RecordWriter | None = None  # the token ring's writer (the last stage of a ring run)
+        # The stage of a direct link each writer goes to (-1: the orchestrator's
+        # stream): a fault on it names the peer, which may be the one that died.
+        self.outbound_peer = -1
+        self.ring_peer = -1
+        self.fault_peer = -1
+        self._feed: FeedToken | None = None
+        self.counters = Counters()
+        self.engine: StageEngine | None = None
+        self.held = PrefixHeld()  # what this run may keep of the offered run (set by _prepare)
+        self._ready = asyncio.Event()
+        self._current: tuple[objects.ObjectHeader, bytes] | None = None
+        self.tasks = TaskOwner(self._task_failed, f"stage {self.index} run")
+        self._prepare_task: asyncio.Task[None] | None = None
+        self._step_task: asyncio.Task[None] | None = None
+        self._pump_task: asyncio.Task[None] | None = None
+        self.stopped = asyncio.Event()
+        self._progress_at = 0.0
+        # The consumer of the outbound edge when it is a stage of this process
+        # (a shared process's direct link), and a step of this stage the
+        # worker ran ahead of its object (ggufpipe_agent/stage/handover.py).
+        self.local_next: ConsumerRun | None = None
+        self.precomputed: Precomputed | None = None
+        self.chained = 0  # steps of this run taken from the chain
+
+    def edge_ids(self, from_link: bool) -> dict[str, int]:
+        """The edge id each role may set up; a link sets up only the
+        consumer's ends (a peer never makes a stage write to it)."""
+        ring = self.provision.ring
+        ids = {"inbound": self.provision.inbound.edge_id}
+        if ring is not None and ring.consume:
+            ids["ring-in"] = ring.edge_id
+        if not from_link:
+            ids["outbound"] = self.provision.outbound.edge_id
+            if ring is not None and ring.produce:
+                ids["ring-out"] = ring.edge_id
+        return ids
+
+    # ------------------------------------------------------------ FSM core
+
+    def apply(self, event: StageEvent) -> None:
+        before = self.fsm.state
+        self.fsm, effects = transition(self.fsm, event)
+        after = self.fsm.state
+        # Ready <-> Executing flips once per token: reporting it would cost a
+        # control message per step per stage. Step statistics say it instead.
+        per_step = {before, after} == {StageState.READY, StageState.EXECUTING}
+        if after is not before and not per_step:
+            log.info("run %016x stage %d: %s -> %s", self.run_id, self.index, before.value, after.value)
+            self._progress(after.value, self.fsm.fault, -1.0)
+        if self.fsm.state is StageState.READY:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        for effect in effects:
+            self._perform(effect)
+
+    def _perform(self, effect: Any) -> None:
+        p = self.provision
+        if isinstance(effect, StartPrepare):
+            self._prepare_task = self._spawn(self._prepare())
+        elif isinstance(effect, CancelPrepare):
+            if self._prepare_task is not None:
+                self._prepare_task.cancel()
+        elif isinstance(effect, EmitReady):
+            self._post(StageReady(self.run_id, self.index, p.node_id, self.held))
+            if self._pump_task is None:
+                self._pump_task = self._spawn(self._pump())
+        elif isinstance(effect, EmitFault):
+            log.error("run %016x stage %d faulted: %s", self.run_id, self.index, effect.reason)
+            self._post(StageFault(self.run_id, self.index, p.node_id, effect.reason, self.fault_peer))
+        elif isinstance(effect, FeedToken):
+            self._feed = effect  # written by the step that sampled it, before its token-out
+        elif isinstance(effect, EndGeneration):
+            log.info("run %016x stage %d: the ring ends here (%s)", self.run_id, self.index, effect.reason)
+        elif isinstance(effect, ExecuteStep):
+            self._step_task = self._spawn(self._execute(effect.sequence))
+        elif isinstance(effect, ReleaseInput):
+            self._current = None
+        elif isinstance(effect, RejectWork):
+            log.warning("run %016x stage %d refused work: %s", self.run_id, self.index, effect.reason)
+            self._post(Refused("object", effect.reason))
+        elif isinstance(effect, StopLocal):
+            self._spawn(self._stop_local())
+        elif isinstance(effect, EmitStopped):
+            self.stopped.set()
+            self._post(StageStopped(self.run_id, self.index, p.node_id, self.counters.snapshot()))
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        return self.tasks.spawn(coroutine, getattr(coroutine, "__qualname__", ""))
+
+    def _task_failed(self, name: str, error: BaseException) -> None:
+        self.internal_fault(f"internal error in the agent ({name}): {type(error).__name__}: {error}")
+
+    def internal_fault(self, reason: str) -> None:
+        """A task of this run failed of a bug: fault the stage with the event
+        its current state accepts (the orchestrator hears of it)."""
+        event: StageEvent
+        state = self.fsm.state
+        if state is StageState.PREPARING:
+            event = SetupFailed(reason)
+        elif state is StageState.EXECUTING:
+            event = StepFailed(reason)
+        elif state is StageState.READY:
+            event = InboundFault(reason)
+        else:
+            log.error("run %016x stage %d: %s", self.run_id, self.index, reason)
+            return
+        self.apply(event)
+
+    # -------------------------------------------------------------- effects
+
+    def _progress(self, state: str, detail: str, fraction: float) -> None:
+        self._post(StageProgress(self.run_id, self.index, state, detail, fraction))
+
+    def _load_progress(self, loop: asyncio.AbstractEventLoop, detail: str) -> Callable[[float], None]:
+        def report(fraction: float) -> None:
+            now = time.monotonic()
+            if fraction < 1.0 and now - self._progress_at < PROGRESS_INTERVAL_S:
+                return
+            self._progress_at = now
+            loop.call_soon_threadsafe(self._progress, "Preparing", detail, fraction)
+
+        return report
+
+    async def _prepare(self) -> None:
+        p = self.provision
+        loop = asyncio.get_running_loop()
+        try:
+            if p.stage_file is not None:  # sent here by the orchestrator (model send: true)
+                stage_path = await loop.run_in_executor(
+                    self._worker, received_stage_file, self._cache_dir, p
+                )
+            else:
+                stage_path = await self._stage_file_from_source(loop)
+            shape = StageShape(
+                first=self.first,
+                last=self.last,
+                block_count=p.layer_end_exclusive - p.layer_start,
+                hidden=p.model.hidden_dim,
+            )
+            progress = self._load_progress(loop, "loading into llama.cpp")
+
+            def load() -> tuple[StageEngine, PrefixHeld]:
+                engine, loaded = self._engines.get(stage_path, shape, p.engine, progress)
+                held = self._engines.held(engine, p.reuse, loaded)
+                engine.reset(p.sampling, keep=held.positions > 0)
+                if not held.positions:
+                    self._engines.forget(f"its cache was emptied for run {self.run_id:016x}")
+                return engine, held
+
+            self.engine, self.held = await loop.run_in_executor(self._worker, load)
+            held = self.held
+            if held.run_id:
+                log.info(
+                    "run %016x stage %d: holds %d positions of run %016x (in steps of %d)%s",
+                    self.run_id,
+                    self.index,
+                    held.positions,
+                    held.run_id,
+                    held.granularity,
+                    f": {held.reason}" if held.reason else "",
+                )
+        except asyncio.CancelledError:
+            return
+        except GgufpipeError as error:
+            self._apply_if_alive(SetupFailed(str(error)))
+            return
+        except Exception as error:  # noqa: BLE001 - a boundary: any failure is one fault
+            log.exception("stage setup failed")
+            self._apply_if_alive(SetupFailed(f"{type(error).__name__}: {error}"))
+            return
+        self._apply_if_alive(WorkerBound())
+
+    async def _stage_file_from_source(self, loop: asyncio.AbstractEventLoop) -> Path:
+        """The stage file written here from the host's own copy of the model."""
+        p = self.provision
+        facts = await loop.run_in_executor(self._worker, read_model_facts, p.gguf_source)
+        check_architecture(facts.architecture, facts.path)
+        check_range(p.layer_start, p.layer_end_exclusive, facts.block_count, facts.path)
+        if facts.hidden_dim != p.model.hidden_dim or facts.block_count != p.model.block_count:
+            raise ProtocolError(
+                f"{facts.path} has {facts.block_count} blocks of width {facts.hidden_dim}; "
+                f"the plan says {p.model.block_count} of width {p.model.hidden_dim} "
+                "(a different model file on this host?)"
+            )
+        return await loop.run_in_executor(
+            self._worker,
+            lambda: ensure_stage_file(
+                facts.path,
+                p.layer_start,
+                p.layer_end_exclusive,
+                self._cache_dir,
+                self._load_progress(loop, "writing stage file"),
+            ),
+        )
+
+    def _apply_if_alive(self, event: StageEvent) -> None:
+        if self.fsm.state is not StageState.STOPPED:
+            self.apply(event)
+
+    async def _pump(self) -> None:
+        """Inbound ring -> ExecuteStep, one object at a time, only when Ready."""
+        while True:
+            await self._ready.wait()  # the next object stays in the ring until then
+            item = await self.ring.get()
+            self._current = item
+            self.counters.bytes_in += item[0].nbytes
+            self.apply(ObjectLoaded(item[0].sequence))
+
+    async def deliver(self, header: objects.ObjectHeader, payload: bytes) -> None:
+        """An inbound object from the data connection (the inbound pump)."""
+        state = self.fsm.state
+        ring = self.provision.ring
+        spec = self.provision.inbound.object_spec
+        if ring is not None and header.edge_id == ring.edge_id:
+            spec = ring.object_spec
+        if state in (StageState.READY, StageState.EXECUTING):
+            try:
+                objects.check_spec(header, spec)
+            except ProtocolError as error:
+                self.apply(InboundFault(str(error)))
+                return
+            await self.ring.put((header, payload))  # blocks when full: backpressure
+        elif state is StageState.PREPARING:
+            self.apply(InboundFault(f"{header.describe()} arrived before the stage was ready"))
+        else:
+            self.apply(ObjectLoaded(header.sequence))  # Faulted/Stopping: RejectWork
+
+    async def _execute(self, sequence: int) -> None:
+        assert self._current is not None and self.engine is not None
+        header, payload = self._current
+        engine = self.engine
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        ahead, self.precomputed = self.precomputed, None
+        try:
+            if ahead is not None and ahead.matches(header):
+                # The producer's worker ran this step already (stage/handover.py).
+                if not self.chained:
+                    log.info("run %016x stage %d: decode steps run on the worker right after the "
+                             "previous stage's (one process)", self.run_id, self.index)
+                self.chained += 1
+                if ahead.error is not None:
+                    raise ahead.error
+                result, ran = ahead.result, ahead.elapsed_ms
+            else:
+                if self.first:
+                    inputs: Any = objects.decode_tokens(header, payload)
+                else:
+                    inputs = objects.decode_activation(header, payload)
+                # Every step runs on the one worker thread, decode steps included:
+                # llama.cpp's OpenMP team belongs to the calling thread, and a
+                # second team (decode steps inline on the event loop) measured
+                # half the tokens/s of one team, whatever the thread hops save.
+                step = self.worker_step
+                result, chained = await loop.run_in_executor(self._worker, step, engine, header, inputs)
+                # This stage's step, not the later stages' the worker ran after it.
+                ran = (time.perf_counter() - started) * 1000.0 - chained
+        except GgufpipeError as error:
+            self._apply_if_alive(StepFailed(f"step {sequence}: {error}"))
+            return
+        except Exception as error:  # noqa: BLE001 - a boundary: any failure is one fault
+            log.exception("step failed")
+            self._apply_if_alive(StepFailed(f"step {sequence}: {type(error).__name__}: {error}"))
+            return
+        elapsed = ran
+        if self.fsm.state is not StageState.EXECUTING:
+            return  # StopRun came while the step ran
+        p = self.provision
+        sent = 0
+        if self.last and p.ring is not None and p.ring.produce:
+            # The token ring: the next input goes to stage 0 first (it is the
+            # critical path), then the token to the orchestrator.
+            self._feed = None
+            self.apply(TokenSampled(sequence, int(result)))
+            feed = self._feed
+            if feed is not None:
+                # Stage 0's next input, at the position after the rows that made it.
+                position = header.position + header.rows
+                record = objects.tokens_record(
+                    self.run_id, p.ring.edge_id, feed.sequence, [feed.token], position=position
+                )
+                try:
+                    if self.ring_out is None:
+                        raise ConnectionError("the token ring is not connected")
+                    await self.ring_out.write(record)
+                except (ConnectionError, OSError) as error:
+                    self.fault_peer = self.ring_peer
+                    self._apply_if_alive(OutputFault(f"token ring edge {p.ring.edge_id}: {error}"))
+                    return
+                sent += len(record) - objects.HEADER_SIZE
+        try:
+            if self.outbound is None:
+                raise ConnectionError("outbound edge is not connected")
+            if self.last:
+                # The sampled token is fed back at the position after the rows that made it.
+                record = objects.tokens_record(
+                    self.run_id,
+                    p.outbound.edge_id,
+                    sequence,
+                    [int(result)],
+                    position=header.position + header.rows,
+                )
+                await self.outbound.write(record)
+                sent += len(record) - objects.HEADER_SIZE
+            else:
+                assert not isinstance(result, int)  # a non-last stage returns activations
+                head, body = objects.activation_record(
+                    self.run_id,
+                    p.outbound.edge_id,
+                    sequence,
+                    result,
+                    p.outbound.object_spec.dtype,
+                    position=header.position,
+                )
+                await self.outbound.write(head, body)
+                sent += len(body)
+        except (ConnectionError, OSError) as error:
+            self.fault_peer = self.outbound_peer
+            self._apply_if_alive(OutputFault(f"outbound edge {p.outbound.edge_id}: {error}"))
+            return
+        counters = self.counters
+        counters.count(sequence, elapsed, sent, header.rows, header.position)
+        self.apply(StepCompleted(sequence))
+        now = time.monotonic()
+        if now - counters.sent_at >= STATS_INTERVAL_S:
+            counters.sent_at = now
+            self._post(StepStats(self.run_id, self.index, counters.snapshot()))
+
+    def waiting_for_input(self) -> bool:
+        """Ready for its next object, with nothing queued (the chain asks)."""
+        return self.fsm.state is StageState.READY and self.ring.empty()
+
+    def worker_step(
+        self, engine: StageEngine, header: objects.ObjectHeader, inputs: Any
+    ) -> tuple[Any, float]:
+        """One step on the worker thread; then, on a shared process's direct
+        link, the consumer's step (stage/handover.py). Returns the result and the
+        milliseconds the chained steps took."""
+        result = self._step(engine, header.sequence, header, inputs)
+        if self.local_next is None:
+            return result, 0.0
+        started = time.perf_counter()
+        chain_next(self, header, result)
+        return result, (time.perf_counter() - started) * 1000.0
+
+    def _step(self, engine: StageEngine, sequence: int, header: objects.ObjectHeader, inputs: Any) -> Any:
+        """One step, on the worker thread. The prompt object (sequence 0) says
+        where the run starts: at 0, or after a prefix this stage said it holds
+        (StageReady), which is kept and the rest of the cache dropped. The
+        slot then records that this run wrote the cache; a step that fails
+        leaves nothing a later run may keep."""
+        slots = self._engines
+        try:
+            if sequence == 0:
+                slots.written_by = 0  # the cache changes now
+                held, start = self.held, header.position
+                if start and (start > held.positions or start % held.granularity):
+                    raise ProtocolError(
+                        f"the prompt starts at position {start}, but this stage holds "
+                        f"{held.positions} positions of run {held.run_id:016x} (in steps of "
+                        f"{held.granularity})"
+                    )
+                engine.keep(start)
+                log.info(
+                    "run %016x stage %d: prefill of %d rows after %d kept positions",
+                    self.run_id,
+                    self.index,
+                    header.rows,
+                    start,
+                )
+            result = engine.step(inputs, header.position)
+        except BaseException:
+            slots.forget(f"a step of run {self.run_id:016x} failed or was aborted")
+            raise
+        slots.written_by = self.run_id
+        return result
+
+    async def _stop_local(self) -> None:
+        """Stop local edges, let a running step end, then report stopped."""
+        if self._step_task is not None and not self._step_task.done():
+            if self.engine is not None:
+                self.engine.abort()
+            await asyncio.wait({self._step_task})
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+        while not self.ring.empty():
+            self.ring.get_nowait()
+        self.outbound = self.ring_out = None
+        self._current = None
+        self.apply(StopComplete())

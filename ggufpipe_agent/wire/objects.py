@@ -1,0 +1,175 @@
+"""Object records: the token and activation objects that travel on edges.
+
+A record is a fixed 44-byte little-endian header followed by raw payload bytes::
+
+    magic  b"GPOB"     4s
+    version            u16
+    kind               u8   1 tokens, 2 activation
+    dtype              u8   1 int32, 2 float32, 3 float16
+    run_id             u64
+    edge_id            u32
+    sequence           u32  the object's place in its edge's stream (0: the prompt)
+    position           u32  the sequence position of the object's first row
+    rows               u32  tokens in the object
+    cols               u32  1 for tokens, hidden_dim for activations
+    nbytes             u64  payload length == rows * cols * itemsize
+
+Version 2 split version 1's u64 sequence into a u32 sequence and a u32
+position, so the header is still 44 bytes. Positions travel in-band because a
+run may start after a prefix its stages kept from the previous run: the
+prompt object says where it starts, and every object after it says where it
+is, so a stage never guesses (docs/protocol.md, docs/worker.md).
+
+This is the only module that turns payload bytes into arrays. The relay in the
+orchestrator reads headers only and forwards payloads untouched.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.wire.protocol import ObjectSpec
+
+OBJECT_MAGIC = b"GPOB"
+OBJECT_VERSION = 2
+_HEADER = struct.Struct("<4sHBBQIIIIIQ")
+HEADER_SIZE = _HEADER.size
+
+#: Bound on any payload before an edge's own max_extent is known.
+ABSOLUTE_MAX_PAYLOAD = 1 << 31
+
+KIND_TOKENS = 1
+KIND_ACTIVATION = 2
+KIND_NAMES = {KIND_TOKENS: "tokens", KIND_ACTIVATION: "activation"}
+KIND_CODES = {name: code for code, name in KIND_NAMES.items()}
+
+DTYPES: dict[int, np.dtype] = {
+    1: np.dtype("<i4"),
+    2: np.dtype("<f4"),
+    3: np.dtype("<f2"),
+}
+DTYPE_NAMES = {1: "int32", 2: "float32", 3: "float16"}
+DTYPE_CODES = {name: code for code, name in DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectHeader:
+    kind: int
+    dtype: int
+    run_id: int
+    edge_id: int
+    sequence: int
+    rows: int
+    cols: int
+    nbytes: int
+    # Last among the fields (not on the wire) so that records built by
+    # position keep their meaning; 0 is the start of the sequence.
+    position: int = 0
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(
+            OBJECT_MAGIC,
+            OBJECT_VERSION,
+            self.kind,
+            self.dtype,
+            self.run_id,
+            self.edge_id,
+            self.sequence,
+            self.position,
+            self.rows,
+            self.cols,
+            self.nbytes,
+        )
+
+    @property
+    def kind_name(self) -> str:
+        return KIND_NAMES[self.kind]
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    def describe(self) -> str:
+        return (
+            f"{self.kind_name} object seq {self.sequence} at position {self.position} on edge {self.edge_id} "
+            f"({self.rows}x{self.cols} {self.dtype_name}, {self.nbytes} bytes)"
+        )
+
+
+def unpack_header(data: bytes, max_payload: int) -> ObjectHeader:
+    """Parse and sanity-check a header; ``max_payload`` bounds ``nbytes``.
+
+    Everything checked here is checked before any payload byte is read, so a
+    corrupt or hostile length can never make a reader allocate or wait for it.
+    """
+    if len(data) != HEADER_SIZE:
+        raise ProtocolError(f"truncated object header ({len(data)} of {HEADER_SIZE} bytes)")
+    (magic, version, kind, dtype, run_id, edge_id, sequence, position, rows, cols, nbytes) = _HEADER.unpack(
+        data
+    )
+    if magic != OBJECT_MAGIC:
+        raise ProtocolError(f"bad object magic {magic!r}")
+    if version != OBJECT_VERSION:
+        raise ProtocolError(f"object record version {version}, this side speaks {OBJECT_VERSION}")
+    if kind not in KIND_NAMES:
+        raise ProtocolError(f"unknown object kind {kind}")
+    if dtype not in DTYPES:
+        raise ProtocolError(f"unknown object dtype {dtype}")
+    if nbytes > max_payload:
+        raise ProtocolError(f"object of {nbytes} bytes exceeds the limit of {max_payload}")
+    if nbytes != rows * cols * DTYPES[dtype].itemsize:
+        raise ProtocolError(f"object says {rows}x{cols} {DTYPE_NAMES[dtype]} but {nbytes} payload bytes")
+    return ObjectHeader(kind, dtype, run_id, edge_id, sequence, rows, cols, nbytes, position)
+
+
+def check_spec(header: ObjectHeader, spec: ObjectSpec) -> None:
+    """Refuse an object that does not match its edge's object spec (§9)."""
+    if header.kind_name != spec.kind:
+        raise ProtocolError(f"{header.describe()}: edge carries {spec.kind} objects")
+    if header.dtype_name != spec.dtype:
+        raise ProtocolError(f"{header.describe()}: edge carries {spec.dtype}")
+    if header.cols != spec.width:
+        raise ProtocolError(f"{header.describe()}: edge carries rows of width {spec.width}")
+    if header.rows == 0 or header.rows > spec.max_rows:
+        raise ProtocolError(f"{header.describe()}: rows must be 1..{spec.max_rows}")
+    if header.nbytes > spec.max_extent:
+        raise ProtocolError(f"{header.describe()}: exceeds max_extent {spec.max_extent}")
+
+
+def tokens_record(run_id: int, edge_id: int, sequence: int, tokens: list[int], *, position: int = 0) -> bytes:
+    payload = np.asarray(tokens, dtype="<i4").tobytes()
+    header = ObjectHeader(
+        KIND_TOKENS, DTYPE_CODES["int32"], run_id, edge_id, sequence, len(tokens), 1, len(payload), position
+    )
+    return header.pack() + payload
+
+
+def activation_record(
+    run_id: int, edge_id: int, sequence: int, rows: np.ndarray, dtype: str, *, position: int = 0
+) -> tuple[bytes, memoryview]:
+    """Header and payload (no concatenation copy) for ``rows`` of shape [n, hidden]."""
+    code = DTYPE_CODES[dtype]
+    array = np.ascontiguousarray(rows, dtype=DTYPES[code])
+    n, width = array.shape
+    header = ObjectHeader(KIND_ACTIVATION, code, run_id, edge_id, sequence, n, width, array.nbytes, position)
+    return header.pack(), array.data.cast("B")
+
+
+def decode_tokens(header: ObjectHeader, payload: bytes | bytearray | memoryview) -> list[int]:
+    if header.kind != KIND_TOKENS:
+        raise ProtocolError(f"{header.describe()}: expected a tokens object")
+    return np.frombuffer(payload, dtype=DTYPES[header.dtype]).tolist()
+
+
+def decode_activation(header: ObjectHeader, payload: bytes | bytearray | memoryview) -> np.ndarray:
+    """float32 rows [n, hidden]; float16 payloads are widened (exactly)."""
+    if header.kind != KIND_ACTIVATION:
+        raise ProtocolError(f"{header.describe()}: expected an activation object")
+    array = np.frombuffer(payload, dtype=DTYPES[header.dtype]).reshape(header.rows, header.cols)
+    if array.dtype != np.float32:
+        array = array.astype(np.float32)
+    return array

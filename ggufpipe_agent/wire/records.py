@@ -1,0 +1,340 @@
+"""The records inside control messages (not messages on their own): what an
+edge carries, a stage's model facts, engine and sampling options, memory and
+model facts, the prefix offered and held, step counters, a stage file's
+reference. Frozen dataclasses, written by the codec as maps of their fields;
+:mod:`ggufpipe_agent.wire.protocol` names them too."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+
+from ggufpipe_agent.errors import CacheError
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectSpec:
+    """What one edge carries: rows of ``width`` elements of ``dtype``."""
+
+    kind: str  # "tokens" or "activation"
+    dtype: str  # "int32", "float32" or "float16"
+    width: int  # 1 for tokens, hidden_dim for activations
+    max_rows: int  # the run's max_seq_len
+
+    @property
+    def itemsize(self) -> int:
+        return {"int32": 4, "float32": 4, "float16": 2}[self.dtype]
+
+    @property
+    def max_extent(self) -> int:
+        """Spec §9: ``max_seq_len * hidden_dim * dtype_width_bytes``."""
+        return self.max_rows * self.width * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class RingSpec:
+    """A bounded ring of object records at one edge end (docs/rings.md)."""
+
+    slots: int
+    slot_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class InboundEdgeProvision:
+    edge_id: int
+    kind: str  # EdgeKind: "TokenIn" or "Activation"
+    object_spec: ObjectSpec
+    ring_spec: RingSpec
+
+
+@dataclass(frozen=True, slots=True)
+class OutboundEdgeProvision:
+    edge_id: int
+    kind: str  # EdgeKind: "Activation" or "TokenOut"
+    consumer_node_id: str
+    object_spec: ObjectSpec
+    ring_spec: RingSpec
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRingProvision:
+    """The token ring (docs/rings.md): the last stage writes each sampled token
+    straight to stage 0 as its next input, on an edge of its own, until EOS/EOG
+    or ``max_tokens``; the orchestrator only reads the token-out edge."""
+
+    edge_id: int
+    produce: bool  # this stage writes the ring (the last stage)
+    consume: bool  # this stage reads it (stage 0)
+    object_spec: ObjectSpec
+    eog_token_ids: tuple[int, ...]  # the last stage stops feeding after one of these
+    max_tokens: int  # ... or once this many tokens are generated
+
+
+@dataclass(frozen=True, slots=True)
+class StageModelFacts:
+    model_id: str
+    architecture: str
+    block_count: int
+    hidden_dim: int
+    vocab_size: int
+    dtype_family: str  # "float"
+    dtype_width_bytes: int  # 4 for float32 activations, 2 for float16
+    max_seq_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """How a stage runs llama.cpp. ``threads=0`` means one per core;
+    ``gpu_layers=-1`` offloads every layer when the build has a GPU backend."""
+
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    threads: int = 0
+    gpu_layers: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Greedy when ``temperature <= 0``; otherwise top-k, top-p, temperature
+    and a seeded draw, in llama.cpp's sampler chain."""
+
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int = 0
+
+
+#: The sampling a stage accepts, one definition for both sides: the agent
+#: refuses a provision outside it (validation.py) and the orchestrator refuses
+#: a user's or an HTTP request's values outside it before any run is made.
+TEMPERATURE_MAX = 1e6
+TOP_K_MAX = (1 << 31) - 1  # llama_sampler_init_top_k takes an int32
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # the API's range; llama.cpp takes the low 32 bits
+
+
+def sampling_problem(temperature: float, top_k: int, top_p: float, seed: int) -> tuple[str, str]:
+    """(field, what is wrong) for sampling a stage would refuse; ("", "") when sound."""
+    if not (isinstance(temperature, int | float) and math.isfinite(temperature) and
+            0 <= temperature <= TEMPERATURE_MAX):
+        return "temperature", f"{temperature!r} is not a finite number in [0, {TEMPERATURE_MAX:g}]"
+    if not (isinstance(top_k, int) and 0 <= top_k <= TOP_K_MAX):
+        return "top_k", f"{top_k!r} is not an integer in [0, {TOP_K_MAX}]"
+    if not (isinstance(top_p, int | float) and math.isfinite(top_p) and 0 < top_p <= 1):
+        return "top_p", f"{top_p!r} is not a number in (0, 1]"
+    if not (isinstance(seed, int) and SEED_MIN <= seed <= SEED_MAX):
+        return "seed", f"{seed!r} is not an integer in [{SEED_MIN}, {SEED_MAX}]"
+    return "", ""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One turn of a conversation, as the model's chat template takes it."""
+
+    role: str  # "system", "user" or "assistant"
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    name: str
+    description: str
+    memory_total: int
+    memory_free: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryFacts:
+    """What llama.cpp's memory for a layer range depends on, read from the GGUF
+    header where the model lives (:func:`ggufpipe_agent.gguf.memory.memory_facts`);
+    :mod:`ggufpipe_agent.gguf.memory` sizes a stage from it (docs/planning.md)."""
+
+    block_bytes: tuple[int, ...]  # tensor bytes of each block
+    token_embd_bytes: int
+    output_norm_bytes: int
+    output_bytes: int  # output.weight; 0 when the projection is tied to token_embd
+    global_bytes: int  # other tensors outside the blocks (rope_freqs, rope factors, ...)
+    kv_widths: tuple[int, ...]  # per block: K + V elements per cache cell
+    swa_blocks: tuple[bool, ...]  # per block: a sliding-window block
+    sliding_window: int  # 0 when the model has none
+    n_embd: int
+    n_vocab: int
+    n_ff: int  # feed-forward width per token (n_ff_exp * n_expert_used for experts)
+    q_width: int  # n_head * key_length
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What the orchestrator needs to know of a GGUF model (spec §3 GgufModelPlan)."""
+
+    path: str
+    name: str
+    architecture: str
+    file_type: str
+    file_size: int
+    block_count: int
+    hidden_dim: int
+    context_length: int
+    vocab_size: int
+    head_count: int
+    head_count_kv: int
+    key_length: int
+    value_length: int
+    bos_token_id: int  # -1 when the model has none
+    eos_token_id: int
+    eog_token_ids: tuple[int, ...]
+    add_bos: bool
+    chat_template: str  # "" when the file has none
+    block_bytes: tuple[int, ...]  # tensor bytes of each block
+    embedding_bytes: int  # token_embd.weight
+    output_bytes: int  # output_norm.weight and output.weight when present
+    memory: MemoryFacts | None = None  # None: a hand-made record (tests); see memory.memory_facts_of
+
+    @property
+    def stem(self) -> str:
+        return self.name or self.path.rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixOffer:
+    """In a provision: the stage may keep up to ``positions`` positions of
+    its KV cache written by run ``run_id`` (the previous run on this chain;
+    0: none, start empty). What it keeps is decided when the prompt comes,
+    by the prompt object's position (docs/worker.md, "Prefix reuse")."""
+
+    run_id: int = 0
+    positions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHeld:
+    """In StageReady: what a stage still holds of the offered run. A prompt
+    may start at position K only if K is 0, or K <= ``positions`` and K is a
+    multiple of ``granularity`` (1 where the stage's kernels are exact at
+    any batch size, else the ubatch: see docs/worker.md). ``reason`` says
+    why it holds less than it was offered ("" when it holds all of it)."""
+
+    run_id: int = 0
+    positions: int = 0
+    granularity: int = 1
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StepCounters:
+    """A stage's work in one run. ``steps``, ``total_ms`` and ``mean_ms`` count
+    decode steps only; the prefill (sequence 0) has its own ``prefill_ms``,
+    ``prefill_rows`` (rows it computed) and ``kept`` (positions it kept from
+    the previous run instead of computing them)."""
+
+    steps: int = 0
+    last_ms: float = 0.0
+    total_ms: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    prefill_ms: float = 0.0
+    prefill_rows: int = 0
+    kept: int = 0
+
+    @property
+    def mean_ms(self) -> float:
+        return self.total_ms / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StageFileRef:
+    """A stage file the orchestrator delivered to the host's cache: found there
+    by its key (never by a path from the wire) and used only when its sidecar
+    says it holds exactly ``size`` bytes of digest ``digest``."""
+
+    key: StageKey
+    size: int
+    digest: str
+
+
+# ------------------------------------------------------- stage files
+
+_LABEL = re.compile(r"[^A-Za-z0-9_-]+")
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def label_for(name: str) -> str:
+    """A model name as a safe file-name part (what a sender's label becomes)."""
+    label = _LABEL.sub("-", name).strip("-")[:40]
+    return label or "model"
+
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class StageKey:
+    """Which stage file: chosen by whoever knows the model (a local writer, or
+    the sender of a transfer) from the model's identity; the receiving host
+    derives the file name from it and never takes a path from the wire."""
+
+    model: str  # ModelIdentity.digest: 64 hex digits
+    label: str  # the model's name, for people reading the cache
+    start: int
+    end: int
+    block_count: int
+    stage_format: int
+
+    def check(self) -> None:
+        """Refuse a key that could not have come from a model (wire input)."""
+        if not _HEX.match(self.model):
+            raise CacheError(f"stage key: model digest {self.model!r} is not 64 hex digits")
+        if not 0 <= self.start < self.end <= self.block_count < 1 << 20:
+            raise CacheError(
+                f"stage key: layers [{self.start}, {self.end}) of {self.block_count} blocks is no range"
+            )
+        if not 0 < self.stage_format < 1 << 16:
+            raise CacheError(f"stage key: stage format {self.stage_format} is not valid")
+
+    @property
+    def digest(self) -> str:
+        text = f"{self.model}|{self.start}|{self.end}|{self.block_count}|{self.stage_format}"
+        return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+    @property
+    def file_name(self) -> str:
+        label = label_for(self.label)
+        return f"{label}.blk{self.start}-{self.end}of{self.block_count}.{self.digest}.gguf"
+
+
+# --------------------------------------------------- the model identity
+
+
+@dataclass(frozen=True, slots=True)
+class MetadataDigest:
+    key: str
+    digest: str  # of the value's type and encoded bytes (16 hex digits)
+    preview: str  # a short rendering of the value, for messages
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSignature:
+    name: str
+    shape: tuple[int, ...]  # ggml order (ne[0] first)
+    ggml_type: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    """What is compared between hosts (see the module docstring for what is
+    not). ``digest`` alone decides sameness; the entries explain a mismatch."""
+
+    digest: str  # sha256 over metadata_digest and tensors_digest
+    metadata_digest: str  # sha256 over every (key, value digest), keys sorted
+    tensors_digest: str  # sha256 over every tensor signature, names sorted
+    name: str  # general.name, for messages
+    metadata: tuple[MetadataDigest, ...]  # sorted by key
+    tensors: tuple[TensorSignature, ...]  # sorted by name
+
+    def compact(self) -> ModelIdentity:
+        """The same identity without its entries (a few hundred bytes): enough
+        to tell same from different, not to say what differs."""
+        return ModelIdentity(self.digest, self.metadata_digest, self.tensors_digest, self.name, (), ())

@@ -1,0 +1,1 @@
+"""The front ends that are commands: headless --prompt, --plan, and the cache command."""

@@ -1,0 +1,232 @@
+"""Headless mode: the same orchestrator with a printing consumer.
+
+Generated text streams to stdout as it comes; progress and agent logs go to
+stderr; the exit status says whether the run completed. On a fault the text
+produced so far stays on stdout and the run's one failure reason is the last
+line on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import time
+from typing import IO
+
+from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_tui.core import format as fmt
+from ggufpipe_tui.core.events import (
+    AgentConnected,
+    AgentLog,
+    DataPath,
+    Event,
+    ModelInspected,
+    Notice,
+    PlanMade,
+    RunResult,
+    StageDelivery,
+    StageStateChanged,
+    TokenStreamed,
+)
+from ggufpipe_tui.core.inventory import Inventory
+from ggufpipe_tui.session.pipeline import Pipeline
+from ggufpipe_tui.session.runs import Prompt, RunHandle
+
+EXIT_OK = 0
+EXIT_FAULTED = 1
+EXIT_SETUP = 2
+
+
+def path_json(path: DataPath) -> dict[str, object]:
+    """One link of the session: how stage ``producer``'s objects reach ``consumer``."""
+    entry: dict[str, object] = {
+        "producer": path.producer,
+        "consumer": path.consumer,
+        "carries": "tokens" if path.ring else "activations",
+        "data": path.data,
+        "transport": path.transport,
+    }
+    if path.data == "direct" and path.transport != "self":
+        entry["round_trip_ms"] = round(path.round_trip_ms, 3)
+    if path.reason:
+        entry["reason"] = path.reason
+    return entry
+
+
+def result_json(
+    result: RunResult, paths: tuple[DataPath, ...] = (), feedback: str = ""
+) -> dict[str, object]:
+    """The --json object; ``paths``: the session's links (one "data" entry per
+    edge), ``feedback``: who fed tokens back ("ring" or "orchestrator")."""
+    t = result.timings
+    return {
+        "run_id": f"{result.run_id:016x}",
+        "model": result.model,
+        "architecture": result.architecture,
+        "outcome": result.outcome,
+        "stop_reason": result.stop_reason,
+        "failure": result.failure,
+        "prompt_tokens": list(result.prompt_tokens),
+        "prompt_reused": result.prompt_reused,
+        "tokens": list(result.tokens),
+        "text": result.text,
+        "timings": {
+            "ttft_ms": round(t.ttft_ms, 3),
+            "prefill_ms": round(t.prefill_ms, 3),
+            "decode_ms": round(t.decode_ms, 3),
+            "decode_tokens_per_s": round(t.decode_tokens_per_s, 3),
+            "stage_mean_step_ms": [round(ms, 3) for ms in t.stage_mean_step_ms],
+        },
+        "log": result.log_path,
+        "feedback": feedback,
+        "edges": [path_json(path) for path in paths],
+    }
+
+
+class Printer:
+    """The session's events on stdout (text) and stderr (progress)."""
+
+    def __init__(
+        self, inventory: Inventory, out: IO[str], err: IO[str], as_json: bool, verbose: bool, quiet: bool
+    ) -> None:
+        self.inventory = inventory
+        self.out, self.err = out, err
+        self.as_json, self.verbose, self.quiet = as_json, verbose, quiet
+        self.wrote_text = False
+        self.paths: list[DataPath] = []
+        self.agents: dict[int, AgentConnected] = {}  # each stage's agent, by stage
+        self.delivered: dict[int, StageDelivery] = {}  # each stage's last delivery event
+        self._shown: dict[int, float] = {}  # when each stage's progress was last printed
+        self._last_progress = 0.0
+
+    def progress(self, text: str) -> None:
+        if not self.quiet:
+            print(f"ggufpipe: {text}", file=self.err, flush=True)
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, TokenStreamed):
+            if not self.as_json and event.text:
+                self.out.write(event.text)
+                self.out.flush()
+                self.wrote_text = True
+        elif isinstance(event, AgentConnected):
+            self.agents[event.stage] = event
+            shared = [
+                stage
+                for stage, other in sorted(self.agents.items())
+                if stage != event.stage and other.host == event.host and other.hello.pid == event.hello.pid
+            ]
+            also = f", the process of stage {shared[0]} (share_process)" if shared else ""
+            self.progress(f"stage {event.stage}: {fmt.agent_line(event)}{also}")
+        elif isinstance(event, ModelInspected):
+            hosts = len({spec.host for spec in self.inventory.stages})
+            self.progress(f"model {fmt.model_line(event.facts, len(self.inventory.stages), hosts)}")
+        elif isinstance(event, PlanMade):
+            for stage in event.plan.stages:
+                self.progress(fmt.stage_plan_line(stage))
+        elif isinstance(event, DataPath):
+            self.paths.append(event)
+            self.progress(fmt.data_path_line(event))
+        elif isinstance(event, StageDelivery):
+            self.delivery(event)
+        elif isinstance(event, StageStateChanged):
+            if self.verbose or event.state in ("Ready", "Faulted"):
+                self.progress(fmt.stage_state_line(event.stage, event.state, event.detail))
+        elif isinstance(event, AgentLog):
+            if self.verbose:
+                print(f"[stage {event.stage} {event.host}] {event.line}", file=self.err, flush=True)
+        elif isinstance(event, Notice) and (self.verbose or event.level == "warning"):
+            print(f"ggufpipe: {event.level}: {event.text}", file=self.err, flush=True)
+
+
+    def delivery(self, event: StageDelivery) -> None:
+        """A stage file's delivery on stderr: each step, and while it is sent
+        at most a line a second per stage and a few a second in all."""
+        before = self.delivered.get(event.stage)
+        self.delivered[event.stage] = event
+        now = time.monotonic()
+        if event.state == "sending" and before is not None and before.state == "sending":
+            if now - self._shown.get(event.stage, 0.0) < 1.0 or now - self._last_progress < 0.3:
+                return
+        elif before is not None and before.state == event.state:
+            return
+        self._shown[event.stage] = self._last_progress = now
+        self.progress(f"stage {event.stage} on {event.host}: {fmt.delivery_line(event)}")
+
+    def processes_json(self) -> list[dict[str, object]]:
+        """One entry per agent process: the stages it runs (several where
+        they share it)."""
+        return [
+            {"host": host, "pid": pid, "stages": list(stages)}
+            for host, pid, stages in fmt.agent_processes(self.agents.values())
+        ]
+
+    def delivery_json(self) -> list[dict[str, object]]:
+        return [
+            {
+                "stage": event.stage,
+                "host": event.host,
+                "file": event.name,
+                "size": event.size,
+                "bytes_sent": event.sent,
+                "seconds": round(event.seconds, 3),
+                "outcome": event.outcome or event.state,
+            }
+            for _, event in sorted(self.delivered.items())
+        ]
+
+
+async def run_headless(
+    inventory: Inventory,
+    prompt: str,
+    *,
+    as_json: bool = False,
+    verbose: bool = False,
+    quiet: bool = False,
+    log_dir: str | None = None,
+    out: IO[str] = sys.stdout,
+    err: IO[str] = sys.stderr,
+) -> int:
+    printer = Printer(inventory, out, err, as_json, verbose, quiet)
+    pipeline = Pipeline(inventory, printer, log_dir=log_dir)
+    loop = asyncio.get_running_loop()
+    handle: RunHandle | None = None
+    interrupted = False
+
+    def interrupt() -> None:
+        nonlocal interrupted
+        if handle is not None and not interrupted:
+            interrupted = True
+            handle.stop("interrupted (Ctrl-C)")
+        else:
+            raise KeyboardInterrupt
+
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGINT, interrupt)
+    try:
+        await pipeline.start()
+        handle = pipeline.submit(Prompt(text=prompt))
+        result = await handle.result()
+    except GgufpipeError as error:
+        print(f"ggufpipe: error: {error}", file=err, flush=True)
+        return EXIT_SETUP
+    finally:
+        await pipeline.close()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGINT)
+    if as_json:
+        report = result_json(result, tuple(printer.paths), inventory.run.feedback)
+        report["delivery"] = printer.delivery_json()  # model send: true; [] when hosts hold the model
+        report["processes"] = printer.processes_json()  # stages sharing an agent process: one entry
+        print(json.dumps(report, ensure_ascii=False), file=out, flush=True)
+    elif printer.wrote_text:
+        print(file=out, flush=True)
+    if result.ok:
+        printer.progress(f"{fmt.result_summary(result)}; run log {result.log_path}")
+        return EXIT_OK
+    print(f"ggufpipe: run log {result.log_path}", file=err, flush=True)
+    print(f"ggufpipe: run {result.outcome}: {result.failure}", file=err, flush=True)
+    return EXIT_FAULTED

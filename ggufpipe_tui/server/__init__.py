@@ -1,0 +1,1 @@
+"""--serve: the OpenAI-compatible HTTP server (handlers, the request shapes, the process's lifecycle)."""

@@ -1,0 +1,381 @@
+"""``ggufpipe-tui INVENTORY --serve HOST:PORT``: an OpenAI-compatible HTTP
+server on the warm pipeline (aiohttp).
+
+``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+(streamed as server-sent events or whole; shapes in
+:mod:`ggufpipe_tui.server.openai_api`) and ``GET /health``. Each request is a
+prompt submitted to the pipeline's queue, so requests run one at a time, in
+the order they came; a chat request's prompt is its whole conversation. The
+session policy does the rest: per-request sampling gets a run provisioned
+with it, and a reply that cannot fit the context is refused before it runs
+(an explicit ``max_tokens``) or shortened to the room left (none given).
+
+Bounds: at most ``queue`` requests wait behind the running one (a 503 past
+that, never a hang); a client that goes away stops its run or withdraws its
+prompt (aiohttp cancels its handler); a connection that sends no whole
+request head for :data:`IDLE_SECONDS` is closed, a body that takes more than
+:data:`BODY_SECONDS` is a 408. A bad request is that request's 4xx and
+nothing more: every field is checked to exactly what the stages accept (the
+sampling ranges of :mod:`ggufpipe_agent.wire.records`, text that UTF-8 can
+carry), a prompt too long for any context is refused by the stage that
+tokenizes it, and a bug in a handler is a 500 for that request alone; ``stop`` strings are applied here as
+the text streams, and the run is stopped at the first one. SIGTERM or SIGINT:
+stop listening, answer what waits with a 503, give the running request
+:data:`SHUTDOWN_GRACE` seconds to finish, stop it, tear every stage down,
+exit 0. A fault of the pipeline ends the server (exit 1): run it under a
+supervisor that starts it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from aiohttp import web
+
+from ggufpipe_tui.core.events import (
+    Event,
+    PromptAssigned,
+    RunFinished,
+    RunResult,
+    TokenStreamed,
+)
+from ggufpipe_tui.core.format import reuse_line
+from ggufpipe_tui.core.inventory import Inventory
+from ggufpipe_tui.server import openai_api as api
+from ggufpipe_tui.session.pipeline import Pipeline
+from ggufpipe_tui.session.runs import REFUSE, SHORTEN, ContextOverflow, Prompt, RunHandle
+from ggufpipe_tui.session.stages import PipelineError
+
+#: Seconds the running request may take to finish once SIGTERM came.
+SHUTDOWN_GRACE = 10.0
+#: The largest request body (a long conversation is a few hundred KiB).
+MAX_BODY = 8 * 1024 * 1024
+#: A connection that has not sent a whole request head within this many
+#: seconds (from its start, or from the end of its last answer) is closed, so
+#: silent sockets cannot pile up to the process's file limit.
+IDLE_SECONDS = 15.0
+#: The most seconds a request's body may take to arrive.
+BODY_SECONDS = 30.0
+STOP_WORDS = {"eos": "stop", "max_tokens": "length"}
+
+
+@dataclass
+class Exchange:
+    """One request on its way, for the log line at its end."""
+
+    method: str
+    path: str
+    peer: str
+    arrived: float
+    status: int = 200
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queued_s: float = 0.0
+    run_id: int = 0
+    ident: str = ""  # the answer's id
+    created: int = 0
+    result: RunResult | None = None
+    detail: str = ""
+
+
+class Server:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        inventory: Inventory,
+        *,
+        api_key: str = "",
+        queue: int = 16,
+        err: IO[str] = sys.stderr,
+    ) -> None:
+        self.pipeline = pipeline
+        self.inventory = inventory
+        self.api_key = api_key
+        self.queue = queue
+        self.err = err
+        self.model = Path(inventory.model_path).name
+        self.created = int(time.time())
+        self.admitted = 0  # requests submitted and not answered (the running one included)
+        self.handles: set[RunHandle] = set()
+        self.closing = False
+        self.ready = False
+        self.app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+        self.app.router.add_post("/v1/completions", self.completion)
+
+    # ------------------------------------------------------------ plumbing
+
+    def log(self, text: str) -> None:
+        print(f"ggufpipe: {text}", file=self.err, flush=True)
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every error is an OpenAI error body; the API key is checked first."""
+        try:
+            if request.path.startswith("/v1/") and self.api_key:
+                given = request.headers.get("Authorization", "")
+                expected = f"Bearer {self.api_key}"
+                # A header of bytes that are not UTF-8 arrives with surrogates in it.
+                if not hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode()):
+                    problem = "a missing" if not given else "an invalid"
+                    message = f"{problem} API key (Authorization: Bearer KEY)"
+                    raise api.ApiError(401, message, code="invalid_api_key")
+            return await handler(request)
+        except api.ApiError as error:
+            self._log_refusal(request, error.status, error.message)
+            return web.json_response(error.body(), status=error.status)
+        except web.HTTPException as error:  # the router's 404 and 405, a body over the size limit
+            if error.status < 400:
+                raise
+            kind = "not_found_error" if error.status == 404 else "invalid_request_error"
+            message = f"{request.method} {request.path}: {error.reason}"
+            self._log_refusal(request, error.status, error.reason)
+            return web.json_response(api.error_body(message, kind), status=error.status)
+        except Exception as error:  # a bug of ours: this request fails, the server goes on
+            self.log(f"internal error on {request.method} {request.path}: {type(error).__name__}: {error}")
+            body = api.error_body(f"internal error: {type(error).__name__}", "server_error")
+            return web.json_response(body, status=500)
+
+    def _log_refusal(self, request: web.Request, status: int, why: str) -> None:
+        self.log(f"{request.remote} {request.method} {request.path} {status}: {why}")
+
+    def _log_exchange(self, exchange: Exchange) -> None:
+        took = time.perf_counter() - exchange.arrived
+        line = (
+            f"{exchange.peer} {exchange.method} {exchange.path} {exchange.status} · "
+            f"prompt {exchange.prompt_tokens} tokens · completion {exchange.completion_tokens} tokens · "
+            f"queued {exchange.queued_s:.2f} s"
+        )
+        result = exchange.result
+        if result is not None and result.prompt_reused:
+            line += f" · {reuse_line(result)}"
+        if result is not None and result.tokens:
+            line += (
+                f" · first token {result.timings.ttft_ms:.0f} ms · prefill {result.timings.prefill_ms:.0f} ms"
+                f" · {result.timings.decode_tokens_per_s:.1f} tok/s"
+            )
+        line += f" · {took:.2f} s"
+        if exchange.run_id:
+            line += f" · run {exchange.run_id:016x}"
+        if exchange.detail:
+            line += f" · {exchange.detail}"
+        self.log(line)
+
+    # ----------------------------------------------------------- endpoints
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.ready and not self.pipeline.queue.stopped and not self.closing:
+            # requests: being answered or waiting (a load balancer's measure
+            # of how busy this pipeline is); past queue + 1 the next is a 503.
+            return web.json_response({"status": "ok", "requests": self.admitted, "queue": self.queue})
+        status = "loading" if not self.ready else "unavailable"
+        return web.json_response(api.error_body(f"the pipeline is {status}", "unavailable_error"), status=503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        facts = self.pipeline.facts
+        meta: dict[str, Any] = {"stages": len(self.inventory.stages)}
+        if facts is not None:
+            meta |= {"architecture": facts.architecture, "name": facts.stem, "layers": facts.block_count}
+        entry = {"id": self.model, "object": "model", "created": self.created, "owned_by": "ggufpipe"}
+        entry["meta"] = meta
+        return web.json_response({"object": "list", "data": [entry]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, api.parse_chat(await self._body(request)))
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, api.parse_completion(await self._body(request)))
+
+    async def _body(self, request: web.Request) -> object:
+        try:
+            raw = await asyncio.wait_for(request.read(), BODY_SECONDS)
+        except asyncio.TimeoutError:
+            raise api.ApiError(408, f"the request body took more than {BODY_SECONDS:g} s to arrive") from None
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+            raise api.ApiError(400, f"the request body is not JSON: {error}") from None
+
+    # ---------------------------------------------------------- completions
+
+    async def _complete(self, request: web.Request, parsed: api.Request) -> web.StreamResponse:
+        if self.closing or self.pipeline.queue.stopped:
+            raise api.ApiError(503, "the server is shutting down", "unavailable_error")
+        if self.admitted > self.queue:
+            raise api.ApiError(
+                503, f"the queue is full ({self.queue} requests wait): try again later", "unavailable_error"
+            )
+        exchange = Exchange(request.method, request.path, str(request.remote), time.perf_counter())
+        exchange.ident, exchange.created = api.new_id(parsed.chat), int(time.time())
+        prompt = Prompt(
+            text=parsed.shown,
+            tokens=parsed.tokens,
+            chat=parsed.chat,
+            messages=parsed.messages,
+            options=parsed.options,
+            # An explicit max_tokens that cannot fit is an error, as OpenAI says;
+            # without one, the reply takes the room the context has left.
+            overflow=REFUSE if parsed.options.max_tokens is not None else SHORTEN,
+        )
+        handle = self.pipeline.submit(prompt, stream=True)
+        self.admitted += 1
+        self.handles.add(handle)
+        try:
+            return await self._answer(request, parsed, handle, exchange)
+        except asyncio.CancelledError:  # aiohttp cancels the handler of a client that went away
+            exchange.status, exchange.detail = 499, "the client went away: run stopped"
+            raise
+        except api.ApiError as error:
+            exchange.status, exchange.detail = error.status, error.message
+            raise
+        finally:
+            if not handle.done:
+                handle.stop("the client went away")
+            self.handles.discard(handle)
+            self.admitted -= 1
+            self._log_exchange(exchange)
+
+    async def _answer(
+        self, request: web.Request, parsed: api.Request, handle: RunHandle, exchange: Exchange
+    ) -> web.StreamResponse:
+        events = handle.events()
+        first = await anext(events, None)  # PromptAssigned, or the end of a prompt that never ran
+        if first is None:
+            raise await self._not_run(handle, parsed)
+        assert isinstance(first, PromptAssigned)
+        exchange.queued_s = time.perf_counter() - exchange.arrived
+        exchange.run_id = first.run_id
+        run = {"X-Ggufpipe-Run": f"{first.run_id:016x}"}  # names the run's event log
+        ident, created = exchange.ident, exchange.created
+        response: web.StreamResponse | None = None
+        try:
+            if parsed.stream:
+                response = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **run}
+                )
+                await response.prepare(request)
+                if parsed.chat:
+                    await self._send(response, api.chunk(parsed, ident, created, self.model, role=True))
+            return await self._follow(parsed, handle, exchange, events, response, run)
+        except ConnectionError:  # a write to a client that went away
+            handle.stop("the client went away")
+            exchange.status, exchange.detail = 499, "the client went away: run stopped"
+            return response if response is not None else web.Response(status=499)
+
+    async def _follow(
+        self,
+        parsed: api.Request,
+        handle: RunHandle,
+        exchange: Exchange,
+        events: AsyncIterator[Event],
+        response: web.StreamResponse | None,
+        run: dict[str, str],
+    ) -> web.StreamResponse:
+        """The run's text to the client (as it streams, or whole at the end)."""
+        ident, created = exchange.ident, exchange.created
+        scanner = api.StopScanner(parsed.stop)
+        parts: list[str] = []
+        counted = 0
+        async for event in events:
+            if isinstance(event, TokenStreamed) and not scanner.stopped:
+                counted += event.sequence >= 0
+                text = scanner.feed(event.text)
+                if scanner.stopped:
+                    handle.stop(f"stop string {scanner.stopped!r}")
+                if text and response is not None:
+                    await self._send(response, api.chunk(parsed, ident, created, self.model, text))
+                elif text:
+                    parts.append(text)
+            elif isinstance(event, RunFinished):
+                break
+        result = await handle.result()
+        exchange.result = result
+        exchange.prompt_tokens, exchange.completion_tokens = len(result.prompt_tokens), counted
+        tail = scanner.flush()
+        counts = api.usage(len(result.prompt_tokens), counted, result.prompt_reused)
+        finish = "stop" if scanner.stopped else STOP_WORDS.get(result.stop_reason, "length")
+        spent = result.timings
+        measured = api.timings(
+            len(result.prompt_tokens), spent.prefill_ms, counted, spent.decode_ms, result.prompt_reused
+        )
+        if result.outcome == "faulted":
+            exchange.status, exchange.detail = 500, f"faulted: {result.failure}"
+            error = api.ApiError(500, f"the pipeline faulted: {result.failure}", "server_error")
+            if response is None:
+                raise error
+            await self._send(response, error.body())
+            await self._done(response)
+            return response
+        if response is None:
+            body = api.answer(parsed, ident, created, self.model, "".join(parts) + tail, finish, counts)
+            body["timings"] = measured
+            return web.json_response(body, headers=run)
+        if tail:
+            await self._send(response, api.chunk(parsed, ident, created, self.model, tail))
+        last = api.chunk(parsed, ident, created, self.model, finish=finish)
+        if parsed.include_usage:
+            await self._send(response, last)
+            last = api.usage_chunk(parsed, ident, created, self.model, counts)
+        last["timings"] = measured
+        await self._send(response, last)
+        await self._done(response)
+        return response
+
+    async def _not_run(self, handle: RunHandle, parsed: api.Request) -> api.ApiError:
+        """Why a prompt never ran, as the answer says it."""
+        try:
+            await handle.result()
+        except ContextOverflow as overflow:
+            asked = overflow.max_tokens if parsed.options.max_tokens is not None else 0
+            what = "messages" if parsed.chat else "prompt"
+            message = (
+                f"This model's maximum context length is {overflow.context} tokens. However, you "
+                f"requested {overflow.prompt_tokens + asked} tokens ({overflow.prompt_tokens} in the "
+                f"{what}, {asked} in the completion). Please reduce the length of the {what} or completion."
+            )
+            return api.ApiError(400, message, param=what, code="context_length_exceeded")
+        except PipelineError as error:
+            if self.closing or self.pipeline.queue.stopped:
+                return api.ApiError(503, str(error), "unavailable_error")
+            return api.ApiError(400, str(error))  # e.g. the chat template refused the messages
+        return api.ApiError(500, "the run ended before it started", "server_error")
+
+    async def _send(self, response: web.StreamResponse, data: dict[str, Any]) -> None:
+        await response.write(f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
+
+    async def _done(self, response: web.StreamResponse) -> None:
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+
+    # ------------------------------------------------------------- shutdown
+
+    async def drain(self) -> None:
+        """Answer what waits with a 503; give the running request its grace, then stop it."""
+        self.closing = True
+        for handle in list(self.handles):
+            if not handle.started:
+                handle.stop("the server is shutting down")
+        running = [handle for handle in self.handles if handle.started and not handle.done]
+        if running:
+            self.log(f"finishing the running request (at most {SHUTDOWN_GRACE:g} s)")
+            waits = [asyncio.ensure_future(handle.result()) for handle in running]
+            _, late = await asyncio.wait(waits, timeout=SHUTDOWN_GRACE)
+            for handle in running:
+                if not handle.done:
+                    handle.stop("the server is shutting down")
+            if late:  # stopped: wait for it to end, then give up on it
+                await asyncio.wait(late, timeout=SHUTDOWN_GRACE)
+            for wait in waits:
+                wait.cancel()
