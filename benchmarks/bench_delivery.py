@@ -67,7 +67,7 @@ def write_big_model(path: Path, total_bytes: int) -> Path:
     import gguf
     import numpy as np
 
-    from tests.synthetic import MERGES, vocabulary
+    from tests.support.synthetic import MERGES, vocabulary
 
     per_block = total_bytes // (BLOCKS + 1)
     rows = max(1, per_block // (HIDDEN * 2))
@@ -380,7 +380,7 @@ def main() -> int:
         return 0
 
     from ggufpipe_agent.stagefiles.stream import open_stage_stream
-    from tests.sshd import Sshd
+    from tests.support.sshd import Sshd
 
     work = Path(tempfile.mkdtemp(prefix="bench-delivery-", dir=args.work))
     server = None

@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ggufpipe_agent.wire.protocol import EngineOptions  # noqa: E402
-from tests.chain import Chain  # noqa: E402
-from tests.conftest import LONG_PROMPT, smollm_path  # noqa: E402
+from tests.support.common import LONG_PROMPT, smollm_path  # noqa: E402
+from tests.support.stage_chain import Chain  # noqa: E402
 
 CONFIGS = {
     "whole model (1 context)": [(0, 30)],

@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))
 from ggufpipe_tui.core.events import Event, StageStats  # noqa: E402
 from ggufpipe_tui.core.inventory import parse_inventory, with_run_options  # noqa: E402
 from ggufpipe_tui.session.pipeline import Pipeline  # noqa: E402
-from tests.conftest import LONG_PROMPT, smollm_path  # noqa: E402
+from tests.support.common import LONG_PROMPT, smollm_path  # noqa: E402
 
 CONTEXT = 2048
 FIRST = 600  # first turn's prompt tokens

@@ -55,8 +55,8 @@ from ggufpipe_agent.llama.engine import StageEngine, StageShape  # noqa: E402
 from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams  # noqa: E402
 from ggufpipe_tui.core.inventory import Inventory, parse_inventory, with_run_options  # noqa: E402
 from ggufpipe_tui.session.pipeline import Pipeline  # noqa: E402
-from tests.chain import even_splits  # noqa: E402
-from tests.conftest import LONG_PROMPT, smollm_path  # noqa: E402
+from tests.support.common import LONG_PROMPT, smollm_path  # noqa: E402
+from tests.support.stage_chain import even_splits  # noqa: E402
 
 CONTEXT = 1024
 UBATCH = 512
@@ -164,7 +164,7 @@ class Hosts:
         self.stage_hosts: dict[str, list[str]] = {"local": ["here"] * STAGES, "local-shared": ["here"] * STAGES}
         if not ssh:
             return
-        from tests.sshd import Sshd, sshd_missing
+        from tests.support.sshd import Sshd, sshd_missing
 
         missing = sshd_missing()
         if missing:

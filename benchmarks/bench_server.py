@@ -44,7 +44,7 @@ import llama_cpp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import smollm_path  # noqa: E402
+from tests.support.common import smollm_path  # noqa: E402
 
 QUESTIONS = [
     "Why is the sky blue?",

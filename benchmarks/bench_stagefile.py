@@ -40,8 +40,8 @@ from ggufpipe_agent.gguf.files import read_model_files  # noqa: E402
 from ggufpipe_agent.stagefiles.digest import ALGORITHM, FileDigest  # noqa: E402
 from ggufpipe_agent.stagefiles.stream import open_stage_stream  # noqa: E402
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file  # noqa: E402
-from tests.conftest import smollm_path  # noqa: E402
-from tests.reference_stagefile import write_reference_stage_file  # noqa: E402
+from tests.support.common import smollm_path  # noqa: E402
+from tests.support.reference_stagefile import write_reference_stage_file  # noqa: E402
 
 
 def gemma_path(work: Path) -> Path:

@@ -35,7 +35,7 @@ from ggufpipe_agent import aio  # noqa: E402
 from ggufpipe_tui.core.events import RunResult  # noqa: E402
 from ggufpipe_tui.core.inventory import Inventory, parse_inventory, with_run_options  # noqa: E402
 from ggufpipe_tui.session.pipeline import Pipeline  # noqa: E402
-from tests.conftest import smollm_path  # noqa: E402
+from tests.support.common import smollm_path  # noqa: E402
 
 PROMPT = "Count slowly from one to one thousand, one number per line."
 
@@ -82,7 +82,7 @@ async def headless(inv: Inventory, log_dir: str) -> tuple[RunResult, float, floa
 
 async def tui(inv: Inventory, log_dir: str) -> tuple[RunResult, float, float]:
     from ggufpipe_tui.views.app import GgufpipeApp
-    from tests.test_app import ready_for_prompt, wait_for
+    from tests.support.app import ready_for_prompt, wait_for
 
     app = GgufpipeApp(inv, log_dir=log_dir)
 
@@ -109,7 +109,7 @@ async def synthetic(rate: float, seconds: float) -> tuple[float, int]:
     from ggufpipe_agent.wire.protocol import StepCounters
     from ggufpipe_tui.core.events import StageStats, TokenStreamed
     from ggufpipe_tui.views.app import GgufpipeApp
-    from tests.test_app_snapshots import RUN_ID, inventory, running
+    from tests.support.app import RUN_ID, inventory, running
 
     inv = inventory()
     app = GgufpipeApp(inv, script=running(inv))

@@ -25,14 +25,14 @@ import llama_cpp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import tests.synthetic as synthetic  # noqa: E402
+import tests.support.synthetic as synthetic  # noqa: E402
 from ggufpipe_agent.gguf.facts import read_model_facts  # noqa: E402
 from ggufpipe_agent.gguf.memory import MIB, estimate_stage, memory_facts_of  # noqa: E402
 from ggufpipe_tui.core.inventory import RunOptions  # noqa: E402
 from ggufpipe_tui.core.plan import engine_options  # noqa: E402
-from tests.chain import even_splits  # noqa: E402
-from tests.conftest import REPO, smollm_path  # noqa: E402
-from tests.llama_buffers import load_and_report, resident_anonymous  # noqa: E402
+from tests.support.common import REPO, smollm_path  # noqa: E402
+from tests.support.llama_buffers import load_and_report, resident_anonymous  # noqa: E402
+from tests.support.stage_chain import even_splits  # noqa: E402
 
 GEMMA = REPO / "models" / "gemma-3-270m-q4_k_m.gguf"
 #: (name, architecture, hidden, heads, kv heads, feed-forward): which phase peaks.

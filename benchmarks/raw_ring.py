@@ -180,8 +180,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from tests.chain import even_splits
-    from tests.conftest import smollm_path
+    from tests.support.common import smollm_path
+    from tests.support.stage_chain import even_splits
 
     model = smollm_path()
     ring = RawRing(model, even_splits(30, args.stages))

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from ggufpipe_tui.core.inventory import parse_inventory  # noqa: E402
 from ggufpipe_tui.session.pipeline import Pipeline  # noqa: E402
-from tests.conftest import smollm_path  # noqa: E402
+from tests.support.common import smollm_path  # noqa: E402
 
 RANGES = ((0, 10), (10, 20), (20, 30))
 MAX_TOKENS = 4
@@ -213,7 +213,7 @@ async def main_async(args: argparse.Namespace) -> int:
         text = inventory_text(model, hosts, ("here", "here", "here"), work)
         phases.append(await soak("local", text, args.local, args.every, work))
     if args.ssh:
-        from tests.sshd import Sshd, sshd_missing
+        from tests.support.sshd import Sshd, sshd_missing
 
         missing = sshd_missing()
         if missing:

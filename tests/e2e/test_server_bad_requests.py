@@ -1,0 +1,185 @@
+"""One bad request must not wedge or end the server (issue 26).
+
+Each case is sent to a real ``--serve`` process (three local stages, real
+llama.cpp) as an outside client would send it: the request gets a 4xx, and
+afterwards the server answers a normal request with the same text as before,
+``/health`` says ok, and the same agent processes are still there."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.common import agent_pids, wait_no_new_agents
+from tests.support.local import UNEVEN, run_cli, write_inventory
+from tests.support.served import KEY, Served, raw, start_server
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+NORMAL = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[tuple[Served, str, set[int]]]:
+    before = agent_pids()
+    served = start_server(tmp_path_factory.mktemp("server-bad"), model_path)
+    try:
+        status, body = raw(served, "POST", "/v1/completions", json=NORMAL)
+        assert status == 200, body
+        yield served, body["choices"][0]["text"], agent_pids() - before  # type: ignore[index]
+    finally:
+        code = served.stop()
+        left = wait_no_new_agents(before)
+    assert code == 0, "".join(served.lines)
+    assert not left, f"agents left behind: {sorted(left)}"
+
+
+def still_serving(served: Served, text: str, agents: set[int]) -> None:
+    assert served.process.poll() is None, "".join(served.lines)
+    status, body = raw(served, "GET", "/health", key=None)
+    assert status == 200 and body["status"] == "ok", body
+    status, body = raw(served, "POST", "/v1/completions", json=NORMAL)
+    assert status == 200, body
+    assert body["choices"][0]["text"] == text  # type: ignore[index]
+    assert agents <= agent_pids(), "a stage's agent died"
+
+
+def post_bytes(served: Served, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    return raw(served, "POST", path, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "x \udfff y", "max_tokens": 4}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a \ud800 b"}]}, "messages[0].content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["\udc00"]}, "stop"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400(server, path: str, body: dict, param: str) -> None:
+    served, text, agents = server
+    status, answer = post_bytes(served, path, json.dumps(body).encode())  # ensure_ascii: "\udfff" escapes
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and "lone surrogate" in answer["error"]["message"], answer
+    still_serving(served, text, agents)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", "NaN"), ("temperature", "Infinity"), ("top_p", "NaN"), ("top_k", "2147483648"),
+     ("seed", "9223372036854775808")],
+)
+def test_a_sampling_value_a_stage_would_refuse_is_a_400(server, field: str, value: str) -> None:
+    served, text, agents = server
+    body = f'{{"prompt": "x", "max_tokens": 2, "{field}": {value}}}'.encode()
+    status, answer = post_bytes(served, "/v1/completions", body)
+    assert status == 400 and answer["error"]["param"] == field, answer
+    still_serving(served, text, agents)
+
+
+def test_a_large_chat_body_is_a_400_not_a_fault(server) -> None:
+    served, text, agents = server
+    words = "a " * (4 * 1024 * 1024 - 64)  # ~8 MB, accepted by the HTTP layer, millions of tokens
+    body = json.dumps({"messages": [{"role": "user", "content": words}], "max_tokens": 4}).encode()
+    assert len(body) < 8 * 1024 * 1024
+    status, answer = post_bytes(served, "/v1/chat/completions", body)
+    assert status == 400, answer
+    assert "tokens" in answer["error"]["message"], answer
+    still_serving(served, text, agents)
+
+
+def test_a_deeply_nested_body_is_a_400(server) -> None:
+    served, text, agents = server
+    status, answer = post_bytes(served, "/v1/completions", b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400, answer
+    still_serving(served, text, agents)
+
+
+def test_an_authorization_header_that_is_not_utf8_is_a_401(server) -> None:
+    served, text, agents = server
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer \xff\xfe\xfd\r\nContent-Length: 13\r\nConnection: close\r\n\r\n"
+        b'{"prompt":""}'
+    )
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:
+        sock.sendall(request)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401"), reply[:300]
+    assert json.loads(payload)["error"]["code"] == "invalid_api_key"
+    assert b"Traceback" not in reply
+    still_serving(served, text, agents)
+
+
+def test_idle_connections_are_closed(server) -> None:
+    from ggufpipe_tui.server.http import IDLE_SECONDS
+
+    served, text, agents = server
+    silent = [socket.create_connection(("127.0.0.1", served.port), timeout=5) for _ in range(64)]
+    slow = socket.create_connection(("127.0.0.1", served.port), timeout=5)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+    try:
+        still_serving(served, text, agents)  # served meanwhile
+        deadline = time.monotonic() + IDLE_SECONDS + 10
+        for sock in [*silent, slow]:
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            assert sock.recv(1024) == b"", "the server closes an idle connection"
+    finally:
+        for sock in [*silent, slow]:
+            sock.close()
+    still_serving(served, text, agents)
+
+
+def test_headless_refuses_a_prompt_that_is_not_utf8(tmp_path: Path, model_path: Path) -> None:
+    inventory = write_inventory(tmp_path, model_path, UNEVEN)
+    import subprocess
+    import sys
+
+    from tests.support.common import REPO
+
+    done = subprocess.run(
+        [sys.executable.encode(), b"-m", b"ggufpipe_tui.cli", str(inventory).encode(), b"--prompt", b"bad \xff\xfe bytes"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == "ggufpipe: error: --prompt: byte 0xff at character 4 is not UTF-8", done.stderr
+    (tmp_path / "bad.txt").write_bytes(b"bad \xff bytes")
+    done = run_cli(str(inventory), "--prompt-file", str(tmp_path / "bad.txt"))
+    assert done.returncode == 2 and done.stderr.strip().endswith("is not UTF-8 (byte 4)"), done.stderr
+    done = run_cli(str(inventory), "--prompt-file", str(tmp_path / "missing.txt"))
+    assert done.returncode == 2 and "--prompt-file" in done.stderr and "cannot read" in done.stderr, done.stderr
+
+
+def test_a_prompt_from_stdin_or_a_file_runs_like_prompt(tmp_path: Path, model_path: Path, no_agent_left) -> None:
+    import subprocess
+    import sys
+
+    from tests.support.common import REPO
+
+    inventory = write_inventory(tmp_path, model_path, UNEVEN, "max_tokens: 6, chat: false")
+    prompt = "Secret plans for the weekend:"
+    given = run_cli(str(inventory), "--prompt", prompt, "--json", "-q")
+    assert given.returncode == 0, given.stderr
+    (tmp_path / "prompt.txt").write_text(prompt)
+    from_file = run_cli(str(inventory), "--prompt-file", str(tmp_path / "prompt.txt"), "--json", "-q")
+    from_stdin = subprocess.run(
+        [sys.executable, "-m", "ggufpipe_tui.cli", str(inventory), "--prompt", "-", "--json", "-q"],
+        input=prompt, capture_output=True, text=True, timeout=180, cwd=REPO,
+    )
+    for done in (from_file, from_stdin):
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["tokens"] == json.loads(given.stdout)["tokens"]
+
+
+def test_the_key_still_guards_the_api(server) -> None:
+    served, _, _ = server
+    assert raw(served, "POST", "/v1/completions", key="wrong", json=NORMAL)[0] == 401
+    assert raw(served, "POST", "/v1/completions", key=KEY, json=NORMAL)[0] == 200

@@ -1,0 +1,74 @@
+"""Fault injection for the fault tests: an event consumer that acts (sends a
+signal to a stage's agent, ...) when an event first matches, and one run
+driven with it. The agents are processes on this machine, local or behind
+the loopback sshd alike."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ggufpipe_tui.core.events import AgentLog, RunPhaseChanged, StageStateChanged, TokenStreamed
+from ggufpipe_tui.core.inventory import load_inventory
+from ggufpipe_tui.session.pipeline import Pipeline
+from tests.support.common import LONG_PROMPT
+
+
+class Saboteur:
+    """Consumes the pipeline's events and, when ``when(event)`` first holds,
+    does ``act(pipeline)`` (in the event loop, between two events)."""
+
+    def __init__(self, when: Callable[[Any], bool], act: Callable[[Pipeline], None]) -> None:
+        self.when, self.act = when, act
+        self.pipeline: Pipeline | None = None
+        self.events: list[Any] = []
+        self.fired = False
+        self.close_seconds = 0.0  # how long Pipeline.close() took
+
+    def __call__(self, event: Any) -> None:
+        self.events.append(event)
+        if not self.fired and self.pipeline is not None and self.when(event):
+            self.fired = True
+            self.act(self.pipeline)
+
+    def phases(self) -> list[str]:
+        return [e.phase for e in self.events if isinstance(e, RunPhaseChanged)]
+
+    def logged(self, stage: int) -> list[str]:
+        return [e.line for e in self.events if isinstance(e, AgentLog) and e.stage == stage]
+
+    def stopped(self) -> set[int]:
+        """Stages whose agent went through Stopping to Stopped (StopRun honoured)."""
+        return {e.stage for e in self.events if isinstance(e, StageStateChanged) and e.state == "Stopped"}
+
+
+def signal_agent(stage: int, sig: int) -> Callable[[Pipeline], None]:
+    def act(pipeline: Pipeline) -> None:
+        hello = pipeline.links[stage].hello
+        assert hello is not None
+        os.kill(hello.pid, sig)  # the "host" is this machine
+
+    return act
+
+
+def on_state(stage: int, state: str) -> Callable[[Any], bool]:
+    return lambda e: isinstance(e, StageStateChanged) and e.stage == stage and e.state == state
+
+
+def on_token(sequence: int) -> Callable[[Any], bool]:
+    return lambda e: isinstance(e, TokenStreamed) and e.sequence == sequence
+
+
+async def run_with(saboteur: Saboteur, inventory: Path, prompt: str = LONG_PROMPT):
+    pipeline = Pipeline(load_inventory(inventory), saboteur)
+    saboteur.pipeline = pipeline
+    try:
+        await pipeline.start()
+        return await pipeline.generate(prompt)
+    finally:
+        closing = time.monotonic()
+        await pipeline.close()
+        saboteur.close_seconds = time.monotonic() - closing

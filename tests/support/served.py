@@ -1,0 +1,107 @@
+"""A real ggufpipe-tui --serve process on a local inventory, and plain HTTP to it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import openai
+
+from tests.support.common import REPO
+from tests.support.local import UNEVEN, write_inventory
+
+KEY = "sk-test-ggufpipe"
+
+
+START_TIMEOUT = 180.0
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen[str]
+    port: int
+    log_dir: Path
+    inventory: Path
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+    def wait_line(self, predicate: Callable[[str], bool], timeout: float, what: str) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if predicate(line):
+                    return line
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line for {what} in {timeout:g}s; stderr:\n" + "".join(self.lines))
+
+    def run_log(self, run_id: str) -> list[dict[str, object]]:
+        (path,) = self.log_dir.glob(f"*-{run_id}.jsonl")
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+
+def raw(
+    served: Served, method: str, path: str, key: str | None = KEY, **options: object
+) -> tuple[int, dict[str, object]]:
+    """One plain HTTP request: its status and JSON body."""
+
+    async def main() -> tuple[int, dict[str, object]]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with (
+            aiohttp.ClientSession(headers=headers) as http,
+            http.request(method, served.url + path, **options) as response,  # type: ignore[arg-type]
+        ):
+            return response.status, await response.json(content_type=None)
+
+    return asyncio.run(main())
+
+
+def start_server(tmp_path: Path, model_path: Path, *args: str, key: str = KEY) -> Served:
+    inventory = write_inventory(tmp_path, model_path, UNEVEN)
+    log_dir = tmp_path / "runs"
+    env = dict(os.environ, GGUFPIPE_API_KEY=key)
+    command = [sys.executable, "-m", "ggufpipe_tui.cli", str(inventory), "--serve", "127.0.0.1:0"]
+    process = subprocess.Popen(
+        [*command, "--log-dir", str(log_dir), *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    served = Served(process, 0, log_dir, inventory)
+
+    def read() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            served.lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    listening = served.wait_line(lambda line: "listening on http://" in line, 60, "the listening line")
+    served.port = int(re.search(r"127\.0\.0\.1:(\d+)/v1", listening).group(1))  # type: ignore[union-attr]
+    served.wait_line(lambda line: line.startswith("ggufpipe: ready:"), START_TIMEOUT, "the stages to load")
+    return served

@@ -1,0 +1,76 @@
+"""Host entries and inventories for the loopback sshd, and the agents its sessions started."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.support.common import DATA_MODES
+from tests.support.sshd import Sshd
+
+AGENT = f"{sys.executable} -m ggufpipe_agent"  # sshd passes none of our environment
+
+
+def host_entry(sshd: Sshd, cache: Path, **overrides: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "address": "127.0.0.1",
+        "port": sshd.port,
+        "user": sshd.user,
+        "identity": str(sshd.client_key),
+        "known_hosts": str(sshd.known_hosts),
+        "agent": AGENT,
+        "cache_dir": str(cache),
+        "threads": 1,  # one thread per stage keeps these tests light on a shared 2-core machine
+    }
+    entry.update(overrides)
+    return {key: value for key, value in entry.items() if value is not None}
+
+
+def write_inventory(
+    path: Path,
+    model_path: Path,
+    hosts: dict[str, dict[str, Any]],
+    stages: list[tuple[str, list[int]]],
+    connect: float = 20,
+    mode: str = "",
+    **run: Any,
+) -> Path:
+    """``mode``: one of tests.conftest.DATA_MODES ("" leaves both to the defaults)."""
+    document: dict[str, Any] = {
+        "model": {"path": str(model_path)},
+        "hosts": hosts,
+        "stages": [{"host": host, "layers": layers} for host, layers in stages],
+        "run": {"context": 512, "ubatch": 32, "chat": False, **run},
+        "timeouts": {"connect": connect, "ready": 120, "step": 30, "teardown": 10},
+    }
+    if mode:
+        document["data"] = DATA_MODES[mode]["data"]
+        document["run"]["feedback"] = DATA_MODES[mode]["feedback"]
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+def wait_no_session_agents(sshd: Sshd, timeout: float) -> dict[int, str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = sshd.session_agents()
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def wait_session_agents(sshd: Sshd, agents: int, bridges: int, timeout: float = 15) -> tuple[int, int]:
+    """How many agents and data bridges run under sshd, once there are as many
+    as expected (a bridge may still be in the login shell's startup files
+    when the pipeline already runs)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [line for line in sshd.session_agents().values() if not line.startswith(("bash", "sh "))]
+        found = (sum(" bridge " not in line for line in running), sum(" bridge " in line for line in running))
+        if found == (agents, bridges) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
