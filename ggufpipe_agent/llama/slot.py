@@ -19,7 +19,10 @@ class EngineSlot:
     the worker thread only.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, build: Callable[..., StageEngine] = StageEngine) -> None:
+        """``build(path, shape, options, progress)`` loads an engine (a test
+        passes a stand-in for llama.cpp)."""
+        self.build = build
         self.key: tuple[Any, ...] | None = None
         self.engine: StageEngine | None = None
         self.written_by = 0  # the run whose positions the KV cache holds; 0: none to trust
@@ -33,7 +36,7 @@ class EngineSlot:
         if self.key == key and self.engine is not None:
             return self.engine, False  # loaded by an earlier run: nothing to load, nothing to report
         self.close()
-        self.engine = StageEngine(str(path), shape, options, progress)
+        self.engine = self.build(str(path), shape, options, progress)
         self.key = key
         return self.engine, True
 

@@ -1,6 +1,11 @@
 """Spec §10: every rejection a stage owes, driven by a test client speaking the
-protocol to a real agent process. Each is a Refused message or a StageFault,
-logged, never a crash: the agent answers the next request and exits cleanly."""
+protocol to the agent's own runtime and control session, in this process,
+with llama.cpp replaced by a fake engine (tests/support/inprocess_agent.py).
+Each is a Refused message or a StageFault, logged, never a crash: the agent
+answers the next request and its session ends cleanly.
+
+None of these refusals depends on what llama.cpp computes, so none needs the
+real model: they were tests/model/test_agent_rejections.py's (issue 27)."""
 
 from __future__ import annotations
 
@@ -15,12 +20,14 @@ from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
 from ggufpipe_agent.wire.protocol import (
     CONTROL_MAGIC,
+    Inspect,
     LinkAttach,
     LinkCredentials,
     LinkDown,
     LinkEdge,
     LinkListen,
     LinkListening,
+    ModelInfo,
     ObjectSpec,
     OpenEdge,
     PrefixOffer,
@@ -31,26 +38,45 @@ from ggufpipe_agent.wire.protocol import (
     StageReady,
     StageStopped,
     StopRun,
-    Tokenize,
-    Tokenized,
     TokenRingProvision,
 )
-from tests.support.agent_client import AgentClient, provision
+from tests.support.agent_client import AgentClient
+from tests.support.inprocess_agent import (
+    BLOCKS,
+    HIDDEN,
+    FakeEngine,
+    InProcessAgent,
+    provision,
+    write_tiny_model,
+)
 
-pytestmark = pytest.mark.model
+#: The middle of the synthetic model: stage 1 of 2.
+SECOND_HALF = (3, BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+def no_crash(caplog: pytest.LogCaptureFixture) -> None:
+    """What an agent process would print as a traceback on stderr: a logged
+    exception (a failed task, a handler that raised)."""
+    crashed = [record for record in caplog.records if record.exc_info]
+    assert not crashed, [caplog.handler.format(record) for record in crashed]
 
 
 @pytest.fixture
-async def agent(no_agent_left):
-    client = AgentClient()
+async def agent(tmp_path, caplog):
+    client = InProcessAgent(tmp_path / "stages")
     await client.start()
     await client.attach_data()
     yield client
-    assert await client.close() == 0
-    assert b"Traceback" not in client.stderr, client.stderr.decode()
+    assert await client.close() == "the orchestrator closed the control stream"
+    no_crash(caplog)
 
 
-async def ready_run(agent: AgentClient, model_path, run_id: int, **kwargs):
+async def ready_run(agent: InProcessAgent, model_path, run_id: int, **kwargs):
     message = provision(run_id, str(model_path), **kwargs)
     await agent.send(message)
     await agent.open_edges(message)
@@ -58,49 +84,50 @@ async def ready_run(agent: AgentClient, model_path, run_id: int, **kwargs):
     return message
 
 
-async def still_answers(agent: AgentClient, model_path) -> None:
-    await agent.send(Tokenize(1, str(model_path), "still there?", False))
-    assert (await agent.expect(Tokenized)).tokens
+async def still_answers(agent: InProcessAgent, model_path) -> None:
+    await agent.send(Inspect(1, str(model_path), False))
+    assert (await agent.expect(ModelInfo)).facts.block_count == BLOCKS
 
 
-async def test_unknown_run_id(agent, model_path):
+async def test_unknown_run_id(agent, tiny_model):
     await agent.send(StopRun(0xDEAD, "x"))
     refused = await agent.expect(Refused)
     assert refused.what == "StopRun" and "unknown run id" in refused.reason
     await agent.send_data(objects.tokens_record(0xBEEF, 100, 0, [1, 2]))
     refused = await agent.expect(Refused)
     assert refused.what == "object" and "unknown run id 000000000000beef" in refused.reason
-    await still_answers(agent, model_path)
+    await still_answers(agent, tiny_model)
 
 
-async def test_stale_run_id(agent, model_path):
-    await ready_run(agent, model_path, 11)
+async def test_stale_run_id(agent, tiny_model):
+    await ready_run(agent, tiny_model, 11)
     await agent.send(StopRun(11, "done"))
     await agent.expect(StageStopped)
-    await agent.send(provision(11, str(model_path)))
+    await agent.send(provision(11, str(tiny_model)))
     assert "stale run id" in (await agent.expect(Refused)).reason
     await agent.send_data(objects.tokens_record(11, 100, 0, [1]))
     assert "stale run id" in (await agent.expect(Refused)).reason
     await agent.send(StopRun(11, "again"))  # a retried teardown is answered again
     assert (await agent.expect(StageStopped)).run_id == 11
     # A new run id is accepted, and the loaded stage is reused.
-    await ready_run(agent, model_path, 12)
+    await ready_run(agent, tiny_model, 12)
+    assert len(agent.engines.loaded) == 1
 
 
-async def test_duplicate_provisioning_of_an_active_run(agent, model_path):
-    message = await ready_run(agent, model_path, 21)
+async def test_duplicate_provisioning_of_an_active_run(agent, tiny_model):
+    message = await ready_run(agent, tiny_model, 21)
     await agent.send(message)
     assert "already provisioned" in (await agent.expect(Refused)).reason
-    await agent.send(provision(22, str(model_path)))
+    await agent.send(provision(22, str(tiny_model)))
     assert "busy with run" in (await agent.expect(Refused)).reason
     # ...unless explicitly stopped first.
     await agent.send(StopRun(21, "stop"))
     await agent.expect(StageStopped)
-    await ready_run(agent, model_path, 22)
+    await ready_run(agent, tiny_model, 22)
 
 
-async def test_edge_ids_not_in_the_provision_message(agent, model_path):
-    message = provision(31, str(model_path))
+async def test_edge_ids_not_in_the_provision_message(agent, tiny_model):
+    message = provision(31, str(tiny_model))
     await agent.send(message)
     await agent.expect_state("Preparing")
     await agent.send_data(OpenEdge(31, 999, "inbound"))
@@ -117,12 +144,14 @@ async def test_edge_ids_not_in_the_provision_message(agent, model_path):
     await agent.send_data(objects.tokens_record(31, message.inbound.edge_id, 0, [1, 2, 3]))
     record = await FrameReader(agent.data_reader).record(1 << 20)
     assert record is not None
-    header, _ = record
+    header, payload = record
     assert header.sequence == 0 and header.edge_id == message.outbound.edge_id
+    assert objects.decode_tokens(header, payload) == [FakeEngine.TOKEN]
+    assert agent.engines.loaded[0].steps() == [("step", 3, 0)], "the refused object never reached the engine"
 
 
-async def test_link_setup_is_the_orchestrators_and_a_link_sets_up_only_consumer_ends(agent, model_path):
-    message = provision(51, str(model_path))
+async def test_link_setup_is_the_orchestrators_and_a_link_sets_up_only_consumer_ends(agent, tiny_model):
+    message = provision(51, str(tiny_model))
     await agent.send(message)
     await agent.expect_state("Preparing")
     await agent.send(LinkEdge(51, 999, "outbound"))
@@ -136,6 +165,7 @@ async def test_link_setup_is_the_orchestrators_and_a_link_sets_up_only_consumer_
     reader, writer = await asyncio.open_unix_connection(path)
     await FrameWriter(writer).send(LinkAttach("a-guess"))
     assert await reader.read() == b"", "closed without an answer"
+    writer.close()
     reader, writer = await asyncio.open_unix_connection(path)
     await FrameWriter(writer).send(LinkAttach("the-token"))
     assert await FrameReader(reader).message() == LinkAttach("the-token")
@@ -146,19 +176,20 @@ async def test_link_setup_is_the_orchestrators_and_a_link_sets_up_only_consumer_
     writer.close()
     down = await agent.expect(LinkDown)
     assert down.peer == 3 and "ended" in down.reason
-    await still_answers(agent, model_path)
+    await writer.wait_closed()
+    await still_answers(agent, tiny_model)
 
 
-async def test_rewiring_requests_are_refused(agent, model_path):
-    message = await ready_run(agent, model_path, 41)
+async def test_rewiring_requests_are_refused(agent, tiny_model):
+    message = await ready_run(agent, tiny_model, 41)
     await agent.send(RewireEdge(41, message.outbound.edge_id, "evil-peer"))
     refused = await agent.expect(Refused)
     assert refused.what == "RewireEdge" and "peer rewiring is refused" in refused.reason
-    await still_answers(agent, model_path)
+    await still_answers(agent, tiny_model)
 
 
-async def test_object_out_of_sequence(agent, model_path):
-    message = await ready_run(agent, model_path, 51)
+async def test_object_out_of_sequence(agent, tiny_model):
+    message = await ready_run(agent, tiny_model, 51)
     await agent.send_data(objects.tokens_record(51, message.inbound.edge_id, 1, [1, 2]))
     fault = await agent.expect(StageFault)
     assert "sequence violation: expected object 0, got 1" in fault.reason
@@ -167,71 +198,80 @@ async def test_object_out_of_sequence(agent, model_path):
     assert "faulted" in (await agent.expect(Refused)).reason
     await agent.send(StopRun(51, "teardown"))
     await agent.expect(StageStopped)
+    assert agent.engines.loaded[0].steps() == [], "no refused object reached the engine"
 
 
-async def test_object_larger_than_max_extent(agent, model_path):
-    message = await ready_run(agent, model_path, 61)
+async def test_object_larger_than_max_extent(agent, tiny_model):
+    message = await ready_run(agent, tiny_model, 61)
     too_many = list(range(message.inbound.object_spec.max_rows + 1))
     await agent.send_data(objects.tokens_record(61, message.inbound.edge_id, 0, too_many))
     refused = await agent.expect(Refused)
     assert refused.what == "data frame" and "exceeds the limit" in refused.reason
     fault = await agent.expect(StageFault)
     assert "malformed frame on the inbound edge" in fault.reason
-    await still_answers(agent, model_path)
+    await still_answers(agent, tiny_model)
 
 
-async def test_malformed_and_truncated_frames(agent, model_path):
-    await ready_run(agent, model_path, 71)
+async def test_malformed_and_truncated_frames(agent, tiny_model):
+    await ready_run(agent, tiny_model, 71)
     await agent.send_data(b"JUNK" + b"\x00" * 40)
     assert "bad frame magic" in (await agent.expect(Refused)).reason
     await agent.expect(StageFault)
     await agent.send(StopRun(71, "teardown"))
     await agent.expect(StageStopped)
     # A new data connection, a new run, and a frame cut short.
+    agent.data_writer.close()
     await agent.attach_data()
-    message = await ready_run(agent, model_path, 72)
+    message = await ready_run(agent, tiny_model, 72)
     record = objects.tokens_record(72, message.inbound.edge_id, 0, [1, 2, 3])
     await agent.send_data(record[:30])
     agent.data_writer.close()
     assert "truncated" in (await agent.expect(Refused)).reason
     assert "malformed frame" in (await agent.expect(StageFault)).reason
+    await agent.data_writer.wait_closed()
     agent.data_writer = None
-    await still_answers(agent, model_path)
+    await still_answers(agent, tiny_model)
 
 
-async def test_activation_shape_or_dtype_mismatch(agent, model_path):
-    message = await ready_run(agent, model_path, 81, stage_index=1, stage_count=2, layers=(15, 30))
+async def test_activation_shape_or_dtype_mismatch(agent, tiny_model):
+    message = await ready_run(agent, tiny_model, 81, stage_index=1, stage_count=2, layers=SECOND_HALF)
     head, body = objects.activation_record(
         81, message.inbound.edge_id, 0, np.zeros((2, 100), np.float32), "float32"
     )
     await agent.send_data(head + bytes(body))
-    assert "width 576" in (await agent.expect(StageFault)).reason
+    assert f"width {HIDDEN}" in (await agent.expect(StageFault)).reason
     await agent.send(StopRun(81, "x"))
     await agent.expect(StageStopped)
-    message = await ready_run(agent, model_path, 82, stage_index=1, stage_count=2, layers=(15, 30))
+    message = await ready_run(agent, tiny_model, 82, stage_index=1, stage_count=2, layers=SECOND_HALF)
     head, body = objects.activation_record(
-        82, message.inbound.edge_id, 0, np.zeros((2, 576), np.float32), "float16"
+        82, message.inbound.edge_id, 0, np.zeros((2, HIDDEN), np.float32), "float16"
     )
     await agent.send_data(head + bytes(body))
     assert "edge carries float32" in (await agent.expect(StageFault)).reason
+    assert agent.engines.loaded[0].steps() == [], "no refused object reached the engine"
 
 
-async def test_data_connection_without_the_token_is_closed(agent, model_path):
-    other = AgentClient()
+async def test_data_connection_without_the_token_is_closed(agent, tiny_model):
+    other = AgentClient()  # only its data connection: no process is started
     other.hello = agent.hello
     await other.attach_data(token="not-the-token")
     assert await asyncio.wait_for(other.data_reader.read(), 10) == b""
-    await still_answers(agent, model_path)
+    other.data_writer.close()
+    await still_answers(agent, tiny_model)
+    await other.data_writer.wait_closed()
 
 
-async def test_corrupt_control_frame_ends_the_session_cleanly(no_agent_left):
-    client = AgentClient()
+async def test_corrupt_control_frame_ends_the_session_cleanly(tmp_path, caplog):
+    """The session's half of tests/model/test_agent_rejections.py's test of
+    the same name (which checks the agent process's exit status)."""
+    client = InProcessAgent(tmp_path / "stages")
     await client.start()
     await client.send_raw(struct.pack("<4sI", CONTROL_MAGIC, 5) + b"\xc1\xc1\xc1\xc1\xc1")
     refused = await client.expect(Refused)
     assert refused.what == "control frame" and "undecodable" in refused.reason
-    assert await asyncio.wait_for(client.process.wait(), 15) == 0
+    assert (await client.ended()).startswith("corrupt control stream")
     await client.close()
+    no_crash(caplog)
 
 
 def _with(message, **changes):
@@ -291,22 +331,23 @@ def _ring(message, **changes):
     return dataclasses.replace(ring, **changes)
 
 
-async def test_a_provision_the_wire_cannot_carry_is_refused(agent, model_path):
+async def test_a_provision_the_wire_cannot_carry_is_refused(agent, tiny_model):
     """Every field the wire can set is checked before the stage takes the
     provision (issue 14, item 8): an edge id past u32 used to be accepted and
     fault the first step with a struct.error."""
     run_id = 900
     for name, (spoil, words) in BAD_PROVISIONS.items():
         run_id += 1
-        message = spoil(provision(run_id, str(model_path)))
+        message = spoil(provision(run_id, str(tiny_model)))
         await agent.send(message)
         refused = await agent.expect(Refused)
         assert refused.what == "ProvisionStage" and words in refused.reason, (name, refused.reason)
     # None of them left the stage busy: a sound provision is taken at once.
-    await ready_run(agent, model_path, run_id + 1)
+    await ready_run(agent, tiny_model, run_id + 1)
+    assert len(agent.engines.loaded) == 1, "only the sound provision prepared a stage"
 
 
-async def test_an_object_for_no_run_is_refused_at_its_header(agent, model_path):
+async def test_an_object_for_no_run_is_refused_at_its_header(agent, tiny_model):
     """An object of an unknown or stale run, or on an edge the stage does not
     have, is refused as soon as its header is read, and its payload is
     skipped in bounded chunks (never held whole): the data connection stays
@@ -317,7 +358,7 @@ async def test_an_object_for_no_run_is_refused_at_its_header(agent, model_path):
     refused = await agent.expect(Refused, timeout=10)  # not one payload byte sent yet
     assert refused.what == "object" and "unknown run id 000000000000beef" in refused.reason
     await agent.send_data(bytes(claimed))
-    message = await ready_run(agent, model_path, 96)  # the same data connection goes on
+    message = await ready_run(agent, tiny_model, 96)  # the same data connection goes on
     wrong_edge = objects.ObjectHeader(objects.KIND_TOKENS, 1, 96, 555, 0, 4, 1, 16)
     await agent.send_data(wrong_edge.pack())
     assert "not this stage's inbound edge" in (await agent.expect(Refused, timeout=10)).reason

@@ -1,0 +1,268 @@
+"""An agent in the test's own process, with llama.cpp replaced by a fake.
+
+The runtime is the agent's own (:class:`ggufpipe_agent.process.runtime.Agent`:
+its data socket, worker thread and private directory) and so is the control
+session (:class:`ggufpipe_agent.process.control.Session`), served on one end
+of a socket pair; only the engine slot differs: it builds a
+:class:`FakeEngine` (records its calls, returns fixed tokens or activations)
+where the agent would load a stage into llama.cpp. A test speaks the
+protocol to it byte by byte, as :class:`tests.support.agent_client.AgentClient`
+does to an agent process, but in milliseconds and without the real model: the
+stage files it prepares are written from a tiny synthetic GGUF
+(:mod:`tests.support.synthetic`). Fit for the unit lane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ggufpipe_agent.llama.engine import StageShape
+from ggufpipe_agent.llama.slot import EngineSlot
+from ggufpipe_agent.process.control import Session
+from ggufpipe_agent.process.runtime import Agent
+from ggufpipe_agent.wire.framing import read_message
+from ggufpipe_agent.wire.protocol import (
+    DataAttach,
+    Hello,
+    Message,
+    OpenEdge,
+    ProvisionStage,
+    RingSpec,
+    SamplingParams,
+    StageProgress,
+    StepStats,
+    encode_message,
+)
+from tests.support import agent_client, synthetic
+
+#: The synthetic llama model's facts (tests/support/synthetic.py).
+HIDDEN = synthetic.HIDDEN
+BLOCKS = synthetic.SPECS["llama"].blocks
+VOCAB = synthetic.VOCAB
+SEQ = agent_client.SEQ
+
+
+def write_tiny_model(path: Path) -> Path:
+    """The synthetic llama GGUF the in-process agent's stages are cut from."""
+    return synthetic.write_model(path, "llama")
+
+
+def provision(
+    run_id: int,
+    model_path: str,
+    stage_index: int = 0,
+    stage_count: int = 1,
+    layers: tuple[int, int] = (0, BLOCKS),
+    edge_base: int = 100,
+    dtype: str = "float32",
+) -> ProvisionStage:
+    """:func:`tests.support.agent_client.provision`, for the synthetic llama
+    model instead of SmolLM2 (its block count, width and vocabulary)."""
+    message = agent_client.provision(run_id, model_path, stage_index, stage_count, layers, edge_base, dtype)
+
+    def narrowed(edge: Any) -> Any:
+        spec = edge.object_spec
+        if spec.kind == "activation":
+            spec = dataclasses.replace(spec, width=HIDDEN)
+        return dataclasses.replace(
+            edge, object_spec=spec, ring_spec=RingSpec(edge.ring_spec.slots, spec.max_extent + 44)
+        )
+
+    model = dataclasses.replace(
+        message.model, model_id="synthetic-llama", block_count=BLOCKS, hidden_dim=HIDDEN, vocab_size=VOCAB
+    )
+    return dataclasses.replace(
+        message, inbound=narrowed(message.inbound), outbound=narrowed(message.outbound), model=model
+    )
+
+
+class FakeEngine:
+    """A stand-in for one llama.cpp context running a stage file
+    (:class:`ggufpipe_agent.llama.engine.StageEngine`'s methods): every call is
+    recorded in :attr:`calls`; a step of the last stage samples
+    :attr:`TOKEN`, any other returns its rows of :attr:`ACTIVATION`."""
+
+    TOKEN = 7
+    ACTIVATION = 0.5
+    keep_granularity = 1
+
+    def __init__(self, path: str, shape: StageShape, options: Any) -> None:
+        self.path = path
+        self.shape = shape
+        self.options = options
+        self.calls: list[tuple[Any, ...]] = []
+        self.n_past = 0
+        self.closed = False
+
+    def reset(self, sampling: SamplingParams, keep: bool = False) -> None:
+        self.calls.append(("reset", keep))
+        if not keep:
+            self.n_past = 0
+
+    def keepable(self) -> tuple[int, str]:
+        return self.n_past, ""
+
+    def keep(self, positions: int) -> None:
+        self.calls.append(("keep", positions))
+        assert 0 <= positions <= self.n_past, (positions, self.n_past)
+        self.n_past = positions
+
+    def abort(self) -> None:
+        self.calls.append(("abort",))
+
+    def step(self, inputs: Any, position: int | None = None) -> Any:
+        rows = len(inputs)
+        start = self.n_past if position is None else position
+        self.calls.append(("step", rows, start))
+        self.n_past = start + rows
+        if self.shape.last:
+            return self.TOKEN
+        return np.full((rows, self.shape.hidden), self.ACTIVATION, np.float32)
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+        self.closed = True
+
+    def steps(self) -> list[tuple[Any, ...]]:
+        return [call for call in self.calls if call[0] == "step"]
+
+
+class FakeEngineSlot(EngineSlot):
+    """The agent's engine slot (which run its cache holds, prefix offers) with
+    a :class:`FakeEngine` where llama.cpp would be loaded; :attr:`loaded`
+    lists every engine it built, in order."""
+
+    def __init__(self) -> None:
+        super().__init__(self._build)
+        self.loaded: list[FakeEngine] = []
+
+    def _build(self, path: str, shape: StageShape, options: Any, progress: Callable[[float], None]) -> Any:
+        progress(1.0)
+        engine = FakeEngine(path, shape, options)
+        self.loaded.append(engine)
+        return engine
+
+
+class InProcessAgent:
+    """An agent in this process, spoken to like an agent process
+    (:class:`tests.support.agent_client.AgentClient`'s methods)."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.runtime = Agent(cache_dir)
+        self.engines = FakeEngineSlot()
+        self.runtime.engines = self.engines
+        self.hello: Hello | None = None
+        self.session: Session | None = None
+        self.serving: asyncio.Task[str] | None = None
+        self.control_reader: asyncio.StreamReader | None = None
+        self.control_writer: asyncio.StreamWriter | None = None
+        self.data_reader: asyncio.StreamReader | None = None
+        self.data_writer: asyncio.StreamWriter | None = None
+        # The runtime's data connections, each served by a task of the
+        # socket server's: close() lets them end before the loop does.
+        self._data_tasks: set[asyncio.Task[Any]] = set()
+        self._session_writer: asyncio.StreamWriter | None = None
+        serve_data_connection = self.runtime._data_connection
+
+        async def tracked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            self._data_tasks.add(task)
+            try:
+                await serve_data_connection(reader, writer)
+            finally:
+                self._data_tasks.discard(task)
+
+        self.runtime._data_connection = tracked  # type: ignore[method-assign]
+
+    async def start(self) -> Hello:
+        await self.runtime.start()
+        ours, theirs = socket.socketpair()
+        self.control_reader, self.control_writer = await asyncio.open_connection(sock=ours)
+        reader, writer = await asyncio.open_connection(sock=theirs, limit=1 << 20)
+        self._session_writer = writer  # the process's stdout: closed when the session has ended
+        self.session = Session(self.runtime, reader, writer)
+        self.serving = asyncio.create_task(self.session.serve())
+        hello = await self.expect(Hello)
+        self.hello = hello
+        return hello
+
+    async def send(self, message: Message) -> None:
+        await self.send_raw(encode_message(message))
+
+    async def send_raw(self, data: bytes) -> None:
+        assert self.control_writer is not None
+        self.control_writer.write(data)
+        await self.control_writer.drain()
+
+    async def expect(self, kind: type, timeout: float = 10) -> Any:
+        """The next control message of ``kind``, skipping progress and stats."""
+        while True:
+            message = await asyncio.wait_for(read_message(self.control_reader), timeout)
+            if message is None:
+                raise EOFError(f"the session closed its control stream while waiting for {kind.__name__}")
+            if isinstance(message, kind):
+                return message
+            if not isinstance(message, StageProgress | StepStats):
+                raise AssertionError(f"expected {kind.__name__}, got {message}")
+
+    async def expect_state(self, state: str, timeout: float = 10) -> StageProgress:
+        """The stage FSM's report of entering ``state``."""
+        while True:
+            message = await asyncio.wait_for(read_message(self.control_reader), timeout)
+            if isinstance(message, StageProgress) and message.state == state and message.fraction < 0:
+                return message
+            if message is None or not isinstance(message, StageProgress | StepStats):
+                raise AssertionError(f"expected the stage to enter {state}, got {message}")
+
+    async def attach_data(self, token: str | None = None) -> None:
+        assert self.hello is not None
+        path = self.hello.data_endpoint.removeprefix("unix:")
+        self.data_reader, self.data_writer = await asyncio.open_unix_connection(path)
+        self.data_writer.write(encode_message(DataAttach(token or self.hello.data_token)))
+        await self.data_writer.drain()
+
+    async def send_data(self, data: bytes | Message) -> None:
+        assert self.data_writer is not None
+        self.data_writer.write(encode_message(data) if isinstance(data, Message) else data)
+        await self.data_writer.drain()
+
+    async def open_edges(self, message: ProvisionStage) -> None:
+        """Edge setup, after the agent acknowledged the provision (docs/rings.md)."""
+        await self.expect_state("Preparing")
+        await self.send_data(OpenEdge(message.run_id, message.inbound.edge_id, "inbound"))
+        await self.send_data(OpenEdge(message.run_id, message.outbound.edge_id, "outbound"))
+
+    async def ended(self, timeout: float = 10) -> str:
+        """Why the session ended (by itself, or after :meth:`close`)."""
+        assert self.serving is not None
+        return await asyncio.wait_for(asyncio.shield(self.serving), timeout)
+
+    async def close(self) -> str:
+        """The orchestrator leaves (its control stream closes): the session
+        ends, as an agent process on stdio then exits. Returns why it ended."""
+        writers = [w for w in (self.data_writer, self.control_writer) if w is not None]
+        for writer in writers:
+            writer.close()
+        try:
+            return await self.ended(15) if self.serving is not None else ""
+        finally:
+            self.runtime.close()
+            if self._session_writer is not None:
+                self._session_writer.close()
+                writers.append(self._session_writer)
+            if self._data_tasks:
+                await asyncio.wait(set(self._data_tasks), timeout=5)
+            for writer in writers:
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+            self.runtime.worker.shutdown(wait=True)
+            self.runtime.helper.shutdown(wait=True)
