@@ -18,21 +18,20 @@ import logging
 import math
 import secrets
 from concurrent.futures import Executor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from ggufpipe_agent.delivery.service import answer_cache_request, serve_delivery
+from ggufpipe_agent.delivery.service import serve_delivery
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.llama.slot import EngineSlot
 from ggufpipe_agent.process.heartbeat import Silence
 from ggufpipe_agent.process.peer_links import Links
+from ggufpipe_agent.process.requests import answer_request
 from ggufpipe_agent.stage.fsm import EdgeEstablished, Provision, StageState, StopRunEvent
 from ggufpipe_agent.stage.run import StageRun
 from ggufpipe_agent.stage.validation import fits_bits, validate_provision
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire import objects
-from ggufpipe_agent.wire.codec import MAX_PROMPT_TOKENS
 from ggufpipe_agent.wire.delivery_messages import CacheRequest, ReceiveStage
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter, TruncatedFrame
 from ggufpipe_agent.wire.protocol import (
@@ -43,7 +42,6 @@ from ggufpipe_agent.wire.protocol import (
     LinkEdge,
     LinkListen,
     Message,
-    ModelInfo,
     OpenEdge,
     ProvisionStage,
     Refused,
@@ -53,7 +51,6 @@ from ggufpipe_agent.wire.protocol import (
     StageStopped,
     StopRun,
     Tokenize,
-    Tokenized,
 )
 
 log = logging.getLogger("ggufpipe.agent")
@@ -319,7 +316,8 @@ class Session:
     async def answer(self, request: Inspect | Tokenize | CacheRequest) -> None:
         loop = asyncio.get_running_loop()
         try:
-            reply = await loop.run_in_executor(self.agent.helper, _answer, request, self.agent.cache_dir)
+            agent = self.agent
+            reply = await loop.run_in_executor(agent.helper, answer_request, request, agent.cache_dir)
         except GgufpipeError as error:
             reply = RequestFailed(request.request_id, str(error))
         except Exception as error:  # noqa: BLE001 - a boundary: report, don't crash
@@ -522,35 +520,6 @@ class Session:
         if run_id in self.seen_runs:
             return f"stale run id {run_id:016x}"
         return f"unknown run id {run_id:016x}"
-
-
-def _answer(request: Inspect | Tokenize | CacheRequest, cache_dir: Path | None) -> Message:
-    """Inspect, Tokenize and CacheRequest, in a helper thread (vocabulary
-    loads take a moment)."""
-    from ggufpipe_agent.gguf.facts import read_model_facts
-    from ggufpipe_agent.llama.vocabulary import vocabulary
-
-    if isinstance(request, CacheRequest):
-        return answer_cache_request(cache_dir, request)
-    facts = read_model_facts(request.path)
-    if isinstance(request, Inspect):
-        from ggufpipe_agent.gguf.identity import model_identity
-
-        pieces: tuple[bytes, ...] = ()
-        if request.vocabulary:
-            vocab = vocabulary(facts.path)
-            pieces = vocab.pieces()
-            facts = replace(facts, eog_token_ids=vocab.eog_tokens())
-        return ModelInfo(request.request_id, facts, pieces, model_identity(facts.path))
-    vocab = vocabulary(facts.path)
-    tokens, rendered = vocab.prompt_tokens(facts.chat_template, request.text, request.chat, request.messages)
-    if len(tokens) > MAX_PROMPT_TOKENS:
-        # Refused here: a reply this long would break the control stream.
-        return RequestFailed(
-            request.request_id,
-            f"the prompt is {len(tokens)} tokens, more than any context holds (at most {MAX_PROMPT_TOKENS})",
-        )
-    return Tokenized(request.request_id, tuple(tokens), rendered)
 
 
 # ------------------------------------------------------------------ entry
