@@ -324,19 +324,31 @@ class Doorman:
         await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
 
 
+@contextlib.asynccontextmanager
+async def doorman_at(agent: HandStarted | None, script: list[str]) -> Any:
+    """A Doorman on a free loopback port: (it, its endpoint)."""
+    doorman = Doorman(agent, script)
+    server = await asyncio.start_server(doorman.serve, "127.0.0.1", 0)
+    try:
+        yield doorman, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def start_then_close(link: LocalAgent | SshAgent, timeout: float) -> Any:
+    try:
+        return await link.start(timeout)
+    finally:
+        await link.close(1)
+
+
 async def test_connections_closed_before_the_challenge_are_retried_then_named(tmp_path):
     key_file = tmp_path / "agent.key"
     credential.write_key_file(key_file)
-    doorman = Doorman(None, ["close"] * 100)
-    server = await asyncio.start_server(doorman.serve, "127.0.0.1", 0)
-    endpoint = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    link = LocalAgent(host_for(endpoint, key_file), 0, lambda line: None)
-    try:
+    async with doorman_at(None, ["close"] * 100) as (doorman, endpoint):
+        link = LocalAgent(host_for(endpoint, key_file), 0, lambda line: None)
         with pytest.raises(TransportError) as caught:
-            await link.start(3)
-    finally:
-        await link.close(1)
-        server.close()
+            await start_then_close(link, 3)
     message = str(caught.value)
     tries = re.findall(r"try (\d+): closed before its challenge", message)
     assert len(tries) >= 3 and len(tries) == doorman.connections, (doorman.connections, message)
@@ -344,31 +356,19 @@ async def test_connections_closed_before_the_challenge_are_retried_then_named(tm
 
 
 async def test_an_agent_past_its_budget_is_reached_on_a_later_try(listening):
-    doorman = Doorman(listening, ["refuse", "close"])
-    server = await asyncio.start_server(doorman.serve, "127.0.0.1", 0)
-    endpoint = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    link = LocalAgent(host_for(endpoint, listening.key_file), 0, lambda line: None)
-    try:
-        hello = await link.start(10)
-    finally:
-        await link.close(1)
-        server.close()
+    async with doorman_at(listening, ["refuse", "close"]) as (doorman, endpoint):
+        link = LocalAgent(host_for(endpoint, listening.key_file), 0, lambda line: None)
+        hello = await start_then_close(link, 10)
     assert hello.pid == listening.process.pid and doorman.connections == 3
 
 
 async def test_a_refusal_before_the_challenge_is_named(tmp_path):
     key_file = tmp_path / "agent.key"
     credential.write_key_file(key_file)
-    doorman = Doorman(None, ["refuse"] * 100)
-    server = await asyncio.start_server(doorman.serve, "127.0.0.1", 0)
-    endpoint = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    link = LocalAgent(host_for(endpoint, key_file), 0, lambda line: None)
-    try:
+    async with doorman_at(None, ["refuse"] * 100) as (doorman, endpoint):
+        link = LocalAgent(host_for(endpoint, key_file), 0, lambda line: None)
         with pytest.raises(TransportError, match="try 2: busy: 4 connections from you are authenticating"):
-            await link.start(2)
-    finally:
-        await link.close(1)
-        server.close()
+            await start_then_close(link, 2)
 
 
 async def test_a_wrong_key_is_not_retried(listening, tmp_path):
@@ -422,16 +422,10 @@ async def test_through_ssh_a_closed_connection_is_not_a_missing_agent(tmp_path, 
     could not connect says why and exits 1): retried, not "no agent"."""
     key_file = tmp_path / "agent.key"
     credential.write_key_file(key_file)
-    doorman = Doorman(None, ["refuse"] + ["close"] * 100)
-    server = await asyncio.start_server(doorman.serve, "127.0.0.1", 0)
-    endpoint = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    link = SshAgent(ssh_host(tmp_path, sshd, cache_dir, model_path, endpoint, key_file), 0, lambda line: None)
-    try:
+    async with doorman_at(None, ["refuse"] + ["close"] * 100) as (doorman, endpoint):
+        link = SshAgent(ssh_host(tmp_path, sshd, cache_dir, model_path, endpoint, key_file), 0, lambda line: None)
         with pytest.raises(TransportError) as caught:
-            await link.start(4)
-    finally:
-        await link.close(1)
-        server.close()
+            await start_then_close(link, 4)
     message = str(caught.value)
     assert (
         "try 1: busy: 4 connections from you are authenticating; try 2: closed before its challenge"
@@ -442,14 +436,8 @@ async def test_through_ssh_a_closed_connection_is_not_a_missing_agent(tmp_path, 
 
 @pytest.mark.ssh
 async def test_through_ssh_a_later_try_reaches_the_agent(tmp_path, sshd, cache_dir, model_path, listening):
-    doorman = Doorman(listening, ["close", "refuse"])
-    server = await asyncio.start_server(doorman.serve, "127.0.0.1", 0)
-    endpoint = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    host = ssh_host(tmp_path, sshd, cache_dir, model_path, endpoint, listening.key_file)
-    link = SshAgent(host, 0, lambda line: None)
-    try:
-        hello = await link.start(10)
-    finally:
-        await link.close(1)
-        server.close()
+    async with doorman_at(listening, ["close", "refuse"]) as (doorman, endpoint):
+        host = ssh_host(tmp_path, sshd, cache_dir, model_path, endpoint, listening.key_file)
+        link = SshAgent(host, 0, lambda line: None)
+        hello = await start_then_close(link, 10)
     assert hello.pid == listening.process.pid and doorman.connections == 3

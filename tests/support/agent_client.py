@@ -74,55 +74,48 @@ def provision(
     )
 
 
-class AgentClient:
+class AgentConversation:
+    """Speaking the protocol to an agent as an orchestrator does: control
+    messages on its control stream (:meth:`_control_in`, :meth:`_control_out`,
+    given by a subclass), objects on its data socket."""
+
+    #: How long an expected message may take.
+    wait = 30.0
+
     def __init__(self) -> None:
-        self.process: asyncio.subprocess.Process | None = None
         self.hello: Hello | None = None
         self.data_reader: asyncio.StreamReader | None = None
         self.data_writer: asyncio.StreamWriter | None = None
-        self.stderr = b""
 
-    async def start(self) -> Hello:
-        self.process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "ggufpipe_agent",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        hello = await asyncio.wait_for(read_message(self.process.stdout), 30)  # type: ignore[arg-type]
-        assert isinstance(hello, Hello)
-        self.hello = hello
-        return hello
+    def _control_in(self) -> asyncio.StreamReader:
+        raise NotImplementedError
+
+    def _control_out(self) -> asyncio.StreamWriter:
+        raise NotImplementedError
 
     async def send(self, message: Message) -> None:
-        assert self.process and self.process.stdin
-        self.process.stdin.write(encode_message(message))
-        await self.process.stdin.drain()
+        await self.send_raw(encode_message(message))
 
     async def send_raw(self, data: bytes) -> None:
-        assert self.process and self.process.stdin
-        self.process.stdin.write(data)
-        await self.process.stdin.drain()
+        writer = self._control_out()
+        writer.write(data)
+        await writer.drain()
 
-    async def expect(self, kind: type, timeout: float = 30) -> Any:
+    async def expect(self, kind: type, timeout: float | None = None) -> Any:
         """The next control message of ``kind``, skipping progress and stats."""
-        assert self.process and self.process.stdout
         while True:
-            message = await asyncio.wait_for(read_message(self.process.stdout), timeout)
+            message = await asyncio.wait_for(read_message(self._control_in()), timeout or self.wait)
             if message is None:
-                raise EOFError(f"agent closed its control stream while waiting for {kind.__name__}")
+                raise EOFError(f"the agent closed its control stream while waiting for {kind.__name__}")
             if isinstance(message, kind):
                 return message
             if not isinstance(message, StageProgress | StepStats):
                 raise AssertionError(f"expected {kind.__name__}, got {message}")
 
-    async def expect_state(self, state: str, timeout: float = 30) -> StageProgress:
+    async def expect_state(self, state: str, timeout: float | None = None) -> StageProgress:
         """The stage FSM's report of entering ``state``."""
-        assert self.process and self.process.stdout
         while True:
-            message = await asyncio.wait_for(read_message(self.process.stdout), timeout)
+            message = await asyncio.wait_for(read_message(self._control_in()), timeout or self.wait)
             if isinstance(message, StageProgress) and message.state == state and message.fraction < 0:
                 return message
             if message is None or not isinstance(message, StageProgress | StepStats):
@@ -145,6 +138,37 @@ class AgentClient:
         await self.expect_state("Preparing")
         await self.send_data(OpenEdge(message.run_id, message.inbound.edge_id, "inbound"))
         await self.send_data(OpenEdge(message.run_id, message.outbound.edge_id, "outbound"))
+
+
+class AgentClient(AgentConversation):
+    """An agent process on stdio, as the orchestrator starts one locally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.process: asyncio.subprocess.Process | None = None
+        self.stderr = b""
+
+    def _control_in(self) -> asyncio.StreamReader:
+        assert self.process and self.process.stdout
+        return self.process.stdout
+
+    def _control_out(self) -> asyncio.StreamWriter:
+        assert self.process and self.process.stdin
+        return self.process.stdin
+
+    async def start(self) -> Hello:
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "ggufpipe_agent",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        hello = await asyncio.wait_for(read_message(self.process.stdout), 30)  # type: ignore[arg-type]
+        assert isinstance(hello, Hello)
+        self.hello = hello
+        return hello
 
     async def close(self) -> int:
         """Close stdin (the orchestrator leaving) and wait for the agent to exit."""

@@ -28,20 +28,14 @@ from ggufpipe_agent.llama.engine import StageShape
 from ggufpipe_agent.llama.slot import EngineSlot
 from ggufpipe_agent.process.control import Session
 from ggufpipe_agent.process.runtime import Agent
-from ggufpipe_agent.wire.framing import read_message
 from ggufpipe_agent.wire.protocol import (
-    DataAttach,
     Hello,
-    Message,
-    OpenEdge,
     ProvisionStage,
     RingSpec,
     SamplingParams,
-    StageProgress,
-    StepStats,
-    encode_message,
 )
 from tests.support import agent_client, synthetic
+from tests.support.agent_client import AgentConversation
 
 #: The synthetic llama model's facts (tests/support/synthetic.py).
 HIDDEN = synthetic.HIDDEN
@@ -151,21 +145,21 @@ class FakeEngineSlot(EngineSlot):
         return engine
 
 
-class InProcessAgent:
+class InProcessAgent(AgentConversation):
     """An agent in this process, spoken to like an agent process
     (:class:`tests.support.agent_client.AgentClient`'s methods)."""
 
+    wait = 10.0
+
     def __init__(self, cache_dir: Path) -> None:
+        super().__init__()
         self.runtime = Agent(cache_dir)
         self.engines = FakeEngineSlot()
         self.runtime.engines = self.engines
-        self.hello: Hello | None = None
         self.session: Session | None = None
         self.serving: asyncio.Task[str] | None = None
         self.control_reader: asyncio.StreamReader | None = None
         self.control_writer: asyncio.StreamWriter | None = None
-        self.data_reader: asyncio.StreamReader | None = None
-        self.data_writer: asyncio.StreamWriter | None = None
         # The runtime's data connections, each served by a task of the
         # socket server's: close() lets them end before the loop does.
         self._data_tasks: set[asyncio.Task[Any]] = set()
@@ -183,6 +177,14 @@ class InProcessAgent:
 
         self.runtime._data_connection = tracked  # type: ignore[method-assign]
 
+    def _control_in(self) -> asyncio.StreamReader:
+        assert self.control_reader is not None
+        return self.control_reader
+
+    def _control_out(self) -> asyncio.StreamWriter:
+        assert self.control_writer is not None
+        return self.control_writer
+
     async def start(self) -> Hello:
         await self.runtime.start()
         ours, theirs = socket.socketpair()
@@ -194,52 +196,6 @@ class InProcessAgent:
         hello = await self.expect(Hello)
         self.hello = hello
         return hello
-
-    async def send(self, message: Message) -> None:
-        await self.send_raw(encode_message(message))
-
-    async def send_raw(self, data: bytes) -> None:
-        assert self.control_writer is not None
-        self.control_writer.write(data)
-        await self.control_writer.drain()
-
-    async def expect(self, kind: type, timeout: float = 10) -> Any:
-        """The next control message of ``kind``, skipping progress and stats."""
-        while True:
-            message = await asyncio.wait_for(read_message(self.control_reader), timeout)
-            if message is None:
-                raise EOFError(f"the session closed its control stream while waiting for {kind.__name__}")
-            if isinstance(message, kind):
-                return message
-            if not isinstance(message, StageProgress | StepStats):
-                raise AssertionError(f"expected {kind.__name__}, got {message}")
-
-    async def expect_state(self, state: str, timeout: float = 10) -> StageProgress:
-        """The stage FSM's report of entering ``state``."""
-        while True:
-            message = await asyncio.wait_for(read_message(self.control_reader), timeout)
-            if isinstance(message, StageProgress) and message.state == state and message.fraction < 0:
-                return message
-            if message is None or not isinstance(message, StageProgress | StepStats):
-                raise AssertionError(f"expected the stage to enter {state}, got {message}")
-
-    async def attach_data(self, token: str | None = None) -> None:
-        assert self.hello is not None
-        path = self.hello.data_endpoint.removeprefix("unix:")
-        self.data_reader, self.data_writer = await asyncio.open_unix_connection(path)
-        self.data_writer.write(encode_message(DataAttach(token or self.hello.data_token)))
-        await self.data_writer.drain()
-
-    async def send_data(self, data: bytes | Message) -> None:
-        assert self.data_writer is not None
-        self.data_writer.write(encode_message(data) if isinstance(data, Message) else data)
-        await self.data_writer.drain()
-
-    async def open_edges(self, message: ProvisionStage) -> None:
-        """Edge setup, after the agent acknowledged the provision (docs/rings.md)."""
-        await self.expect_state("Preparing")
-        await self.send_data(OpenEdge(message.run_id, message.inbound.edge_id, "inbound"))
-        await self.send_data(OpenEdge(message.run_id, message.outbound.edge_id, "outbound"))
 
     async def ended(self, timeout: float = 10) -> str:
         """Why the session ended (by itself, or after :meth:`close`)."""
