@@ -366,6 +366,15 @@ def parse_inventory(text: str, path: Path) -> Inventory:
     if not isinstance(stage_root, yaml.SequenceNode) or not stage_root.value:
         raise reader.fail(stage_root, "stages", "expected a list of at least one stage")
     stages = tuple(_stage(reader, i, node, hosts) for i, node in enumerate(stage_root.value))
+    first_on: dict[str, int] = {}
+    for index, stage in enumerate(stages):
+        if hosts[stage.host].listen and stage.host in first_on:
+            raise InventoryError(
+                f"{path}:{stage.line}: stages[{index}]: stage {first_on[stage.host]} runs on {stage.host} "
+                "already, and a hand-started agent (listen:) serves one stage: start one agent per stage, "
+                "each with its own --listen address, and give each its own host entry"
+            )
+        first_on.setdefault(stage.host, index)
     given = [stage.layers is not None for stage in stages]
     if any(given) and not all(given):
         missing = stages[given.index(False)]

@@ -211,14 +211,6 @@ def test_the_default_key_path_is_the_same_on_both_sides():
     assert credential.default_key_path("unix:/run/a b.sock") == "~/.local/state/ggufpipe/listen/unix-run_a_b.sock.key"
 
 
-def test_listen_key_needs_listen(tmp_path):
-    from ggufpipe_tui.core.inventory import InventoryError, parse_inventory
-
-    text = "model: {path: m.gguf}\nhosts:\n  a: {local: true, listen_key: /k}\nstages:\n  - {host: a}\n"
-    with pytest.raises(InventoryError, match=r"hosts.a.listen_key: goes with listen:"):
-        parse_inventory(text, tmp_path / "inventory.yaml")
-
-
 async def test_an_attached_orchestrator_that_falls_silent_is_detached(listening):
     """The idle bound of an attached session is its orchestrator's heartbeat:
     an orchestrator that says nothing for that long (its machine froze, its
