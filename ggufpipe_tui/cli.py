@@ -19,11 +19,10 @@ Reads INVENTORY (model, hosts, stages), starts one ggufpipe-agent per stage
 llama.cpp, and streams the generated text.
 
 Without --prompt it opens the terminal UI; with --prompt (or --prompt-file) it
-runs headless;
-with --serve HOST:PORT it serves the OpenAI API (chat completions and
-completions, streamed or not) until SIGTERM; with --plan it prints the plan
-(each stage's layers and the memory it needs and has on its host) and exits
-without loading anything.
+runs headless; with --serve HOST:PORT it serves the OpenAI API (chat
+completions and completions, streamed or not) until SIGTERM; with --plan it
+prints the plan (each stage's layers and the memory it needs and has on its
+host) and exits without loading anything.
 
 ggufpipe-tui cache INVENTORY [list | remove NAME... | remove --all | verify]
 lists, removes or verifies the stage files cached on the inventory's hosts
