@@ -24,7 +24,7 @@ class LocalFeed:
     """A record for a stage of this process, delivered as if it had arrived
     on a stream (same checks), without the stream: the token ring of a
     one-stage pipeline (the stage feeds itself), and a shared process's
-    direct links (links.py)."""
+    direct links (process/peer_links.py)."""
 
     def __init__(self, deliver: Deliver) -> None:
         self.deliver = deliver

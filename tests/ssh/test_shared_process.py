@@ -238,7 +238,7 @@ async def test_sigkilled_shared_process_over_ssh_is_one_fault(tmp_path, sshd: Ss
 
 
 async def test_a_run_stopped_mid_decode_leaves_a_prefix_the_next_turn_keeps_exactly(tmp_path, model_path, no_agent_left):
-    """The worker runs a stage's step ahead of its object (chain.py), so a
+    """The worker runs a stage's step ahead of its object (ggufpipe_agent/stage/handover.py), so a
     run stopped mid-decode may leave a stage's engine a position further on
     than the others. The next turn keeps only what every stage holds of the
     tokens the orchestrator got, and its tokens are a cold run's."""
