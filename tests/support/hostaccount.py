@@ -114,6 +114,9 @@ def wheelhouse() -> tuple[Path, Path, str]:
     own = Path(tempfile.mkdtemp(prefix="ggufpipe-wheel-"))
     # The project's wheel, then (once) every declared dependency as a wheel at
     # the test venv's version; pip reuses its cache, llama-cpp-python is ours.
+    # setuptools builds in the checkout's build/, and a build/lib left from
+    # before a module moved would put the old module in the wheel too.
+    shutil.rmtree(REPO / "build", ignore_errors=True)
     _pip("wheel", "--no-deps", "-w", str(own), str(REPO))
     if not (deps / "complete").exists():
         for old in WHEELS.glob("deps-*"):
