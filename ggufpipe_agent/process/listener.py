@@ -152,6 +152,24 @@ def tcp_peer_uid(
     return int(uid)
 
 
+def uid_lookup_works() -> bool:
+    """Whether :func:`tcp_peer_uid` finds the owner of a loopback connection
+    here (a connection of this process to itself, looked up once)."""
+    try:
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+            with socket.create_connection(server.getsockname(), timeout=2) as client:
+                accepted, _ = server.accept()
+                with accepted:
+                    host, port = client.getsockname()[:2]
+                    listening = server.getsockname()[1]
+                    address = ipaddress.ip_address(host)
+                    return tcp_peer_uid(address, port, address, listening) == os.geteuid()
+    except OSError:
+        return False
+
+
 def unix_peer_uid(sock: object) -> int | None:
     """The uid of a Unix socket's peer (``SO_PEERCRED``, Linux)."""
     option = getattr(socket, "SO_PEERCRED", None)
@@ -281,6 +299,13 @@ class Listener:
             server = await self._bind_unix(where)
         else:
             server = await asyncio.start_server(self._on_connect, where, port, limit=1 << 20)
+            if not uid_lookup_works():
+                log.warning(
+                    "this host cannot tell which user holds a loopback connection (no sock_diag): "
+                    "every local user shares one budget of %d handshakes, which one of them can fill; "
+                    "listen on unix:PATH instead, where each user has a budget of their own",
+                    PEER_PENDING,
+                )
             if not is_loopback(where):
                 log.warning(
                     "listening on %s, reachable from the network: prompts and activations cross it "

@@ -144,6 +144,10 @@ class Bounds:
 #: longer prompt (RequestFailed) instead of sending what its peer would take
 #: for a corrupt stream. Far above any context a stage holds.
 MAX_PROMPT_TOKENS = 1 << 22
+#: The most turns, and the most UTF-8 bytes of text, a Tokenize carries: the
+#: orchestrator refuses a prompt past either before it is sent.
+MAX_PROMPT_TURNS = 1 << 16
+MAX_PROMPT_BYTES = 32 << 20
 
 #: Every message is small but these: a vocabulary of a few hundred thousand
 #: pieces and a chat template (ModelInfo), a prompt's text, tokens and turns.
@@ -157,7 +161,7 @@ BOUNDS: dict[str, Bounds] = {
     "CacheReport": Bounds(array_len=1 << 16, containers=(1 << 16) + 8),
     # A conversation: one map per message (a long chat or an API client's
     # history of thousands of turns is still far below 1 MiB per thousand).
-    "Tokenize": Bounds(str_len=32 << 20, array_len=1 << 16, containers=(1 << 16) + 8),
+    "Tokenize": Bounds(str_len=MAX_PROMPT_BYTES, array_len=MAX_PROMPT_TURNS, containers=MAX_PROMPT_TURNS + 8),
     "Tokenized": Bounds(str_len=32 << 20, array_len=MAX_PROMPT_TOKENS),
 }
 HEAD_LIMITS = {"max_str_len": 64, "max_bin_len": 0, "max_array_len": 2, "max_map_len": 0, "max_ext_len": 0}

@@ -205,7 +205,7 @@ class Server:
             raise api.ApiError(408, f"the request body took more than {BODY_SECONDS:g} s to arrive") from None
         try:
             return json.loads(raw.decode("utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError, 4300+ digits
             raise api.ApiError(400, f"the request body is not JSON: {error}") from None
 
     # ---------------------------------------------------------- completions

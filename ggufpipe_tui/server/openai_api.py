@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.wire.codec import text_problem
+from ggufpipe_agent.wire.codec import MAX_PROMPT_TURNS, text_problem
 from ggufpipe_agent.wire.protocol import ChatMessage
 from ggufpipe_agent.wire.records import SEED_MAX, SEED_MIN, TOP_K_MAX
 from ggufpipe_tui.session.runs import RunOverrides
@@ -110,6 +110,8 @@ def parse_chat(body: object) -> Request:
     raw = fields.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad("messages", "a non-empty list of messages is required")
+    if len(raw) > MAX_PROMPT_TURNS:
+        raise bad("messages", f"at most {MAX_PROMPT_TURNS} messages, not {len(raw)}")
     messages = tuple(_message(item, f"messages[{index}]") for index, item in enumerate(raw))
     return _request(fields, chat=True, messages=messages, prompt="", tokens=None)
 

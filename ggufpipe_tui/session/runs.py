@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.wire.codec import text_problem
+from ggufpipe_agent.wire.codec import MAX_PROMPT_BYTES, MAX_PROMPT_TURNS, text_problem
 from ggufpipe_agent.wire.protocol import ChatMessage, SamplingParams
 from ggufpipe_tui.core.events import Event, PromptAssigned, RunResult
 from ggufpipe_tui.core.inventory import Inventory, RunOptions, check_run_options
@@ -361,7 +361,20 @@ class RunQueue:
         """The prompt's tokens and the most its reply may take; raises when it cannot run."""
         if prompt.tokens is not None:
             tokens = list(prompt.tokens)
+            vocabulary = plan.model.vocab_size
+            wrong = next((token for token in tokens if not 0 <= token < vocabulary), None)
+            if wrong is not None:
+                last = vocabulary - 1
+                raise PipelineError(f"not run: token id {wrong} is not in the vocabulary (0 to {last})")
         else:
+            if len(prompt.messages) > MAX_PROMPT_TURNS:
+                raise PipelineError(f"not run: {len(prompt.messages)} messages, at most {MAX_PROMPT_TURNS}")
+            size = len(prompt.text.encode("utf-8", "replace")) + sum(
+                len(message.content.encode("utf-8", "replace")) for message in prompt.messages
+            )
+            if size > MAX_PROMPT_BYTES:
+                limit = MAX_PROMPT_BYTES
+                raise PipelineError(f"not run: the prompt is {size} bytes of text, at most {limit}")
             for what, text in (("the prompt", prompt.text), *(
                 (f"message {index} ({message.role})", message.content)
                 for index, message in enumerate(prompt.messages)

@@ -129,6 +129,13 @@ class AgentLink:
                 f"{self.label}: the agent's first frame is not ggufpipe protocol ({error}); is "
                 f"'{self.host.agent}' a ggufpipe agent?{self._tail()}"
             ) from None
+        except (ConnectionError, OSError) as error:
+            if listening:
+                raise ListenRetry(
+                    f"{self.label}: the connection was reset before its {what} ({error}){self._tail()}",
+                    f"reset before its {what}",
+                ) from None
+            raise TransportError(f"{self.label}: the connection broke before its {what} ({error})") from None
         if first is None:
             if listening:
                 raise ListenRetry(

@@ -34,7 +34,7 @@ from ggufpipe_agent.process import credential
 from ggufpipe_agent.wire.endpoints import parse_endpoint
 from ggufpipe_agent.wire.protocol import Hello
 from ggufpipe_tui.core.inventory import HostSpec
-from ggufpipe_tui.transports.link import AgentLink, ListenRetry, LogLine, TransportError
+from ggufpipe_tui.transports.link import LISTEN_TRY_MIN, AgentLink, ListenRetry, LogLine, TransportError
 from ggufpipe_tui.transports.sshconn import (
     ConnectionPool,
     PooledConnection,
@@ -100,9 +100,14 @@ class SshAgent(AgentLink):
         if self.host.insecure_no_host_key_check:
             # Into the stage log, not the stderr tail that error messages quote.
             self.on_log(f"WARNING: host key checking is OFF for {self.host.name} (insecure setting)")
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         await self.connect(timeout)
         if self.host.listen:
-            return await self.attach_listening(timeout)
+            # The tries share what the SSH connection left of the timeout, so
+            # that giving up (and naming each try) comes before the caller's
+            # own bound does.
+            return await self.attach_listening(max(timeout - (loop.time() - began), LISTEN_TRY_MIN))
         await self._open_control(self.agent_command(), timeout)
         try:
             return await self.handshake(timeout)

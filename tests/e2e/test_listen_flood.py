@@ -441,3 +441,11 @@ async def test_through_ssh_a_later_try_reaches_the_agent(tmp_path, sshd, cache_d
         link = SshAgent(host, 0, lambda line: None)
         hello = await start_then_close(link, 10)
     assert hello.pid == listening.process.pid and doorman.connections == 3
+
+
+def test_a_host_that_cannot_tell_loopback_users_apart_is_known(monkeypatch):
+    """Where sock_diag is missing the agent warns at start (every local user
+    would share one budget); here it works."""
+    assert listener.uid_lookup_works()
+    monkeypatch.setattr(listener, "tcp_peer_uid", lambda *args: None)
+    assert not listener.uid_lookup_works()

@@ -93,6 +93,28 @@ def test_a_large_chat_body_is_a_400_not_a_fault(server) -> None:
     still_serving(served, text, agents)
 
 
+def test_more_messages_than_a_stage_takes_is_a_400(server) -> None:
+    served, text, agents = server
+    body = json.dumps({"messages": [{"role": "user", "content": ""}] * 65537}).encode()  # ~2 MB
+    status, answer = post_bytes(served, "/v1/chat/completions", body)
+    assert status == 400 and "at most 65536 messages" in answer["error"]["message"], answer
+    still_serving(served, text, agents)
+
+
+def test_token_ids_outside_the_vocabulary_are_a_400(server) -> None:
+    served, text, agents = server
+    status, answer = post_bytes(served, "/v1/completions", b'{"prompt": [1, 999999999], "max_tokens": 2}')
+    assert status == 400 and "token id 999999999 is not in the vocabulary" in answer["error"]["message"], answer
+    still_serving(served, text, agents)
+
+
+def test_an_integer_of_thousands_of_digits_is_a_400(server) -> None:
+    served, text, agents = server
+    status, answer = post_bytes(served, "/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}")
+    assert status == 400 and "not JSON" in answer["error"]["message"], answer
+    still_serving(served, text, agents)
+
+
 def test_a_deeply_nested_body_is_a_400(server) -> None:
     served, text, agents = server
     status, answer = post_bytes(served, "/v1/completions", b"[" * 100_000 + b"]" * 100_000)
