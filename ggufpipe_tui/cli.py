@@ -24,6 +24,9 @@ completions and completions, streamed or not) until SIGTERM; with --plan it
 prints the plan (each stage's layers and the memory it needs and has on its
 host) and exits without loading anything.
 
+ggufpipe-tui setup INVENTORY --check reports what each host has for an agent
+(Python, platform, GPUs, the agent, free disk; see ggufpipe-tui setup --help).
+
 ggufpipe-tui cache INVENTORY [list | remove NAME... | remove --all | verify]
 lists, removes or verifies the stage files cached on the inventory's hosts
 (see ggufpipe-tui cache --help).
@@ -165,6 +168,10 @@ def read_prompt(path: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["setup"]:
+        from ggufpipe_tui.commands.setup import setup_main
+
+        return setup_main(given[1:])
     if given[:1] == ["cache"]:
         from ggufpipe_tui.commands.cache import cache_main
 
