@@ -106,10 +106,6 @@ def _fill(report: HostReport, probed: dict[str, Any], agent: str) -> None:
     report.verdict = _verdict(report)
 
 
-def _text(output: Any) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else str(output or "")
-
-
 def _first_json(text: str) -> dict[str, Any]:
     for line in text.splitlines():
         if line.startswith("{"):
@@ -132,6 +128,7 @@ async def check_ssh(host: HostSpec, timeout: float) -> HostReport:
     """An SSH host, over its connection: the probe, then its agent's version."""
     import asyncssh
 
+    from ggufpipe_tui.transports.ssh import output_text
     from ggufpipe_tui.transports.sshconn import connection_pool
 
     report = HostReport(host.name, host.where)
@@ -150,15 +147,15 @@ async def check_ssh(host: HostSpec, timeout: float) -> HostReport:
             )
             return report
         try:
-            probed = _first_json(_text(done.stdout))
+            probed = _first_json(output_text(done.stdout))
         except ValueError:
-            lines = _text(done.stderr).strip().splitlines()
+            lines = output_text(done.stderr).strip().splitlines()
             report.error = f"{host.name} ({host.where}): python3 could not run the probe" + (
                 f": {lines[-1]}" if lines else ""
             )
             return report
         version = await asyncio.wait_for(connection.run(f"{host.agent} --version", check=False), timeout)
-        said = _text(version.stdout).strip()
+        said = output_text(version.stdout).strip()
         _fill(report, probed, said if version.exit_status == 0 and said.startswith("ggufpipe-agent") else "")
         return report
     except (asyncssh.Error, OSError, asyncio.TimeoutError) as error:
@@ -168,7 +165,7 @@ async def check_ssh(host: HostSpec, timeout: float) -> HostReport:
         await pool.release(host, entry)
 
 
-def print_text(reports: list[HostReport], out: IO[str], err: IO[str]) -> None:
+def printoutput_text(reports: list[HostReport], out: IO[str], err: IO[str]) -> None:
     for report in reports:
         if report.error:
             print(f"ggufpipe: error: {report.error}", file=err, flush=True)
@@ -231,7 +228,7 @@ def setup_main(argv: list[str], out: IO[str] = sys.stdout, err: IO[str] = sys.st
     if options.json:
         print(json.dumps({"hosts": [asdict(report) for report in reports]}, indent=2), file=out)
     else:
-        print_text(reports, out, err)
+        printoutput_text(reports, out, err)
     if any(report.error for report in reports):
         return EXIT_SETUP
     return EXIT_UNFIT if any("too old" in report.verdict for report in reports) else EXIT_OK

@@ -369,19 +369,18 @@ class RunQueue:
         else:
             if len(prompt.messages) > MAX_PROMPT_TURNS:
                 raise PipelineError(f"not run: {len(prompt.messages)} messages, at most {MAX_PROMPT_TURNS}")
-            size = len(prompt.text.encode("utf-8", "replace")) + sum(
-                len(message.content.encode("utf-8", "replace")) for message in prompt.messages
-            )
-            if size > MAX_PROMPT_BYTES:
-                limit = MAX_PROMPT_BYTES
-                raise PipelineError(f"not run: the prompt is {size} bytes of text, at most {limit}")
+            size = 0  # each text encoded once: whether UTF-8 carries it, and its bytes
             for what, text in (("the prompt", prompt.text), *(
                 (f"message {index} ({message.role})", message.content)
                 for index, message in enumerate(prompt.messages)
             )):
-                problem = text_problem(text)
-                if problem:
-                    raise PipelineError(f"not run: {what}: {problem}")
+                try:
+                    size += len(text.encode("utf-8"))
+                except UnicodeEncodeError:
+                    raise PipelineError(f"not run: {what}: {text_problem(text)}") from None
+            if size > MAX_PROMPT_BYTES:
+                limit = MAX_PROMPT_BYTES
+                raise PipelineError(f"not run: the prompt is {size} bytes of text, at most {limit}")
             chat = self.pipeline.inventory.run.chat if prompt.chat is None else prompt.chat
             tokens, _ = await self.pipeline.tokenize(prompt.text, chat, prompt.messages)
         return tokens, reply_limit(prompt, len(tokens), options, plan.model.max_seq_len)

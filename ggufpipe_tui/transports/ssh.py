@@ -62,7 +62,7 @@ def _shell_path(path: str) -> str:
     return shlex.quote(path)
 
 
-def _text(output: bytes | str | None) -> str:
+def output_text(output: bytes | str | None) -> str:
     """An exec session's output (bytes with encoding=None) as text."""
     if isinstance(output, bytes):
         return output.decode(errors="replace")
@@ -201,7 +201,7 @@ class SshAgent(AgentLink):
                 f"{self.label}: cannot read the listen key {path} on {name} ({error})"
             ) from None
         if done.exit_status != 0:
-            said = _text(done.stderr).strip().splitlines()
+            said = output_text(done.stderr).strip().splitlines()
             raise TransportError(
                 f"{self.label}: cannot read the listen key {path} on {name}"
                 f"{': ' + said[-1] if said else ''}; the agent started with --listen {self.host.listen} "
@@ -209,7 +209,7 @@ class SshAgent(AgentLink):
                 "and log in as the user who started it)"
             )
         try:
-            return credential.parse_key(_text(done.stdout).encode(), f"{path} on {name}")
+            return credential.parse_key(output_text(done.stdout).encode(), f"{path} on {name}")
         except credential.CredentialError as error:
             raise TransportError(f"{self.label}: {error}") from None
 
