@@ -29,6 +29,7 @@ supervisor that starts it again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import sys
@@ -116,7 +117,9 @@ class Server:
     # ------------------------------------------------------------ plumbing
 
     def log(self, text: str) -> None:
-        print(f"ggufpipe: {text}", file=self.err, flush=True)
+        # Whoever read stderr may be gone: the requests still get their answers.
+        with contextlib.suppress(OSError):
+            print(f"ggufpipe: {text}", file=self.err, flush=True)
 
     @web.middleware
     async def _errors(
