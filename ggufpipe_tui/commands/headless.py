@@ -21,6 +21,7 @@ from ggufpipe_tui.core import format as fmt
 from ggufpipe_tui.core.events import (
     AgentConnected,
     AgentLog,
+    AgentSetup,
     DataPath,
     Event,
     ModelInspected,
@@ -56,9 +57,7 @@ def path_json(path: DataPath) -> dict[str, object]:
     return entry
 
 
-def result_json(
-    result: RunResult, paths: tuple[DataPath, ...] = (), feedback: str = ""
-) -> dict[str, object]:
+def result_json(result: RunResult, paths: tuple[DataPath, ...] = (), feedback: str = "") -> dict[str, object]:
     """The --json object; ``paths``: the session's links (one "data" entry per
     edge), ``feedback``: who fed tokens back ("ring" or "orchestrator")."""
     t = result.timings
@@ -99,6 +98,7 @@ class Printer:
         self.paths: list[DataPath] = []
         self.agents: dict[int, AgentConnected] = {}  # each stage's agent, by stage
         self.delivered: dict[int, StageDelivery] = {}  # each stage's last delivery event
+        self.setups: dict[int, AgentSetup] = {}  # each stage's last set-up event (hosts given an agent)
         self._shown: dict[int, float] = {}  # when each stage's progress was last printed
         self._last_progress = 0.0
 
@@ -132,6 +132,9 @@ class Printer:
             self.progress(fmt.data_path_line(event))
         elif isinstance(event, StageDelivery):
             self.delivery(event)
+        elif isinstance(event, AgentSetup):
+            self.setups[event.stage] = event
+            self.progress(f"stage {event.stage} on {event.host}: {fmt.setup_line(event)}")
         elif isinstance(event, StageStateChanged):
             if self.verbose or event.state in ("Ready", "Faulted"):
                 self.progress(fmt.stage_state_line(event.stage, event.state, event.detail))
@@ -140,7 +143,6 @@ class Printer:
                 print(f"[stage {event.stage} {event.host}] {event.line}", file=self.err, flush=True)
         elif isinstance(event, Notice) and (self.verbose or event.level == "warning"):
             print(f"ggufpipe: {event.level}: {event.text}", file=self.err, flush=True)
-
 
     def delivery(self, event: StageDelivery) -> None:
         """A stage file's delivery on stderr: each step, and while it is sent
@@ -162,6 +164,19 @@ class Printer:
         return [
             {"host": host, "pid": pid, "stages": list(stages)}
             for host, pid, stages in fmt.agent_processes(self.agents.values())
+        ]
+
+    def setup_json(self) -> list[dict[str, object]]:
+        return [
+            {
+                "stage": e.stage,
+                "host": e.host,
+                "how": e.how,
+                "seconds": round(e.seconds, 3),
+                "bytes_sent": e.bytes_sent,
+            }
+            for _, e in sorted(self.setups.items())
+            if e.state == "done"
         ]
 
     def delivery_json(self) -> list[dict[str, object]]:
@@ -219,6 +234,7 @@ async def run_headless(
             loop.remove_signal_handler(signal.SIGINT)
     if as_json:
         report = result_json(result, tuple(printer.paths), inventory.run.feedback)
+        report["setup"] = printer.setup_json()  # hosts given an agent by this run; [] for none
         report["delivery"] = printer.delivery_json()  # model send: true; [] when hosts hold the model
         report["processes"] = printer.processes_json()  # stages sharing an agent process: one entry
         print(json.dumps(report, ensure_ascii=False), file=out, flush=True)

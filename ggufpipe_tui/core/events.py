@@ -34,6 +34,22 @@ class AgentConnected:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentSetup:
+    """Setting up stage ``stage``'s host with this orchestrator's agent (an
+    SSH host whose entry names no agent:). ``state``: "setting up" (``detail``
+    the step), then "done" (``how``: "pushed", "built there", "set up by
+    another", "ready"; ``seconds``)."""
+
+    stage: int
+    host: str
+    state: str
+    detail: str = ""
+    how: str = ""
+    seconds: float = 0.0
+    bytes_sent: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInspected:
     facts: ModelFacts
 
@@ -180,6 +196,7 @@ Event = (
     AgentLog
     | Notice
     | AgentConnected
+    | AgentSetup
     | ModelInspected
     | DataPath
     | PlanMade

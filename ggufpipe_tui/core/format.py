@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ggufpipe_agent.wire.protocol import Hello, ModelFacts
-from ggufpipe_tui.core.events import AgentConnected, DataPath, RunResult, StageDelivery
+from ggufpipe_tui.core.events import AgentConnected, AgentSetup, DataPath, RunResult, StageDelivery
 from ggufpipe_tui.core.plan import StagePlan
 
 STOP_WORDS = {"eos": "end of text", "max_tokens": "max tokens", "stopped": "stopped"}
@@ -122,6 +122,16 @@ def _part_of(done: int, size: int) -> str:
     """``3.1/12.4 GiB`` (``41.0/62.1 MiB`` under a GiB)."""
     unit, scale = ("GiB", 2**30) if size >= 2**30 else ("MiB", 2**20)
     return f"{done / scale:.1f}/{size / scale:.1f} {unit}"
+
+
+def setup_line(event: AgentSetup) -> str:
+    """A host's agent set-up: its step, then how it was done and how long it took."""
+    if event.state != "done":
+        return event.detail
+    if event.how == "ready":
+        return "its agent is set up already"
+    sent = f", {format_bytes(event.bytes_sent)} sent" if event.bytes_sent else ""
+    return f"agent {event.how} in {format_seconds(event.seconds)}{sent}"
 
 
 def delivery_line(event: StageDelivery) -> str:

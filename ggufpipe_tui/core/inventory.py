@@ -27,6 +27,11 @@ ACTIVATION_DTYPES = ("float32", "float16")
 #: fails; "direct" insists (a link that cannot be set up fails the start);
 #: "relay" sends every object through the orchestrator.
 DATA_MODES = ("auto", "direct", "relay")
+#: How an SSH host with no agent: gets one (provision/hosts.py).
+INSTALL_MODES = ("auto", "push", "build")
+#: The agent a hand-started host (listen:) runs when its entry names none.
+DEFAULT_AGENT = "ggufpipe-agent"
+
 #: Who feeds each sampled token back to stage 0 (``run.feedback``).
 FEEDBACK_MODES = ("ring", "orchestrator")
 
@@ -46,7 +51,13 @@ class HostSpec:
     identity: tuple[str, ...] = ()
     known_hosts: tuple[str, ...] = ()
     insecure_no_host_key_check: bool = False
-    agent: str = "ggufpipe-agent"
+    # The agent's command there. "": on an SSH host, the agent this
+    # orchestrator sets up itself (provision/hosts.py); on a hand-started one
+    # (listen:), ggufpipe-agent from the login PATH; locally this ggufpipe.
+    agent: str = ""
+    agents_dir: str = ""  # where set-up agents go there ("": ~/.cache/ggufpipe/agents)
+    install: str = "auto"  # INSTALL_MODES: how an agent is set up there
+    python: str = "python3"  # the host's Python that sets an agent up
     model_path: str = ""
     listen: str = ""
     listen_key: str = ""  # the hand-started agent's key file on the host ("": its default)
@@ -97,13 +108,15 @@ class Timeouts:
     ubatch of prompt. ``heartbeat``: a stage that sends nothing for that long
     (the agents beat every heartbeat/5 s) is lost, an agent that hears
     nothing from its orchestrator for that long ends, and no send to a stage
-    waits longer."""
+    waits longer. ``setup``: setting up an SSH host's agent (a build of
+    llama.cpp there takes minutes)."""
 
     connect: float = 15.0
     ready: float = 600.0
     step: float = 120.0
     teardown: float = 15.0
     heartbeat: float = 30.0
+    setup: float = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +307,17 @@ def _host(reader: _Reader, name: str, node: yaml.Node) -> HostSpec:
         raise reader.fail(node, key, "known_hosts and insecure_no_host_key_check exclude each other")
     if host.data and host.data not in DATA_MODES:
         raise reader.fail(node, f"{key}.data", f"must be one of {', '.join(DATA_MODES)}")
+    if host.install not in INSTALL_MODES:
+        raise reader.fail(node, f"{key}.install", f"must be one of {', '.join(INSTALL_MODES)}")
+    if host.agent and (host.install != "auto" or host.agents_dir):
+        name = "install" if host.install != "auto" else "agents_dir"
+        raise reader.fail(
+            node, f"{key}.{name}", "is for the agent ggufpipe sets up; this host names its agent:"
+        )
+    if not host.python.strip():
+        raise reader.fail(node, f"{key}.python", "names no command")
+    if host.listen and not host.agent:
+        host = replace(host, agent=DEFAULT_AGENT)
     return host
 
 

@@ -39,6 +39,7 @@ from ggufpipe_tui.core import run_fsm as fsm
 from ggufpipe_tui.core.events import (
     AgentConnected,
     AgentLog,
+    AgentSetup,
     Emit,
     Event,
     ModelInspected,
@@ -58,7 +59,7 @@ from ggufpipe_tui.session.modelsource import LocalModel, ModelSource, model_sour
 from ggufpipe_tui.session.runlog import RunLog
 from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
 from ggufpipe_tui.session.stages import PipelineError, StageHandle
-from ggufpipe_tui.transports.link import AgentLink
+from ggufpipe_tui.transports.link import AgentLink, AgentNotSetUp
 from ggufpipe_tui.transports.shared import ProcessSharing, SharedAgent
 
 log = logging.getLogger("ggufpipe.orchestrator")
@@ -200,8 +201,27 @@ class Pipeline:
         self.emit(AgentLog(stage, self.stages[stage].host.name, line))
 
     async def _start_stage(self, stage: StageHandle, timeout: float) -> None:
-        hello = await stage.start(timeout)
+        hello = await stage.start(timeout, self._set_up)
         self.emit(AgentConnected(stage.index, stage.host.name, stage.host.where, hello))
+
+    async def _set_up(self, stage: StageHandle, missing: AgentNotSetUp) -> None:
+        """Give the stage's host its agent (provision/hosts.py), step by step in events."""
+        index, name = stage.index, stage.host.name
+
+        def progress(detail: str) -> None:
+            self.emit(AgentSetup(index, name, "setting up", detail))
+
+        progress(str(missing).split(": ", 1)[-1])
+        bound = self.inventory.timeouts.setup
+        try:
+            done = await asyncio.wait_for(
+                stage.link.set_up(progress, self.inventory.timeouts.connect, redo=missing.broken), bound
+            )
+        except asyncio.TimeoutError:
+            raise PipelineError(
+                f"{stage.label}: setting up the agent on {name} took more than timeouts.setup ({bound:g} s)"
+            ) from None
+        self.emit(AgentSetup(index, name, "done", "", done.how, done.seconds, done.bytes_sent))
 
     async def _inspect(self) -> None:
         # Through the hosts' copies (every copy checked to be stage 0's model),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from ggufpipe_agent.errors import ProtocolError
@@ -32,7 +32,7 @@ from ggufpipe_agent.wire.protocol import (
 from ggufpipe_tui.core.errors import PipelineError  # noqa: F401 - this module's API too
 from ggufpipe_tui.core.inventory import HostSpec
 from ggufpipe_tui.dataplane import DataStream
-from ggufpipe_tui.transports.link import AgentLink, TransportError
+from ggufpipe_tui.transports.link import AgentLink, AgentNotSetUp, TransportError
 
 #: Replies that answer a request by its request_id.
 REPLIES = (ModelInfo, Tokenized, RequestFailed, CacheReport, LinkListening, LinkConnected)
@@ -44,6 +44,10 @@ DEFAULT_SEND_TIMEOUT = 30.0
 def heartbeat_interval(timeout: float) -> float:
     """How often each side beats for a silence bound of ``timeout``."""
     return timeout / 5
+
+
+#: Gives a stage's host its agent (the pipeline's, with its progress events).
+SetUp = Callable[["StageHandle", AgentNotSetUp], Awaitable[None]]
 
 
 class StagePort(Protocol):
@@ -97,13 +101,25 @@ class StageHandle:
 
     # -------------------------------------------------------------- start
 
-    async def start(self, timeout: float) -> Hello:
+    async def start(self, timeout: float, set_up: SetUp | None = None) -> Hello:
+        """Start the stage's agent; where its host has none yet (an SSH host
+        whose entry names no agent:), ``set_up`` gives it one first."""
+        try:
+            try:
+                return await self._start_once(timeout)
+            except AgentNotSetUp as missing:
+                if set_up is None:
+                    raise
+                await set_up(self, missing)
+            return await self._start_once(timeout)
+        finally:
+            self.link.settled.set()  # a stage sharing this agent's process may attach now
+
+    async def _start_once(self, timeout: float) -> Hello:
         try:
             return await asyncio.wait_for(self.link.start(timeout), timeout + 5)
         except asyncio.TimeoutError:
             raise TransportError(f"{self.label}: no answer within {timeout:g}s") from None
-        finally:
-            self.link.settled.set()  # a stage sharing this agent's process may attach now
 
     async def open_data(self, timeout: float) -> DataStream:
         try:
@@ -234,4 +250,3 @@ class StageHandle:
 
     async def close(self, grace: float) -> None:
         await self.link.close(grace)
-

@@ -34,6 +34,7 @@ from ggufpipe_agent.wire.protocol import (
     Refused,
 )
 from ggufpipe_tui.core.inventory import HostSpec
+from ggufpipe_tui.provision.hosts import SetupResult
 
 log = logging.getLogger("ggufpipe.transport")
 
@@ -53,6 +54,16 @@ LISTEN_TRY_MIN = 1.0
 
 class TransportError(GgufpipeError):
     """An agent that cannot be started, reached or understood."""
+
+
+class AgentNotSetUp(TransportError):
+    """The host has no agent of this orchestrator's build yet (its entry
+    names no agent:), or it has one that cannot run (``broken``: set it up
+    again); :meth:`AgentLink.set_up` gives it one."""
+
+    def __init__(self, message: str, broken: bool = False) -> None:
+        super().__init__(message)
+        self.broken = broken
 
 
 class ListenRetry(TransportError):
@@ -127,7 +138,7 @@ class AgentLink:
         except ProtocolError as error:
             raise TransportError(
                 f"{self.label}: the agent's first frame is not ggufpipe protocol ({error}); is "
-                f"'{self.host.agent}' a ggufpipe agent?{self._tail()}"
+                f"'{self.host.agent or 'the agent ggufpipe set up'}' a ggufpipe agent?{self._tail()}"
             ) from None
         except (ConnectionError, OSError) as error:
             if listening:
@@ -155,6 +166,20 @@ class AgentLink:
                 f"speaks {PROTOCOL_VERSION}: install ggufpipe=={__version__} on {self.host.name}"
             )
 
+    def _check_version(self, version: str) -> None:
+        """Agents of another release are refused even at the same protocol:
+        one version everywhere (a host ggufpipe sets up gets exactly this one)."""
+        if version != __version__:
+            raise TransportError(
+                f"{self.label}: the agent on {self.host.name} is ggufpipe {version}, this orchestrator is "
+                f"ggufpipe {__version__}: install ggufpipe=={__version__} there"
+                + (
+                    " (or leave agent: out of its entry: ggufpipe then sets one up)"
+                    if self.host.agent
+                    else ""
+                )
+            )
+
     async def handshake(self, timeout: float, listening: bool = False) -> Hello:
         first = await self._first(timeout, "Hello", limit=1 << 20, listening=listening)
         if isinstance(first, Refused):
@@ -167,6 +192,7 @@ class AgentLink:
         if not isinstance(first, Hello):
             raise TransportError(f"{self.label}: the agent's first message is {first.tag}, not Hello")
         self._check_protocol(first.protocol, f" (ggufpipe {first.version})")
+        self._check_version(first.version)
         self.hello = first
         return first
 
@@ -340,6 +366,13 @@ class AgentLink:
 
     async def start(self, timeout: float) -> Hello:
         """Start (or reach) the agent and return its Hello."""
+        raise NotImplementedError
+
+    async def set_up(
+        self, progress: Callable[[str], None], timeout: float, redo: bool = False
+    ) -> SetupResult:
+        """Give the host this orchestrator's agent, after :meth:`start`
+        raised :class:`AgentNotSetUp` (only a transport that raises it does)."""
         raise NotImplementedError
 
     async def _connect_data(self, endpoint: str) -> tuple[Any, Any]:

@@ -31,7 +31,7 @@ class LocalAgent(AgentLink):
         self.process: asyncio.subprocess.Process | None = None
 
     def command(self) -> list[str]:
-        if self.host.agent != "ggufpipe-agent":
+        if self.host.agent:
             command = shlex.split(self.host.agent)
         else:
             # The same interpreter and package as the orchestrator: no PATH or

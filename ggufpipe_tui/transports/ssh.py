@@ -34,7 +34,16 @@ from ggufpipe_agent.process import credential
 from ggufpipe_agent.wire.endpoints import parse_endpoint
 from ggufpipe_agent.wire.protocol import Hello
 from ggufpipe_tui.core.inventory import HostSpec
-from ggufpipe_tui.transports.link import LISTEN_TRY_MIN, AgentLink, ListenRetry, LogLine, TransportError
+from ggufpipe_tui.provision import hosts as provision
+from ggufpipe_tui.provision.shell import output_text, shell_path
+from ggufpipe_tui.transports.link import (
+    LISTEN_TRY_MIN,
+    AgentLink,
+    AgentNotSetUp,
+    ListenRetry,
+    LogLine,
+    TransportError,
+)
 from ggufpipe_tui.transports.sshconn import (
     ConnectionPool,
     PooledConnection,
@@ -44,29 +53,14 @@ from ggufpipe_tui.transports.sshconn import (
 )
 
 INSTALL_HINT = (
-    "install ggufpipe there (python3 -m venv ~/venvs/ggufpipe && ~/venvs/ggufpipe/bin/pip install "
-    "ggufpipe) and, when ggufpipe-agent is not on the login PATH, give its full path in the host "
-    "entry (agent: ~/venvs/ggufpipe/bin/ggufpipe-agent); see 'Preparing a GPU host' in docs/ssh.md"
+    "give the agent's full path in the host's agent: (e.g. ~/venvs/ggufpipe/bin/ggufpipe-agent), or leave "
+    "agent: out and ggufpipe sets one up there over SSH (docs/ssh.md, 'Getting the agent onto a host')"
 )
 MISSING_MARKERS = ("command not found", "No such file or directory", "No module named")
 SETTLE_SECONDS = 2.0
 
 
 # -------------------------------------------------------------------- agent
-
-
-def _shell_path(path: str) -> str:
-    """A quoted path whose leading ~/ the remote shell still expands."""
-    if path.startswith("~/"):
-        return "~/" + shlex.quote(path[2:])
-    return shlex.quote(path)
-
-
-def output_text(output: bytes | str | None) -> str:
-    """An exec session's output (bytes with encoding=None) as text."""
-    if isinstance(output, bytes):
-        return output.decode(errors="replace")
-    return output or ""
 
 
 class SshAgent(AgentLink):
@@ -85,16 +79,33 @@ class SshAgent(AgentLink):
         self._control_stream: SshReader | None = None
         self._socket_bridges: dict[int, asyncssh.SSHClientProcess[bytes]] = {}  # by id(writer)
 
+    @property
+    def agent(self) -> str:
+        """The agent's command: the entry's agent:, or the one ggufpipe sets up there."""
+        return self.host.agent or provision.managed_agent(self.host)
+
     def agent_command(self, subcommand: str = "") -> str:
-        command = self.host.agent + (f" {subcommand}" if subcommand else "")
+        arguments = f" {subcommand}" if subcommand else ""
         if self.host.cache_dir:
-            command += f" --cache-dir {_shell_path(self.host.cache_dir)}"
+            arguments += f" --cache-dir {shell_path(self.host.cache_dir)}"
         if self.share_process and not subcommand:
-            command += " --share-process"
-        return command
+            arguments += " --share-process"
+        if not self.host.agent and not subcommand:
+            # Started only where it is set up; else exit NOT_SET_UP at once.
+            return provision.start_command(self.host, arguments)
+        return self.agent + arguments
 
     def bridge_command(self, endpoint: str) -> str:
-        return f"{self.host.agent} bridge {shlex.quote(endpoint)}"
+        return f"{self.agent} bridge {shlex.quote(endpoint)}"
+
+    async def set_up(
+        self, progress: provision.Progress, timeout: float, redo: bool = False
+    ) -> provision.SetupResult:
+        """Give the host this orchestrator's agent (:mod:`ggufpipe_tui.provision.hosts`)."""
+        await self.connect(timeout)
+        assert self.connection is not None
+        self.stderr_tail.clear()  # the failed start's words are answered
+        return await provision.set_up_once(self.host, self.connection, progress, self.on_log, redo)
 
     async def start(self, timeout: float) -> Hello:
         if self.host.insecure_no_host_key_check:
@@ -194,7 +205,7 @@ class SshAgent(AgentLink):
         path, name = self.listen_key_path, self.host.name
         try:
             done = await asyncio.wait_for(
-                self.connection.run(f"cat -- {_shell_path(path)}", check=False, encoding=None), timeout
+                self.connection.run(f"cat -- {shell_path(path)}", check=False, encoding=None), timeout
             )
         except (asyncio.TimeoutError, asyncssh.Error, OSError) as error:
             raise TransportError(
@@ -233,20 +244,26 @@ class SshAgent(AgentLink):
         if listen:
             return TransportError(
                 f"{self.label}: no agent reachable at {listen} on {name}{said}; start one there with: "
-                f"{self.host.agent} --listen {listen}"
+                f"{self.agent} --listen {listen}"
             )
         status = self._status()
+        if process.exit_status == provision.NOT_SET_UP and not self.host.agent:
+            return AgentNotSetUp(f"{self.label}: no agent set up on {name} for this orchestrator yet")
         unfit = [line for line in self.stderr_tail if selfcheck.MARKER in line]
         if unfit:
             said = unfit[-1].split(selfcheck.MARKER, 1)[1].strip()
+            if not self.host.agent:
+                return AgentNotSetUp(
+                    f"{self.label}: the agent set up on {name} cannot run: {said}", broken=True
+                )
             return TransportError(
-                f"{self.label}: the agent '{self.host.agent}' on {name} cannot run: {said}. To fix: "
+                f"{self.label}: the agent '{self.agent}' on {name} cannot run: {said}. To fix: "
                 f"install ggufpipe=={__version__} with its dependencies in that Python's venv, and check "
-                f"with: {self.host.agent} --check"
+                f"with: {self.agent} --check"
             )
         if process.exit_status == 127 or any(marker in lines for marker in MISSING_MARKERS):
             return TransportError(
-                f"{self.label}: the agent command '{self.host.agent}' is not available on {name}"
+                f"{self.label}: the agent command '{self.agent}' is not available on {name}"
                 f"{status}{said}. To fix: {INSTALL_HINT}"
             )
         return TransportError(f"{self.label}: the agent exited before its Hello{status}{said}")

@@ -23,6 +23,7 @@ from ggufpipe_tui.core import format as fmt
 from ggufpipe_tui.core.events import (
     AgentConnected,
     AgentLog,
+    AgentSetup,
     DataPath,
     Event,
     ModelInspected,
@@ -50,6 +51,7 @@ STAGE_STYLES = {
     "Stopping": "magenta",
     "Stopped": "grey58",
     "Lost": "bold white on red3",  # not an FSM state: the agent process is gone
+    "Setting up": "bold yellow",  # not an FSM state: its host is being given an agent
 }
 #: What a long session keeps: the newest exchanges in the transcript (older
 #: ones scroll out, their widgets unmounted), run records, and each stage's
@@ -170,6 +172,7 @@ class ViewState:
             AgentLog: self._agent_log,
             TokenStreamed: self._token,
             AgentConnected: self._connected,
+            AgentSetup: self._setup,
             ModelInspected: self._model,
             PlanMade: self._plan,
             RunPhaseChanged: self._phase,
@@ -357,6 +360,15 @@ class ViewState:
         if self._load_detail.get(event.stage) != event.detail:
             self._load_detail[event.stage] = event.detail
             self.note(event.stage, Text(f"stage {event.stage}: {event.detail}", style="grey70"))
+        self.dirty = True
+
+    def _setup(self, event: AgentSetup, now: float) -> None:
+        """A host being given its agent: the row says so, the log each step."""
+        row = self.rows[event.stage]
+        row.state = "Setting up" if event.state != "done" else "Unprovisioned"
+        row.load_detail = event.detail if event.state != "done" else ""
+        line = f"stage {event.stage} on {event.host}: {fmt.setup_line(event)}"
+        self.note(event.stage, Text(line, style="bold" if event.state == "done" else "grey70"))
         self.dirty = True
 
     def _delivery(self, event: StageDelivery, now: float) -> None:

@@ -320,6 +320,8 @@ class StageTable(DrawnOnce):
             text = bar(delivery.done / (delivery.size or 1), 10)
             text.append(f" {delivery_line(delivery)}", style="yellow")
             return text
+        if row.state == "Setting up":  # its host being given an agent
+            return Text(row.load_detail or "setting up its agent", style="yellow")
         if row.state == "Preparing" and row.load_fraction is not None:
             label = "file" if row.load_detail.startswith("writing") else "load"
             width = 8 if compact else 16

@@ -169,3 +169,17 @@ async def test_the_app_unmounts_exchanges_that_scrolled_out(monkeypatch):
             await pilot.pause()
         shown = [exchange.run_id for exchange in app.query_one(Transcript).exchanges]
     assert shown == [0x2000 + number for number in range(7, 12)], shown
+
+
+def test_a_host_being_set_up_shows_in_its_row_and_the_log() -> None:
+    from ggufpipe_tui.core.events import AgentSetup
+
+    state = planned_state()
+    state.apply(AgentSetup(1, "gpu-b", "setting up", "installing the wheels sent (no index)"), 1.0)
+    row = state.rows[1]
+    assert row.state == "Setting up" and row.load_detail == "installing the wheels sent (no index)"
+    state.apply(AgentSetup(1, "gpu-b", "done", "", "pushed", 11.25, 60 << 20), 2.0)
+    assert row.state == "Unprovisioned" and row.load_detail == ""
+    lines = [text.plain for _, text in state.log]
+    assert lines[-2].endswith("stage 1 on gpu-b: installing the wheels sent (no index)")
+    assert lines[-1].endswith("stage 1 on gpu-b: agent pushed in 11.2 s, 60.0 MiB sent")

@@ -22,3 +22,31 @@ def test_a_hand_started_agent_serves_one_stage(tmp_path):
         parse_inventory(text, tmp_path / "inv.yaml")
     assert str(refused.value).startswith(f"{tmp_path / 'inv.yaml'}:8: stages[2]: stage 0 runs on manual already")
     assert "one agent per stage" in str(refused.value)
+
+
+def _host(tmp_path, entry: str):
+    text = f"model: {{path: m.gguf}}\nhosts:\n  h: {entry}\nstages:\n  - {{host: h}}\n"
+    return parse_inventory(text, tmp_path / "inv.yaml").hosts["h"]
+
+
+def test_an_ssh_host_without_agent_gets_the_one_ggufpipe_sets_up(tmp_path):
+    host = _host(tmp_path, "{address: a}")
+    assert (host.agent, host.agents_dir, host.install, host.python) == ("", "", "auto", "python3")
+    chosen = _host(tmp_path, "{address: a, agents_dir: /scratch/agents, install: build, python: python3.11}")
+    assert (chosen.agents_dir, chosen.install, chosen.python) == ("/scratch/agents", "build", "python3.11")
+    # A hand-started agent's bridge runs the one on the login PATH unless named.
+    assert _host(tmp_path, "{address: a, listen: '127.0.0.1:7000'}").agent == "ggufpipe-agent"
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("{address: a, install: pip}", "hosts.h.install: must be one of auto, push, build"),
+        ("{address: a, agent: x, install: push}", "hosts.h.install: is for the agent ggufpipe sets up"),
+        ("{address: a, agent: x, agents_dir: /d}", "hosts.h.agents_dir: is for the agent ggufpipe sets up"),
+        ("{address: a, python: ' '}", "hosts.h.python: names no command"),
+    ],
+)
+def test_the_setup_keys_are_checked(tmp_path, entry, message):
+    with pytest.raises(InventoryError, match=message):
+        _host(tmp_path, entry)

@@ -25,6 +25,7 @@ AGENT_LAYERS = (
 TUI_LAYERS = (
     ("ggufpipe_tui",),
     ("ggufpipe_tui.core",),
+    ("ggufpipe_tui.provision",),
     ("ggufpipe_tui.transports",),
     ("ggufpipe_tui.dataplane",),
     ("ggufpipe_tui.session",),
