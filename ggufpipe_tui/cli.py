@@ -24,8 +24,11 @@ completions and completions, streamed or not) until SIGTERM; with --plan it
 prints the plan (each stage's layers and the memory it needs and has on its
 host) and exits without loading anything.
 
-ggufpipe-tui setup INVENTORY --check reports what each host has for an agent
-(Python, platform, GPUs, the agent, free disk; see ggufpipe-tui setup --help).
+An SSH host whose entry names no agent: gets this orchestrator's agent on the
+first run (a venv of its own there, its wheels pushed over SSH or built there
+from the host's own index). ggufpipe-tui setup INVENTORY does that for every
+host ahead of time; with --check it only reports what each host has (Python,
+platform, GPUs, the agent, free disk; see ggufpipe-tui setup --help).
 
 ggufpipe-tui cache INVENTORY [list | remove NAME... | remove --all | verify]
 lists, removes or verifies the stage files cached on the inventory's hosts
