@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -58,8 +57,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def account(server: Sshd):
-    made = make_account(server.client_key.with_suffix(".pub").read_text().strip())
+def account(server: Sshd, tmp_path_factory: pytest.TempPathFactory):
+    made = make_account(server, tmp_path_factory.mktemp("account-setup"))
     yield made
     remove_account(made)
 
@@ -333,12 +332,8 @@ def test_a_host_lacking_a_package_is_named_before_any_stage_loads(tmp_path, serv
     """A venv with ggufpipe and every dependency but gguf (which the agent
     imports only when it reads a stage file): the run fails at once, naming
     the host and the module, and no stage file is sent."""
-    deps, wheel, _ = wheelhouse()
     venv = account.home / "venv-without-gguf"
-    try:
-        install_agent(account, venv, deps, wheel, key="", skip="gguf")
-    finally:
-        shutil.rmtree(wheel.parent, ignore_errors=True)
+    install_agent(account, venv, wheelhouse(), skip="gguf")
     lacking = f"{venv}/bin/python -m ggufpipe_agent"
     hosts = {"gpu-a": host(server, account, "~/lacking/a", agent=lacking), "gpu-b": host(server, account, "~/lacking/b")}
     path = inventory(tmp_path / "inv.yaml", private_model, hosts, [{"host": "gpu-a"}, {"host": "gpu-b"}], send=True)

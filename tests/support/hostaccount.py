@@ -1,31 +1,21 @@
 """A non-root account on this machine that plays a GPU host holding no model.
 
-Run as root (CI), the fixture creates the account (``useradd``), gives it the
-loopback sshd's client key in its own ``~/.ssh/authorized_keys`` and installs
-the agent the way a real host gets it: a venv made with the system Python
-(``/usr/bin/python3 -m venv``: the test's Python may live in root's home,
-which the account cannot read), and ggufpipe with its **declared**
-dependencies installed into it by pip from a wheelhouse, with no index:
-
-* the dependencies' wheels are made once per dependency set
-  (``pip wheel`` of the project, constrained to the versions the test venv runs,
-  with the llama-cpp-python wheel ``scripts/setup`` keeps in ``.wheels/``) and
-  kept in ``.wheels/deps-KEY``;
-* ggufpipe's own wheel is built from the checkout each session.
-
-The account's venv is made anew whenever the dependency set changes (a stamp in
-the venv holds its key), so nothing left by an earlier run can stand in for a
-missing install step; ggufpipe itself is reinstalled every session. The agent's
+Run as root (CI), the fixture creates the account (``useradd``) with nothing
+in it but the loopback sshd's client key in its own ``~/.ssh/authorized_keys``,
+and gives it its agent the way ggufpipe gives any host one: ``ggufpipe-tui
+setup`` over SSH on an inventory whose entry names no ``agent:``
+(provision/hosts.py: the wheels pushed, pip there with no index, a venv of
+the system's python3 under its ``~/.cache/ggufpipe/agents``). The agent's
 own self-check (``ggufpipe-agent --check``) then has to pass.
 
-Run as another user, that user is the account (already not root) and its own
-Python is used.
+Run as another user, that user is the account (already not root), set up
+the same way in its own home.
 """
 
 from __future__ import annotations
 
 import getpass
-import hashlib
+import json
 import os
 import pwd
 import shutil
@@ -35,14 +25,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
+from ggufpipe_tui.provision import wheels
 from tests.support.common import REPO
+from tests.support.sshd import Sshd
 
 ACCOUNT = "ggufpipe-test"
 MARKER = ".ggufpipe-test-account"  # in the home of an account these tests created
 SYSTEM_PYTHON = "/usr/bin/python3"
-WHEELS = REPO / ".wheels"  # scripts/setup keeps the llama-cpp-python wheel here
-STAMP = ".ggufpipe-deps"  # in the account's venv: the key of the dependency set installed
-PIP_TIMEOUT = 900
 
 
 @dataclass(frozen=True)
@@ -50,7 +41,7 @@ class HostAccount:
     name: str
     home: Path
     python: str  # the agent's interpreter there
-    how: str  # "wheels" (installed from them) or "self" (the tests already run as this non-root user)
+    how: str  # "wheels" (an account made for the tests) or "self" (the tests already run as this non-root user)
     created: bool  # this fixture made it (and removes it)
 
     @property
@@ -71,162 +62,109 @@ class HostAccount:
         return self.run("test", "-r", str(path), check=False).returncode == 0
 
 
-def _pip(*args: str, cwd: Path = REPO) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=PIP_TIMEOUT,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"pip {' '.join(args[:2])} failed: {done.stderr.strip()[-2000:]}")
+def wheelhouse() -> wheels.Wheelhouse:
+    """The wheels ggufpipe pushes to a host (made here once per build)."""
+    return wheels.wheelhouse()
 
 
-def _constraints() -> str:
-    """The test venv's own versions of everything but ggufpipe."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "--disable-pip-version-check", "freeze", "--exclude-editable"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    lines = [
-        line
-        for line in done.stdout.splitlines()
-        if line and " @ " not in line and not line.lower().startswith("ggufpipe")
-    ]
-    return "\n".join(sorted(lines)) + "\n"
-
-
-def wheelhouse() -> tuple[Path, Path, str]:
-    """The dependencies' wheels (made once per dependency set), this checkout's
-    ggufpipe wheel (made now), and the dependency set's key."""
-    llama = sorted(WHEELS.glob("llama_cpp_python-*.whl"))
-    if not llama:
-        raise RuntimeError(
-            f"no llama-cpp-python wheel in {WHEELS}: run scripts/setup, which keeps the one it builds"
-        )
-    constraints = _constraints()
-    requirements = (REPO / "pyproject.toml").read_text()
-    key = hashlib.sha256(f"{constraints}{requirements}{llama[0].name}".encode()).hexdigest()[:16]
-    deps = WHEELS / f"deps-{key}"
-    own = Path(tempfile.mkdtemp(prefix="ggufpipe-wheel-"))
-    # The project's wheel, then (once) every declared dependency as a wheel at
-    # the test venv's version; pip reuses its cache, llama-cpp-python is ours.
-    # setuptools builds in the checkout's build/, and a build/lib left from
-    # before a module moved would put the old module in the wheel too.
-    shutil.rmtree(REPO / "build", ignore_errors=True)
-    _pip("wheel", "--no-deps", "-w", str(own), str(REPO))
-    if not (deps / "complete").exists():
-        for old in WHEELS.glob("deps-*"):
-            shutil.rmtree(old, ignore_errors=True)
-        partial = Path(tempfile.mkdtemp(prefix="deps-", dir=WHEELS))
-        (partial / "constraints.txt").write_text(constraints)
-        wheel = next(own.glob("ggufpipe-*.whl"))
-        _pip(
-            "wheel",
-            "-w",
-            str(partial),
-            "--find-links",
-            str(WHEELS),
-            "-c",
-            str(partial / "constraints.txt"),
-            str(wheel),
-        )
-        for extra in partial.glob("ggufpipe-*.whl"):
-            extra.unlink()
-        (partial / "complete").touch()
-        partial.rename(deps)
-    return deps, next(own.glob("ggufpipe-*.whl")), key
-
-
-def install_agent(
-    account: HostAccount, venv: Path, deps: Path, wheel: Path, key: str, skip: str = ""
-) -> None:
-    """A venv at ``venv`` with ggufpipe and its dependencies from the wheels,
-    installed by the account's own pip with no index; ``skip``: a wheel left
-    out on purpose (a host that lacks one package)."""
+def install_agent(account: HostAccount, venv: Path, house: wheels.Wheelhouse, skip: str) -> None:
+    """A venv at ``venv`` with ggufpipe and every dependency but ``skip``
+    (a host that lacks one package), by the account's own pip with no index."""
     owner = pwd.getpwnam(account.name)
-    stamp = venv / STAMP
-    if venv.exists() and (not stamp.exists() or stamp.read_text() != key):
-        shutil.rmtree(venv)
-    fresh = not venv.exists()
-    if fresh:
-        account.run(SYSTEM_PYTHON, "-m", "venv", str(venv))
-    # The wheels where the account can read them (the checkout may be in a
-    # directory only root can, as in CI).
-    house = account.home / "wheels"
-    shutil.rmtree(house, ignore_errors=True)
-    house.mkdir()
-    for source in [*deps.glob("*.whl"), wheel, deps / "constraints.txt"]:
-        if skip and source.name.lower().startswith(skip.lower().replace("-", "_") + "-"):
-            continue
-        shutil.copy2(source, house / source.name)
-    subprocess.run(["chown", "-R", f"{owner.pw_uid}:{owner.pw_gid}", str(house)], check=True)
-    # Only these wheels: no index, and none of this machine's pip settings.
-    pip = [
-        "env",
-        f"PIP_CONFIG_FILE={os.devnull}",
-        str(venv / "bin" / "python"),
-        "-m",
-        "pip",
-        "--disable-pip-version-check",
-        "-q",
-        "install",
-        "--no-index",
-        "--find-links",
-        str(house),
-    ]
-    target = str(house / wheel.name)
-    if fresh and skip:
-        names = [str(w) for w in house.glob("*.whl")]
-        done = account.run(*pip, "--no-deps", *names, check=False, timeout=PIP_TIMEOUT)
-    elif fresh:
-        done = account.run(
-            *pip, "-c", str(house / "constraints.txt"), target, check=False, timeout=PIP_TIMEOUT
-        )
-    else:
-        done = account.run(*pip, "--force-reinstall", "--no-deps", target, check=False, timeout=PIP_TIMEOUT)
-    if done.returncode != 0:
-        raise RuntimeError(f"installing ggufpipe into {venv} failed: {done.stderr.strip()[-2000:]}")
-    if fresh and not skip:
-        stamp.write_text(key)
-    shutil.rmtree(house, ignore_errors=True)
-    subprocess.run(["chown", "-R", f"{owner.pw_uid}:{owner.pw_gid}", str(venv)], check=True)
-
-
-def make_account(client_public_key: str) -> HostAccount:
-    if os.geteuid() != 0:  # the sshd's own authorized_keys already lets this user in
-        return HostAccount(getpass.getuser(), Path.home(), sys.executable, "self", created=False)
+    shutil.rmtree(venv, ignore_errors=True)
+    account.run(SYSTEM_PYTHON, "-m", "venv", str(venv))
+    folder = Path(tempfile.mkdtemp(prefix="wheels-", dir=account.home))
     try:
-        entry = pwd.getpwnam(ACCOUNT)
+        for source in [*house.deps, house.own]:
+            if not source.name.lower().startswith(skip.lower().replace("-", "_") + "-"):
+                shutil.copy2(source, folder / source.name)
+        subprocess.run(["chown", "-R", f"{owner.pw_uid}:{owner.pw_gid}", str(folder)], check=True)
+        pip = ["env", f"PIP_CONFIG_FILE={os.devnull}", str(venv / "bin" / "python"), "-m", "pip"]
+        names = [str(wheel) for wheel in folder.glob("*.whl")]
+        done = account.run(*pip, "install", "-q", "--no-index", "--no-deps", *names, check=False, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"installing into {venv} failed: {done.stderr.strip()[-2000:]}")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def create_account(name: str, public_key: str) -> HostAccount:
+    """The account ``name`` with nothing but SSH access (created when run as
+    root; else the tests' own user). Its ``python`` is set by :func:`set_up_agent`."""
+    if os.geteuid() != 0:  # the sshd's own authorized_keys already lets this user in
+        return HostAccount(getpass.getuser(), Path.home(), "", "self", created=False)
+    try:
+        entry = pwd.getpwnam(name)
         created = (Path(entry.pw_dir) / MARKER).exists()
         if not created:
-            raise RuntimeError(
-                f"an account {ACCOUNT} exists that these tests did not create; not touching it"
-            )
+            raise RuntimeError(f"an account {name} exists that these tests did not create; not touching it")
     except KeyError:
-        subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", ACCOUNT], check=True)
+        subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", name], check=True)
         # useradd leaves the password locked ("!"), which sshd refuses even for
         # keys (without PAM); "*" is no password at all, and not locked.
-        subprocess.run(["usermod", "--password", "*", ACCOUNT], check=True)
-        entry = pwd.getpwnam(ACCOUNT)
+        subprocess.run(["usermod", "--password", "*", name], check=True)
+        entry = pwd.getpwnam(name)
         created = True
     home = Path(entry.pw_dir)
     (home / MARKER).touch()
-    _authorize(home, client_public_key, owner=entry)
-    venv = home / "venv"
-    account = HostAccount(ACCOUNT, home, str(venv / "bin" / "python"), "wheels", created)
-    deps, wheel, key = wheelhouse()
-    try:
-        install_agent(account, venv, deps, wheel, key)
-    finally:
-        shutil.rmtree(wheel.parent, ignore_errors=True)
-    check = account.run(account.python, "-m", "ggufpipe_agent", "--check", check=False)
+    _authorize(home, public_key, owner=entry)
+    return HostAccount(name, home, "", "wheels", created)
+
+
+def account_entry(server: Sshd, account: HostAccount, **extra: object) -> dict[str, object]:
+    """The account as an inventory host (no agent: ggufpipe sets one up)."""
+    entry: dict[str, object] = {
+        "address": "127.0.0.1",
+        "port": server.port,
+        "user": account.name,
+        "identity": str(server.client_key),
+        "known_hosts": str(server.known_hosts),
+        "threads": 1,
+    }
+    entry.update(extra)
+    return entry
+
+
+def run_setup(
+    server: Sshd, account: HostAccount, folder: Path, *extra: str, **entry: object
+) -> subprocess.CompletedProcess[str]:
+    """``ggufpipe-tui setup`` for the account alone, as a user runs it."""
+    document = {
+        "model": {"path": "unused.gguf", "send": True},
+        "hosts": {"host": account_entry(server, account, **entry)},
+        "stages": [{"host": "host"}],
+        "timeouts": {"connect": 30},
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "setup.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return subprocess.run(
+        [sys.executable, "-m", "ggufpipe_tui.cli", "setup", str(path), "--json", *extra],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=1800,
+    )
+
+
+def set_up_agent(server: Sshd, account: HostAccount, folder: Path) -> HostAccount:
+    """The account given its agent by ``ggufpipe-tui setup``; its ``python`` that agent's."""
+    done = run_setup(server, account, folder)
+    if done.returncode != 0:
+        raise RuntimeError(f"ggufpipe-tui setup failed for {account.name}: {done.stderr.strip()[-3000:]}")
+    report = json.loads(done.stdout)["hosts"][0]
+    python = f"{report['agents_dir']}/{wheels.this_build().name}/bin/python"
+    made = HostAccount(account.name, account.home, python, account.how, account.created)
+    check = made.run(python, "-m", "ggufpipe_agent", "--check", check=False)
     if check.returncode != 0:
         raise RuntimeError(f"the account's agent cannot run: {check.stderr.strip()}")
-    return account
+    return made
+
+
+def make_account(server: Sshd, folder: Path) -> HostAccount:
+    """The test account, its agent set up by ggufpipe over SSH."""
+    account = create_account(ACCOUNT, server.client_key.with_suffix(".pub").read_text().strip())
+    return set_up_agent(server, account, folder)
 
 
 def _authorize(home: Path, public_key: str, owner: pwd.struct_passwd) -> None:
