@@ -46,11 +46,31 @@ Metadata = Callable[[str], Any]
 Overrides = dict[str, tuple[Any, Any, Any]]
 
 
+#: ``check(get, block_count, start, end, where)``: raise for a range ``[start, end)``
+#: (never the whole model) that no stage file can make exact.
+SplitCheck = Callable[[Metadata, int, int, int, str], None]
+#: ``overrides(get, start, end)``: what a stage file of ``[start, end)`` must carry.
+StageOverrides = Callable[[Metadata, int, int], Overrides]
+
+
 @dataclass(frozen=True, slots=True)
 class Architecture:
     name: str
     #: How the split was proven identical to the whole model (docs/architectures.md).
     verified: str
+    #: Refuses the ranges a stage file cannot make exact (None: every range is fine).
+    check: SplitCheck | None = None
+    #: The metadata a stage file must carry instead of the copied values.
+    overrides: StageOverrides | None = None
+    #: Global tensors every stage file keeps, not only the last stage
+    #: (llama.cpp requires ``output.weight`` to load some architectures).
+    keep_tensors: tuple[str, ...] = ()
+    #: ``cut_multiple(get)``: every stage must start at a multiple of this
+    #: block index (1: anywhere); the planner places its cuts there.
+    cut_multiple: Callable[[Metadata], int] | None = None
+    #: ``positions_per_token(get)``: positions a batch of embeddings carries per
+    #: token for this model (4 with M-RoPE sections; llama_batch_init gives 1).
+    positions_per_token: Callable[[Metadata], int] | None = None
 
 
 SUPPORTED: dict[str, Architecture] = {
@@ -81,6 +101,43 @@ SUPPORTED: dict[str, Architecture] = {
 }
 
 
+def _families() -> dict[str, Architecture]:
+    """The architectures of :mod:`ggufpipe_agent.gguf.families`: one module
+    each, with its split rules and its own split-exactness test
+    (tests/model/test_arch_<module>.py)."""
+    import importlib
+    import pkgutil
+
+    from ggufpipe_agent.gguf import families
+
+    found: dict[str, Architecture] = {}
+    for module in sorted(pkgutil.iter_modules(families.__path__), key=lambda m: m.name):
+        arch = importlib.import_module(f"{families.__name__}.{module.name}").ARCHITECTURE
+        found[arch.name] = arch
+    return found
+
+
+SUPPORTED.update(_families())
+
+
+def keep_tensors(arch: str) -> tuple[str, ...]:
+    """Global tensors every stage file of ``arch`` keeps (besides the usual ones)."""
+    support = SUPPORTED.get(arch)
+    return support.keep_tensors if support else ()
+
+
+def cut_multiple(arch: str, get: Metadata) -> int:
+    """Stages of ``arch`` start at multiples of this block index (1: anywhere)."""
+    support = SUPPORTED.get(arch)
+    return support.cut_multiple(get) if support and support.cut_multiple else 1
+
+
+def positions_per_token(arch: str, get: Metadata) -> int:
+    """Positions per token of a batch of embeddings for this model (usually 1)."""
+    support = SUPPORTED.get(arch)
+    return support.positions_per_token(get) if support and support.positions_per_token else 1
+
+
 def check_architecture(arch: str, where: str) -> Architecture:
     support = SUPPORTED.get(arch)
     if support is None:
@@ -105,6 +162,9 @@ def check_split(arch: str, get: Metadata, start: int, end: int, where: str) -> N
         return
     if arch == "gemma3":
         _gemma3_check(get, block_count, start, end, where)
+    support = SUPPORTED[arch]
+    if support.check is not None:
+        support.check(get, block_count, start, end, where)
 
 
 def check_plan(facts: Any, ranges: list[tuple[int, int]], where: str) -> None:
@@ -129,6 +189,9 @@ def stage_metadata_overrides(arch: str, get: Metadata, start: int, end: int) -> 
     which derives nothing from the block index or count."""
     if arch == "gemma3":
         return _gemma3_overrides(get, start, end)
+    support = SUPPORTED.get(arch)
+    if support is not None and support.overrides is not None:
+        return support.overrides(get, start, end)
     return {}
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ggufpipe_agent.errors import ModelError, RangeError
-from ggufpipe_agent.gguf.architectures import Overrides, check_split, stage_metadata_overrides
+from ggufpipe_agent.gguf.architectures import Overrides, check_split, keep_tensors, stage_metadata_overrides
 from ggufpipe_agent.gguf.files import ModelFiles
 from ggufpipe_agent.gguf.header import ARRAY, DEFAULT_ALIGNMENT, SCALAR_FORMATS, STRING, LongArray, align
 
@@ -166,6 +166,7 @@ def stage_layout(
     if overrides is None:
         overrides = stage_metadata_overrides(arch, header.get, start, end)
     last = end == block_count
+    kept = keep_tensors(arch)  # global tensors llama.cpp needs in every stage of this architecture
     alignment = int(header.get("general.alignment", DEFAULT_ALIGNMENT))
 
     chosen = []
@@ -177,7 +178,7 @@ def stage_layout(
             if not start <= index < end:
                 continue
             name = f"blk.{index - start}.{match.group(2)}"
-        elif entry.name == "output.weight" and not last:
+        elif entry.name == "output.weight" and not last and entry.name not in kept:
             continue  # only the last stage projects to the vocabulary
         else:
             name = entry.name

@@ -103,7 +103,15 @@ def run_chain(path: Path, splits: list[tuple[int, int]], cache_dir: Path | None 
 
 
 def test_every_accepted_architecture_is_tested():
+    import pkgutil
+
+    from ggufpipe_agent.gguf import families
+
     tested = {synthetic.SPECS[model].arch for model in (*MODELS_7, "gemma3")}
+    for module in pkgutil.iter_modules(families.__path__):
+        test = REPO / "tests" / "model" / f"test_arch_{module.name}.py"
+        assert test.is_file(), f"ggufpipe_agent/gguf/families/{module.name}.py is accepted without {test}"
+        tested.add(__import__(f"{families.__name__}.{module.name}", fromlist=["ARCHITECTURE"]).ARCHITECTURE.name)
     assert set(SUPPORTED) == tested, "an architecture is accepted only with a split-exactness test"
 
 
