@@ -129,4 +129,3 @@ def _file_type_name(value: Any) -> str:
     except ValueError:
         return f"type {value}"
     return name.removeprefix("MOSTLY_")
-

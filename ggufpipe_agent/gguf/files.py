@@ -143,9 +143,7 @@ class ModelFiles:
 
     def resolved_sources(self) -> tuple[SourceFile, ...]:
         """The files' identities with their real paths (however they were named)."""
-        return tuple(
-            SourceFile(os.path.realpath(s.path), s.size, s.mtime_ns, s.inode) for s in self.sources
-        )
+        return tuple(SourceFile(os.path.realpath(s.path), s.size, s.mtime_ns, s.inode) for s in self.sources)
 
 
 def _source(path: Path) -> SourceFile:

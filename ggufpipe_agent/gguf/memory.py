@@ -3,13 +3,25 @@
 A stage is one llama.cpp model and context (:mod:`ggufpipe_agent.llama.engine`), so
 its memory is what llama.cpp allocates for it, in the places llama.cpp puts it:
 
-* **weights**: the tensor bytes of its blocks; ``token_embd`` on every stage
-  (stage files always carry it and llama.cpp keeps the input layer in host
-  memory); the output norm and projection where llama.cpp puts the output
-  layer. A stage file has ``output.weight`` only on the last stage, so every
-  other stage (and a model with tied embeddings) gets llama.cpp's
+* **weights**: the tensor bytes of its blocks (a mixture of experts' 3-D
+  ``*_exps`` tensors, its router ``ffn_gate_inp`` and shared experts
+  ``*_shexp`` included: every ``blk.N.*`` tensor, sized from its shape and
+  ggml type); ``token_embd`` on every stage (stage files always carry it and
+  llama.cpp keeps the input layer in host memory); the output norm and
+  projection where llama.cpp puts the output layer. A stage file has
+  ``output.weight`` only on the last stage, unless the architecture keeps it
+  in every stage (``Architecture.keep_tensors``: gpt-oss, minimax-m2); every
+  stage without it (and a model with tied embeddings) gets llama.cpp's
   ``TENSOR_DUPLICATED`` copy of ``token_embd`` as its projection: free on the
   CPU (the same mapped bytes), a real copy on a GPU.
+* **experts in RAM** (``EngineOptions.experts_in_ram``, llama.cpp's
+  ``--cpu-moe``): the routed experts (``EXPERTS_PATTERN``) of the offloaded
+  blocks stay in RAM, the rest of those blocks goes to the GPU. A prompt
+  ubatch of at least ``OP_OFFLOAD_MIN_BATCH`` tokens still runs the experts
+  on the GPU: ggml's scheduler copies each expert tensor there, one at a
+  time (a new split per offloaded weight), so that GPU's compute buffer also
+  holds the largest one; with smaller ubatches the CPU runs them and its
+  compute buffer holds the feed-forward phase.
 * **KV cache**: per block ``cells * (K + V widths) * 2`` bytes (f16), where
   ``cells`` is the context padded to 256. Sliding-window blocks (gemma3) get
   the full context too: llama.cpp's default ``swa_full = true`` is what the
@@ -61,6 +73,15 @@ AGENT_BASELINE = 128 * MIB
 #: inbound payload, its decoded rows and the captured outbound rows.
 ACTIVATION_COPIES = 3
 _BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
+#: The routed experts' tensors, as llama.cpp's ``--cpu-moe`` names them
+#: (``LLM_FFN_EXPS_REGEX``, common/common.h; matched with ``regex_search``):
+#: not the router (``ffn_gate_inp``) nor the shared experts (``*_shexp``).
+EXPERTS_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+_EXPERTS = re.compile(EXPERTS_PATTERN)
+#: A CUDA device runs an op whose weights are in host memory itself (copying
+#: them over) from this many rows of a batch (``GGML_OP_OFFLOAD_MIN_BATCH``,
+#: ggml-cuda.cu ``get_op_batch_size``: a ``MUL_MAT_ID``'s tokens).
+OP_OFFLOAD_MIN_BATCH = 32
 
 
 # ------------------------------------------------------------ model facts
@@ -83,7 +104,7 @@ def memory_facts(header: Any, tensors: Any = None) -> MemoryFacts:
     """The memory facts of a parsed GGUF header (:class:`~ggufpipe_agent.gguf.header.GgufHeader`);
     ``tensors``: the tensor table when it spans more files than the header's
     (a split set), else the header's own."""
-    from ggufpipe_agent.gguf.architectures import gemma3_swa_flags
+    from ggufpipe_agent.gguf.architectures import gemma3_swa_flags, keep_tensors
 
     arch = header.architecture
     get = header.get
@@ -96,9 +117,11 @@ def memory_facts(header: Any, tensors: Any = None) -> MemoryFacts:
     key_length = int(get(f"{arch}.attention.key_length", head_dim))
     value_length = int(get(f"{arch}.attention.value_length", head_dim))
     experts = int(get(f"{arch}.expert_count", 0) or 0)
+    # A per-layer array (which a split refuses, but the whole model may be read): the widest.
+    used = _widest(get(f"{arch}.expert_used_count"), 1) or 1
     if experts:
         n_ff = _widest(get(f"{arch}.expert_feed_forward_length", get(f"{arch}.feed_forward_length")))
-        n_ff *= int(get(f"{arch}.expert_used_count", 1) or 1)
+        n_ff *= used
     else:
         n_ff = _widest(get(f"{arch}.feed_forward_length"), 4 * n_embd)
     tokens = get("tokenizer.ggml.tokens")
@@ -112,6 +135,13 @@ def memory_facts(header: Any, tensors: Any = None) -> MemoryFacts:
             window = int(get("gemma3.attention.sliding_window", 0) or 0)
 
     block_bytes = [0] * blocks
+    expert_bytes = [0] * blocks
+    expert_tensor = [0] * blocks
+    # Feed-forward widths per block, from the tensors' shapes (ne[1] of the
+    # up projections): a dense block's, or its experts' and shared experts'.
+    dense_ff: dict[int, int] = {}
+    expert_ff: dict[int, int] = {}
+    shared_ff: dict[int, int] = {}
     named = {"token_embd.weight": 0, "output_norm.weight": 0, "output.weight": 0}
     global_bytes = 0
     for tensor in header.tensors if tensors is None else tensors:
@@ -121,23 +151,53 @@ def memory_facts(header: Any, tensors: Any = None) -> MemoryFacts:
             if index >= blocks:
                 raise ModelError(f"{header.path}: tensor {tensor.name} beyond block_count {blocks}")
             block_bytes[index] += tensor.nbytes
+            if _EXPERTS.search(tensor.name):
+                expert_bytes[index] += tensor.nbytes
+                expert_tensor[index] = max(expert_tensor[index], tensor.nbytes)
+            rest = tensor.name[match.end() :]
+            width = tensor.shape[1] if len(tensor.shape) > 1 else 0
+            if rest == "ffn_up.weight":
+                dense_ff[index] = width
+            elif rest == "ffn_up_exps.weight":
+                expert_ff[index] = width
+            elif rest == "ffn_up_shexp.weight":
+                shared_ff[index] = width
         elif tensor.name in named:
             named[tensor.name] += tensor.nbytes
         else:
             global_bytes += tensor.nbytes
+    if expert_ff:
+        # A mixture of experts: its widest block is a dense one (DeepSeek's
+        # leading dense blocks) or the experts in use plus the shared ones.
+        dense = _widest(get(f"{arch}.feed_forward_length"), 4 * n_embd)
+        n_ff = max(
+            dense_ff.get(block, dense)
+            if block not in expert_ff
+            else expert_ff[block] * used + shared_ff.get(block, 0)
+            for block in range(blocks)
+        )
+    # Multi-head latent attention (deepseek2 with *_mla head sizes): llama.cpp
+    # caches K only (the compressed latent and the rotary part) and reads V
+    # as a view of it (llama_kv_cache: has_v = !is_mla).
+    mla = bool(get(f"{arch}.attention.key_length_mla")) and bool(get(f"{arch}.attention.value_length_mla"))
+    cached = key_length if mla else key_length + value_length
+    has_experts = any(expert_bytes)
     return MemoryFacts(
         block_bytes=tuple(block_bytes),
         token_embd_bytes=named["token_embd.weight"],
         output_norm_bytes=named["output_norm.weight"],
         output_bytes=named["output.weight"],
         global_bytes=global_bytes,
-        kv_widths=tuple(kv * (key_length + value_length) for kv in kv_heads),
+        kv_widths=tuple(kv * cached for kv in kv_heads),
         swa_blocks=tuple(swa),
         sliding_window=window,
         n_embd=n_embd,
         n_vocab=n_vocab,
         n_ff=n_ff,
         q_width=widest_heads * key_length,
+        expert_bytes=tuple(expert_bytes) if has_experts else (),
+        expert_tensor_bytes=tuple(expert_tensor) if has_experts else (),
+        output_kept="output.weight" in keep_tensors(arch),
     )
 
 
@@ -197,6 +257,11 @@ class StageMemory:
     @property
     def offloaded(self) -> bool:
         return any(device.total for device in self.devices)
+
+
+def has_experts(memory: MemoryFacts, start: int, end: int) -> bool:
+    """Whether blocks ``[start, end)`` hold routed experts (``*_exps`` tensors)."""
+    return any(memory.expert_bytes[start:end])
 
 
 def kv_cells(n_ctx: int) -> int:
@@ -261,7 +326,9 @@ def estimate_stage(
 ) -> StageMemory:
     """What the stage running blocks ``[start, end)`` needs. ``devices`` are
     the host's GPUs as (name, free bytes) when the stage offloads (the engine
-    passes ``gpu_layers`` to llama.cpp); empty for a CPU stage."""
+    passes ``gpu_layers`` to llama.cpp); empty for a CPU stage. With
+    ``options.experts_in_ram`` the routed experts of offloaded blocks count
+    in RAM (the module docstring says what else changes)."""
     blocks = end - start
     last = end == len(memory.block_bytes)
     slots = _slots(blocks, options, [free for _, free in devices])
@@ -269,30 +336,45 @@ def estimate_stage(
     weights = [0] * len(places)
     kv = [0] * len(places)
     counts = [0] * len(places)
+    copies = [0] * len(places)  # the largest expert tensor a device copies in for a prompt
+    split_experts = options.experts_in_ram and bool(memory.expert_bytes)
     for offset in range(blocks):
+        block = start + offset
         where = slots[offset] + 1
-        weights[where] += memory.block_bytes[start + offset]
-        kv[where] += kv_block_bytes(memory, start + offset, options, swa_full)
+        weights[where] += memory.block_bytes[block]
+        kv[where] += kv_block_bytes(memory, block, options, swa_full)
         counts[where] += 1
+        if split_experts and where:
+            weights[where] -= memory.expert_bytes[block]
+            weights[0] += memory.expert_bytes[block]
+            copies[where] = max(copies[where], memory.expert_tensor_bytes[block])
     # The input layer (token_embd) and the other global tensors stay in RAM.
     weights[0] += memory.token_embd_bytes + memory.global_bytes
     output = slots[blocks] + 1
-    projection = memory.output_bytes if last and memory.output_bytes else 0
+    has_projection = last or memory.output_kept
+    projection = memory.output_bytes if has_projection and memory.output_bytes else 0
     if output != 0 and not projection:
         projection = memory.token_embd_bytes  # TENSOR_DUPLICATED: a copy on the GPU
     weights[output] += memory.output_norm_bytes + projection
 
     logits, block_phase, mask = compute_phases(memory, start, end, options)
+    ub = min(options.n_ubatch, options.n_ctx)
+    feed_forward = ub * (3 * memory.n_ff + 4 * memory.n_embd) * 4 + mask
+    offloaded_experts = ub >= OP_OFFLOAD_MIN_BATCH  # the GPU runs them, on copies
     compute = [0] * len(places)
     for where in range(1, len(places)):
         if counts[where] or where == output:
             compute[where] = max(logits if where == output else 0, block_phase)
+            if copies[where] and offloaded_experts:
+                compute[where] = max(compute[where], feed_forward + copies[where])
     if len(places) == 1 or counts[0] or output == 0:
         compute[0] = max(logits if output == 0 else 0, block_phase)
     else:
         # All on GPUs: the host keeps the graph inputs (embedding rows, the
         # masks) for the copy to the device. Not measured.
-        compute[0] = min(options.n_ubatch, options.n_ctx) * memory.n_embd * 4 + mask
+        compute[0] = ub * memory.n_embd * 4 + mask
+        if any(copies) and not offloaded_experts:
+            compute[0] = max(compute[0], feed_forward)  # the CPU runs the experts
     rows = 1 if last else min(options.n_batch, options.n_ctx)
     outputs = rows * memory.n_vocab * 4
     activation = options.n_ctx * memory.n_embd * 4 * ACTIVATION_COPIES if start or not last else 0

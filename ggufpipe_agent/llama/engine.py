@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,6 +67,55 @@ def _init_backend() -> None:
 
 
 _log_callback: object = None
+
+
+class _BufferTypeOverride(ctypes.Structure):
+    """llama.h's ``struct llama_model_tensor_buft_override``: the tensors whose
+    names match ``pattern`` (``std::regex_search``) go to buffer type ``buft``."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+@functools.cache
+def _cpu_buffer_type() -> int:
+    """``ggml_backend_cpu_buffer_type()`` (libggml-base): llama.cpp compares an
+    override's buffer type with it to keep the CPU's repacking buffer types."""
+    import llama_cpp
+
+    library = Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"
+    base = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    function = base.ggml_backend_cpu_buffer_type
+    function.argtypes = []
+    function.restype = ctypes.c_void_p
+    buft = function()
+    if not buft:
+        raise EngineError("ggml has no CPU buffer type")
+    return int(buft)
+
+
+def experts_in_ram_overrides() -> ctypes.Array[_BufferTypeOverride]:
+    """The NULL-terminated override list of llama.cpp's ``--cpu-moe``: every
+    routed expert tensor (``EXPERTS_PATTERN``) in a CPU buffer. llama.cpp
+    keeps the pointer: the caller keeps the array alive with the model."""
+    from ggufpipe_agent.gguf.memory import EXPERTS_PATTERN
+
+    overrides = (_BufferTypeOverride * 2)()  # the second, all zero, ends the list
+    overrides[0].pattern = EXPERTS_PATTERN.encode()
+    overrides[0].buft = _cpu_buffer_type()
+    return overrides
+
+
+#: LLAMA_ROPE_TYPE_MROPE and _IMROPE: llama.cpp reads 4 positions per embedding.
+_MROPE_TYPES = (8, 40)
+
+
+def _positions_per_token(path: str) -> int:
+    """Positions per token of a batch of embeddings for this stage file."""
+    from ggufpipe_agent.gguf.architectures import positions_per_token
+    from ggufpipe_agent.gguf.files import read_gguf_header
+
+    header = read_gguf_header(path)
+    return positions_per_token(header.architecture, header.get)
 
 
 def gpu_offload_supported() -> bool:
@@ -114,6 +165,12 @@ class StageEngine:
         model_params.n_gpu_layers = (
             0 if not gpu else (2**31 - 1 if options.gpu_layers < 0 else options.gpu_layers)
         )
+        self._buft_overrides: ctypes.Array[_BufferTypeOverride] | None = None
+        if options.experts_in_ram:
+            # The routed experts stay in host RAM, the rest of each offloaded
+            # block goes to the GPU (the planner's choice, docs/planning.md).
+            self._buft_overrides = experts_in_ram_overrides()
+            model_params.tensor_buft_overrides = ctypes.addressof(self._buft_overrides)
         self._progress_thunk = None
         if progress is not None:
 
@@ -169,7 +226,21 @@ class StageEngine:
         self._embd = (
             None if shape.first else np.ctypeslib.as_array(self._batch.embd, shape=(self.n_batch, n_embd))
         )
-        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
+        # Positions per token of a batch of embeddings: 4 where the model uses
+        # M-RoPE (llama.cpp reads them section-major, pos[j * n_tokens + i]),
+        # more than llama_batch_init allocates; the batch then points at ours.
+        self._positions = 1 if shape.first else _positions_per_token(path)
+        mrope = llama_cpp.llama_model_rope_type(self.model) in _MROPE_TYPES
+        if mrope and not shape.first and self._positions == 1:
+            self.close()  # llama.cpp would read 4 positions per embedding, past the buffer
+            raise EngineError(f"{path}: llama.cpp reads 4 positions per token, the stage file says 1")
+        # The address llama_batch_free frees (a ctypes pointer read from the
+        # struct would follow the field when it changes).
+        self._batch_pos = ctypes.cast(self._batch.pos, ctypes.c_void_p).value
+        if self._positions > 1:
+            self._pos_buffer = np.zeros(self.n_batch * self._positions, dtype=np.int32)
+            self._batch.pos = self._pos_buffer.ctypes.data_as(type(self._batch.pos))
+        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch * self._positions,))
         self._outputs = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
         n_seq_id = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))
         n_seq_id[:] = 1
@@ -319,7 +390,14 @@ class StageEngine:
                 else:
                     assert self._embd is not None
                     self._embd[:count] = rows[begin : begin + count]
-                self._pos[:count] = np.arange(self._n_past, self._n_past + count, dtype=np.int32)
+                if self._positions == 1:
+                    self._pos[:count] = np.arange(self._n_past, self._n_past + count, dtype=np.int32)
+                else:
+                    # Text positions as llama.cpp expands them for M-RoPE
+                    # (llm_graph_input_pos::set_input): [p, p, p, 0] per token.
+                    sections = self._pos[: self._positions * count].reshape(self._positions, count)
+                    sections[:] = np.arange(self._n_past, self._n_past + count, dtype=np.int32)
+                    sections[3:] = 0
                 if self.shape.last:
                     self._outputs[:count] = 0
                     self._outputs[count - 1] = 1 if begin + count == n else 0
@@ -480,6 +558,8 @@ class StageEngine:
             lib.llama_sampler_free(self._sampler)
             self._sampler = None
         if getattr(self, "_batch", None) is not None:
+            if getattr(self, "_batch_pos", None) is not None:  # not our position buffer
+                self._batch.pos = ctypes.cast(self._batch_pos, type(self._batch.pos))
             lib.llama_batch_free(self._batch)
             self._batch = None
         if getattr(self, "context", None):

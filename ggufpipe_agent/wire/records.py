@@ -94,6 +94,11 @@ class EngineOptions:
     n_ubatch: int
     threads: int = 0
     gpu_layers: int = -1
+    #: A mixture of experts' routed experts (``*_exps`` tensors) stay in host
+    #: RAM while the rest of each offloaded block goes to the GPU (llama.cpp's
+    #: ``--cpu-moe``: a tensor buffer-type override to the CPU). The planner
+    #: sets it (inventory ``experts:``; docs/planning.md).
+    experts_in_ram: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +168,13 @@ class MemoryFacts:
     n_vocab: int
     n_ff: int  # feed-forward width per token (n_ff_exp * n_expert_used for experts)
     q_width: int  # n_head * key_length
+    # Per block: the routed experts' bytes (the tensors llama.cpp's --cpu-moe
+    # pattern moves, memory.EXPERTS_PATTERN), and its largest such tensor (what
+    # llama.cpp copies to a GPU for a prompt ubatch when they stay in RAM).
+    # Empty: no experts (or a record from before they were counted).
+    expert_bytes: tuple[int, ...] = ()
+    expert_tensor_bytes: tuple[int, ...] = ()
+    output_kept: bool = False  # output.weight is in every stage file (Architecture.keep_tensors)
 
 
 @dataclass(frozen=True, slots=True)

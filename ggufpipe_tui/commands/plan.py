@@ -13,7 +13,7 @@ import sys
 from typing import IO, Any
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.gguf.memory import StageMemory, Usage, format_size
+from ggufpipe_agent.gguf.memory import StageMemory, Usage, format_size, memory_facts_of
 from ggufpipe_agent.wire.protocol import ModelFacts
 from ggufpipe_tui.core.events import AgentConnected, AgentLog, Event
 from ggufpipe_tui.core.inventory import Inventory
@@ -45,6 +45,7 @@ def placement_json(
     placement: Placement, inventory: Inventory, facts: ModelFacts, refusal: str
 ) -> dict[str, Any]:
     engine = placement.engine
+    memory = memory_facts_of(facts)
     return {
         "model": facts.stem,
         "architecture": facts.architecture,
@@ -65,6 +66,10 @@ def placement_json(
                 "places": list(stage.places),
                 "needed_bytes": stage.needed,
                 "available_bytes": stage.available,
+                # A mixture of experts' routed experts: "gpu", "ram" (llama.cpp's
+                # --cpu-moe), null when the stage offloads no block with experts.
+                "experts": stage.experts or None,
+                "expert_bytes": sum(memory.expert_bytes[stage.layers[0] : stage.layers[1]]),
                 "memory": _memory_json(stage.memory),
             }
             for stage in placement.stages
@@ -100,6 +105,7 @@ def _usage_text(usage: Usage) -> str:
 
 def placement_text(placement: Placement, inventory: Inventory, facts: ModelFacts) -> str:
     engine = placement.engine
+    memory = memory_facts_of(facts)
     how = "split by memory" if placement.automatic else "layers from the inventory"
     lines = [
         f"model {facts.stem}: {facts.architecture}, {facts.block_count} blocks, {facts.file_type}, "
@@ -120,6 +126,10 @@ def placement_text(placement: Placement, inventory: Inventory, facts: ModelFacts
                 split = usage.blocks and usage.blocks != stage.layers[1] - stage.layers[0]
                 blocks = f" ({usage.blocks} blocks)" if split else ""
                 lines.append(f"{'':>7}{usage.place}{blocks}: {_usage_text(usage)}")
+        if stage.experts:
+            where = "in RAM" if stage.experts_in_ram else "on GPU"
+            size = format_size(sum(memory.expert_bytes[stage.layers[0] : stage.layers[1]]))
+            lines.append(f"{'':>7}experts: {where} ({size} of routed experts)")
     lines += [
         "",
         "pools (what the plan may fill: the free memory less a reserve, at most the host's memory:)",

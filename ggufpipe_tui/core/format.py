@@ -64,9 +64,10 @@ def model_line(facts: ModelFacts, stages: int, hosts: int) -> str:
 
 
 def stage_plan_line(stage: StagePlan) -> str:
+    experts = ", experts in RAM" if stage.engine.experts_in_ram else ""
     return (
         f"stage {stage.stage_index}: layers [{stage.layer_start}, {stage.layer_end_exclusive}) on "
-        f"{stage.node_id}, ~{format_bytes(stage.estimated_bytes)}"
+        f"{stage.node_id}, ~{format_bytes(stage.estimated_bytes)}{experts}"
     )
 
 

@@ -32,6 +32,12 @@ INSTALL_MODES = ("auto", "push", "build")
 #: The agent a hand-started host (listen:) runs when its entry names none.
 DEFAULT_AGENT = "ggufpipe-agent"
 
+#: Where a host's stages keep a mixture of experts' routed experts when they
+#: offload to a GPU (``experts:``): "auto" on the GPU unless it cannot hold
+#: them and the host's RAM can (the planner decides, docs/planning.md); "gpu"
+#: always there; "ram" always in host RAM (llama.cpp's --cpu-moe).
+EXPERT_MODES = ("auto", "gpu", "ram")
+
 #: Who feeds each sampled token back to stage 0 (``run.feedback``).
 FEEDBACK_MODES = ("ring", "orchestrator")
 
@@ -63,6 +69,7 @@ class HostSpec:
     listen_key: str = ""  # the hand-started agent's key file on the host ("": its default)
     threads: int = 0
     gpu_layers: int = -1
+    experts: str = "auto"  # EXPERT_MODES: a mixture of experts' routed experts on the GPU or in RAM
     cache_dir: str = ""
     memory: int = 0  # bytes of RAM the plan may use there; 0: what the agent reports
     data: str = ""  # DATA_MODES; "" takes the inventory's top-level data: (default "auto")
@@ -307,6 +314,8 @@ def _host(reader: _Reader, name: str, node: yaml.Node) -> HostSpec:
         raise reader.fail(node, key, "known_hosts and insecure_no_host_key_check exclude each other")
     if host.data and host.data not in DATA_MODES:
         raise reader.fail(node, f"{key}.data", f"must be one of {', '.join(DATA_MODES)}")
+    if host.experts not in EXPERT_MODES:
+        raise reader.fail(node, f"{key}.experts", f"must be one of {', '.join(EXPERT_MODES)}")
     if host.install not in INSTALL_MODES:
         raise reader.fail(node, f"{key}.install", f"must be one of {', '.join(INSTALL_MODES)}")
     if host.agent and (host.install != "auto" or host.agents_dir):

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_agent.gguf.architectures import cut_multiple
 from ggufpipe_agent.gguf.memory import (
     GIB,
     MIB,
@@ -33,6 +34,7 @@ from ggufpipe_agent.gguf.memory import (
     StageMemory,
     estimate_stage,
     format_size,
+    has_experts,
     kv_block_bytes,
     memory_facts_of,
 )
@@ -95,6 +97,14 @@ class StagePlacement:
     places: tuple[str, ...]  # where its blocks are: (RAM,) or its GPUs
     needed: int  # its estimate in those places
     available: int  # those pools' usable bytes (shared with the host's other stages); -1: unknown
+    # A mixture of experts' routed experts of its offloaded blocks: "gpu" (with
+    # the blocks), "ram" (llama.cpp's --cpu-moe); "" when it offloads no block
+    # that has experts.
+    experts: str = ""
+
+    @property
+    def experts_in_ram(self) -> bool:
+        return self.experts == "ram"
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,12 +188,49 @@ def _evaluate(
     ranges: Sequence[tuple[int, int]],
     automatic: bool,
 ) -> Placement:
+    """The placement of ``ranges``, with each stage's experts where its host's
+    ``experts:`` says; for ``auto``, a stage's routed experts go to RAM when
+    its GPUs cannot hold its share and its host's RAM can hold them (stage by
+    stage on a host, until its GPUs fit)."""
+    specs = [inventory.hosts[stage.host] for stage in inventory.stages]
+    in_ram = [spec.experts == "ram" for spec in specs]
+    placement = _evaluate_experts(inventory, memory, options, hosts, ranges, automatic, in_ram)
+    for index, spec in enumerate(specs):
+        if spec.experts != "auto" or placement.stages[index].experts != "gpu":
+            continue
+        host = placement.stages[index].host
+        gpus = [p for p in placement.pools if p.host == host and p.place != RAM and index in p.stages]
+        if all(pool.fits for pool in gpus):
+            continue
+        moved = [*in_ram[:index], True, *in_ram[index + 1 :]]
+        trial = _evaluate_experts(inventory, memory, options, hosts, ranges, automatic, moved)
+        if trial.pool(host, RAM).fits:
+            placement, in_ram = trial, moved
+    return placement
+
+
+def _evaluate_experts(
+    inventory: Inventory,
+    memory: MemoryFacts,
+    options: EngineOptions,
+    hosts: dict[str, _Host],
+    ranges: Sequence[tuple[int, int]],
+    automatic: bool,
+    in_ram: Sequence[bool],
+) -> Placement:
+    """The placement of ``ranges`` with stage ``i``'s routed experts in RAM
+    where ``in_ram[i]``."""
     needed: dict[tuple[str, str], int] = {}
     members: dict[tuple[str, str], list[int]] = {}
     stages = []
     for index, (stage, (start, end)) in enumerate(zip(inventory.stages, ranges, strict=True)):
         host = hosts[stage.host]
-        engine = replace(options, gpu_layers=inventory.hosts[stage.host].gpu_layers)
+        experts = ""
+        if host.devices and has_experts(memory, start, end):
+            experts = "ram" if in_ram[index] else "gpu"
+        engine = replace(
+            options, gpu_layers=inventory.hosts[stage.host].gpu_layers, experts_in_ram=experts == "ram"
+        )
         estimate = estimate_stage(memory, start, end, engine, host.devices)
         for place, count in _usage_by_place(estimate).items():
             key = (stage.host, place)
@@ -191,11 +238,16 @@ def _evaluate(
             if count:
                 members.setdefault(key, []).append(index)
         on_devices = tuple(d.place for d in estimate.devices if d.blocks)
-        places = on_devices if on_devices and not estimate.host.blocks else (RAM, *on_devices)
+        if not on_devices:
+            experts = ""  # no block offloaded (gpu_layers: 1): nothing to move
+        in_host = estimate.host.blocks or experts == "ram"
+        places = on_devices if on_devices and not in_host else (RAM, *on_devices)
         pools = [p for p in host.pools if p.place in places]
         available = -1 if any(not p.known for p in pools) else sum(p.usable for p in pools)
         in_places = sum(count for place, count in _usage_by_place(estimate).items() if place in places)
-        stages.append(StagePlacement(index, stage.host, (start, end), estimate, places, in_places, available))
+        stages.append(
+            StagePlacement(index, stage.host, (start, end), estimate, places, in_places, available, experts)
+        )
     filled = tuple(
         replace(
             pool,
@@ -220,9 +272,13 @@ def _proportional(
     memory: MemoryFacts,
     options: EngineOptions,
     hosts: dict[str, _Host],
+    multiple: int = 1,
 ) -> list[tuple[int, int]]:
     """Contiguous ranges, each proportional to its stage's room after its
-    fixed parts. Rooms of unknown size count as the largest known room."""
+    fixed parts. Rooms of unknown size count as the largest known room.
+    Every stage starts at a multiple of ``multiple`` (the architecture's
+    :func:`~ggufpipe_agent.gguf.architectures.cut_multiple`) and the last one
+    has at least ``multiple`` blocks (:func:`_last_start`)."""
     stages = inventory.stages
     count = len(stages)
     blocks = len(memory.block_bytes)
@@ -268,12 +324,13 @@ def _proportional(
     total_weight = sum(weights)
     cuts = [0]
     share = 0.0
+    last = _last_start(blocks, multiple)
     for index in range(count - 1):
         share += weights[index]
         target = cumulative[-1] * share / total_weight
-        low = cuts[-1] + 1
-        high = blocks - (count - 1 - index)
-        cut = min(range(low, high + 1), key=lambda k: (abs(cumulative[k] - target), k))
+        low = cuts[-1] + multiple
+        high = last - (count - 2 - index) * multiple  # room for the later stages' starts
+        cut = min(range(low, high + 1, multiple), key=lambda k: (abs(cumulative[k] - target), k))
         cuts.append(cut)
     cuts.append(blocks)
     return [(cuts[i], cuts[i + 1]) for i in range(count)]
@@ -285,9 +342,11 @@ def _repair(
     options: EngineOptions,
     hosts: dict[str, _Host],
     ranges: list[tuple[int, int]],
+    multiple: int = 1,
 ) -> list[tuple[int, int]]:
     """Move boundary blocks off stages whose pools overflow onto neighbours
-    with room, one at a time, while that helps."""
+    with room, ``multiple`` at a time (stages start only at its multiples),
+    while that helps."""
 
     def overflow(placement: Placement) -> float:
         return sum(max(pool.needed * (1 + MARGIN) - pool.usable, 0) for pool in placement.pools if pool.known)
@@ -298,10 +357,10 @@ def _repair(
             break
         best: tuple[float, list[tuple[int, int]], Placement] | None = None
         for boundary in range(1, len(ranges)):
-            for shift in (-1, 1):
+            for shift in (-multiple, multiple):
                 moved = list(ranges)
                 cut = moved[boundary][0] + shift
-                if not moved[boundary - 1][0] < cut < moved[boundary][1]:
+                if not (moved[boundary - 1][0] < cut and cut + multiple <= moved[boundary][1]):
                     continue
                 moved[boundary - 1] = (moved[boundary - 1][0], cut)
                 moved[boundary] = (cut, moved[boundary][1])
@@ -337,9 +396,41 @@ def evaluate(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | N
         return _evaluate(inventory, memory, options, hosts, ranges, False)
     if len(inventory.stages) > facts.block_count:
         assign_layers(inventory, facts.block_count)  # its error names the file and line
-    ranges = _proportional(inventory, memory, options, hosts)
-    ranges = _repair(inventory, memory, options, hosts, ranges)
+    multiple = _cut_multiple(facts)
+    _check_stage_count(inventory, facts, multiple)
+    ranges = _proportional(inventory, memory, options, hosts, multiple)
+    ranges = _repair(inventory, memory, options, hosts, ranges, multiple)
     return _evaluate(inventory, memory, options, hosts, ranges, True)
+
+
+def _cut_multiple(facts: ModelFacts) -> int:
+    """Where the model's architecture lets a stage start (every block: 1),
+    from what the orchestrator knows of it (the keys ``check_plan`` passes)."""
+    arch = facts.architecture
+    known = {
+        f"{arch}.block_count": facts.block_count,
+        f"{arch}.embedding_length": facts.hidden_dim,
+        f"{arch}.attention.head_count": facts.head_count,
+        f"{arch}.attention.key_length": facts.key_length,
+    }
+    return cut_multiple(arch, known.get)
+
+
+def _last_start(blocks: int, multiple: int) -> int:
+    """The last block an automatic stage may start at: a multiple of
+    ``multiple`` that leaves the last stage ``multiple`` blocks or more
+    (``blocks - 1`` when stages may start anywhere)."""
+    return max((blocks - multiple) // multiple * multiple, 0)
+
+
+def _check_stage_count(inventory: Inventory, facts: ModelFacts, multiple: int) -> None:
+    most = _last_start(facts.block_count, multiple) // multiple + 1
+    if multiple > 1 and len(inventory.stages) > most:
+        raise InventoryError(
+            f"{inventory.where(inventory.stages[0].line)}: stages: {len(inventory.stages)} stages for a "
+            f"{facts.architecture} model of {facts.block_count} blocks, whose stages start at multiples "
+            f"of {multiple} blocks and have {multiple} or more: at most {most} stages"
+        )
 
 
 # ---------------------------------------------------------------- refusing
@@ -446,6 +537,28 @@ def refusal(
         for s in placement.stages
         if any(not p.fits for p in placement.pools if p.host == s.host and s.index in p.stages)
     ]
+    for host in sorted({s.host for s in failing if s.experts == "gpu"}):
+        # Its experts stayed on its GPUs: pinned there, or its RAM too short.
+        hosts = {**inventory.hosts, host: replace(inventory.hosts[host], experts="ram")}
+        moved = replace(inventory, hosts=hosts)
+        trial = _evaluate(
+            moved, memory_facts_of(facts), placement.engine, _hosts(moved, hellos), placement.ranges, True
+        )
+        gpus_fit = all(p.fits for p in trial.pools if p.host == host and p.place != RAM)
+        ram = trial.pool(host, RAM)
+        if inventory.hosts[host].experts == "gpu" and trial.fits:
+            advice.append(f"experts: ram on {host} (its stages' routed experts in RAM, not on its GPUs)")
+        elif gpus_fit and not ram.fits and ram.known:
+            wanted = int(ram.needed * (1 + MARGIN))
+            more = (
+                f"memory: {_round_up(wanted)} or more on {host}"
+                if ram.cap and ram.cap <= ram.free - RAM_RESERVE
+                else f"{format_size(wanted + RAM_RESERVE - ram.free)} more free RAM on {host}"
+            )
+            advice.append(
+                f"{more} for its stages' routed experts (they would need {format_size(wanted)} of RAM "
+                "with the margin; experts: auto puts them there when the RAM holds them)"
+            )
     if not placement.automatic:
         for stage in failing:
             most = _most_layers(placement, inventory, facts, hellos, stage.index)

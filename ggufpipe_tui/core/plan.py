@@ -50,6 +50,9 @@ class PlacedStage(Protocol):
     @property
     def memory(self) -> StageMemory: ...
 
+    @property
+    def experts_in_ram(self) -> bool: ...
+
 
 class Placed(Protocol):
     """The memory plan's figures a run plan shows (core/placement.py's Placement)."""
@@ -226,12 +229,12 @@ def build_plan(
     engine = engine_options(options, facts)
     memory = memory_facts_of(facts)
 
-    def figures(i: int) -> tuple[int, int, StageMemory]:
+    def figures(i: int) -> tuple[int, int, StageMemory, bool]:
         if placement is not None and placement.stages[i].layers == ranges[i]:
             placed = placement.stages[i]
-            return placed.needed, placed.available, placed.memory
+            return placed.needed, placed.available, placed.memory, placed.experts_in_ram
         estimate = estimate_stage(memory, ranges[i][0], ranges[i][1], engine)
-        return estimate.total, 0, estimate
+        return estimate.total, 0, estimate, inventory.hosts[node[i]].experts == "ram"
 
     sized = [figures(i) for i in range(n)]
     stages = tuple(
@@ -250,6 +253,7 @@ def build_plan(
                 engine,
                 threads=inventory.hosts[node[i]].threads,
                 gpu_layers=inventory.hosts[node[i]].gpu_layers,
+                experts_in_ram=sized[i][3],  # the planner's choice (inventory experts:)
             ),
             available_bytes=sized[i][1],
             memory=sized[i][2],

@@ -41,6 +41,7 @@ from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.wire.records import sampling_problem
 from ggufpipe_tui.core.inventory import (
     DATA_MODES,
+    EXPERT_MODES,
     HostSpec,
     Inventory,
     InventoryError,
@@ -93,6 +94,7 @@ def check_accepted(inventory: Inventory) -> None:
         assert host.local != bool(host.address), host
         assert 0 < host.port < 65536
         assert host.data in DATA_MODES
+        assert host.experts in EXPERT_MODES
         assert host.memory >= 0
         _check_types(host, HostSpec)
     for stage in inventory.stages:
@@ -202,6 +204,7 @@ HOST_EXTRAS: dict[str, st.SearchStrategy[Any]] = {
     "listen_key": text,
     "threads": mostly(st.integers(0, 64), st.integers(-2, -1)),
     "gpu_layers": mostly(st.integers(-1, 64), st.floats()),
+    "experts": mostly(st.sampled_from(EXPERT_MODES), st.sampled_from(["", "cpu", "GPU"])),
     "cache_dir": text,
     "memory": sizes,
     "data": mostly(st.sampled_from(DATA_MODES), st.sampled_from(["", "fast"])),
