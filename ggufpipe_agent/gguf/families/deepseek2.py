@@ -76,7 +76,7 @@ from __future__ import annotations
 from typing import Any
 
 from ggufpipe_agent.errors import UnsupportedArchitecture
-from ggufpipe_agent.gguf.architectures import Architecture, Metadata, Overrides
+from ggufpipe_agent.gguf.rules import Architecture, Metadata, Overrides
 
 ARCH = "deepseek2"
 

@@ -32,8 +32,8 @@ Read from llama.cpp 0.3.36 (vendored commit 0c1e57098):
 
 from __future__ import annotations
 
-from ggufpipe_agent.gguf.architectures import Architecture, Metadata
 from ggufpipe_agent.gguf.families.qwen3moe import refuse_non_uniform
+from ggufpipe_agent.gguf.rules import Architecture, Metadata
 
 
 def _check(get: Metadata, block_count: int, start: int, end: int, where: str) -> None:

@@ -36,7 +36,7 @@ Read from llama.cpp 0.3.36 (vendored commit 0c1e57098):
 from __future__ import annotations
 
 from ggufpipe_agent.errors import UnsupportedArchitecture
-from ggufpipe_agent.gguf.architectures import Architecture, Metadata
+from ggufpipe_agent.gguf.rules import Architecture, Metadata
 
 #: Keys llama.cpp reads as "a scalar or one value per layer" and then, in
 #: places, as layer 0's value for every block.

@@ -74,7 +74,7 @@ from __future__ import annotations
 from typing import Any
 
 from ggufpipe_agent.errors import ModelError, UnsupportedArchitecture
-from ggufpipe_agent.gguf.architectures import Architecture, Metadata, Overrides
+from ggufpipe_agent.gguf.rules import Architecture, Metadata, Overrides
 
 ARCH = "qwen3next"
 #: llama_model_qwen3next::load_arch_hparams: ``uint32_t full_attn_interval = 4``.
