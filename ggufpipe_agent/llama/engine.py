@@ -184,6 +184,13 @@ class StageEngine:
         self.model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
         if not self.model:
             raise EngineError(f"llama.cpp could not load {path} (see the agent log for why)")
+        # A recurrent or hybrid model (qwen3next) holds one state per sequence,
+        # not one entry per position: llama_memory_seq_rm cannot drop a suffix
+        # of it (no per-token snapshots with n_rs_seq = 0), so a new run keeps
+        # the whole state or nothing.
+        self.whole_state_only = bool(
+            llama_cpp.llama_model_is_recurrent(self.model) or llama_cpp.llama_model_is_hybrid(self.model)
+        )
 
         n_embd = llama_cpp.llama_model_n_embd(self.model)
         if n_embd != shape.hidden:
@@ -297,6 +304,15 @@ class StageEngine:
         lib = self._lib
         if self._n_past == 0:
             return 0, "its cache is empty"
+        if self.whole_state_only:
+            # llama_memory_seq_pos_min of a recurrent state is its last position,
+            # not a dropped prefix: the check below does not apply.
+            if self._exact_end == self._n_past:
+                return self._n_past, ""
+            return 0, (
+                f"its recurrent state keeps all {self._n_past} positions or none, and only the "
+                f"first {self._exact_end} were computed in whole ubatches as a cold run computes them"
+            )
         lowest = lib.llama_memory_seq_pos_min(lib.llama_get_memory(self.context), 0)
         if lowest > 0:
             # Not with swa_full; kept as a guard should llama.cpp ever evict.
@@ -317,6 +333,9 @@ class StageEngine:
         """1 where a row comes out bit for bit the same in any batch; else (or
         not probed yet) a kept prefix must end where a cold run's ubatch
         ends, so that the new run's ubatches are the cold run's."""
+        if self.whole_state_only:
+            # a kept prefix is a multiple of this and at most n_past: all or nothing
+            return max(1, self._n_past)
         return 1 if self.batch_invariant else self.granularity
 
     def keep(self, positions: int) -> None:
@@ -325,6 +344,10 @@ class StageEngine:
         lib = self._lib
         if not 0 <= positions <= self._n_past:
             raise EngineError(f"cannot keep {positions} positions: the cache holds {self._n_past}")
+        if self.whole_state_only and positions not in (0, self._n_past):
+            raise EngineError(
+                f"cannot keep {positions} positions: a recurrent state keeps all {self._n_past} or none"
+            )
         memory = lib.llama_get_memory(self.context)
         if positions == 0:
             lib.llama_memory_clear(memory, True)

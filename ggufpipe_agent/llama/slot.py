@@ -56,6 +56,10 @@ class EngineSlot:
             return PrefixHeld(offer.run_id, reason=why)
         positions, why = engine.keepable()
         if positions > offer.positions:
+            if getattr(engine, "whole_state_only", False):
+                return PrefixHeld(
+                    offer.run_id, reason="its recurrent state holds more positions than the run fed"
+                )
             positions = offer.positions
         return PrefixHeld(offer.run_id, positions, engine.keep_granularity, why)
 
