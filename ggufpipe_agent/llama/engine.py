@@ -297,17 +297,18 @@ class StageEngine:
         self._sampler = chain
 
     def keepable(self) -> tuple[int, str]:
-        """How many leading positions of the cache a new run may keep and
-        still compute exactly what a cold run of the same tokens computes,
-        and why fewer than all when fewer. A new run keeps K of them only if
-        K is a multiple of :attr:`keep_granularity`."""
+        """How many leading positions of the cache a new run may keep, and why
+        fewer than all when fewer: all of them (``exact_reuse`` off: one
+        context keeping its cache), or only as many as still compute exactly
+        what a cold run of the same tokens computes. A new run keeps K of them
+        only if K is a multiple of :attr:`keep_granularity`."""
         lib = self._lib
         if self._n_past == 0:
             return 0, "its cache is empty"
         if self.whole_state_only:
             # llama_memory_seq_pos_min of a recurrent state is its last position,
             # not a dropped prefix: the check below does not apply.
-            if self._exact_end == self._n_past:
+            if self._exact_end == self._n_past or not self.options.exact_reuse:
                 return self._n_past, ""
             return 0, (
                 f"its recurrent state keeps all {self._n_past} positions or none, and only the "
@@ -317,6 +318,9 @@ class StageEngine:
         if lowest > 0:
             # Not with swa_full; kept as a guard should llama.cpp ever evict.
             return 0, f"its sliding-window cache dropped the positions before {lowest}"
+        if not self.options.exact_reuse:
+            # One context keeping its cache: every position it holds (no probe).
+            return self._n_past, ""
         if self.batch_invariant is None:
             self._probe_keeping_the_cache()
             if self._n_past == 0:
@@ -336,6 +340,8 @@ class StageEngine:
         if self.whole_state_only:
             # a kept prefix is a multiple of this and at most n_past: all or nothing
             return max(1, self._n_past)
+        if not self.options.exact_reuse:
+            return 1
         return 1 if self.batch_invariant else self.granularity
 
     def keep(self, positions: int) -> None:
@@ -406,7 +412,10 @@ class StageEngine:
                 # Chunks end at multiples of n_batch (absolute positions), so a
                 # prompt that starts after a kept prefix is cut where a cold
                 # run cuts it; llama.cpp cuts each chunk into ubatches.
-                count = min(n - begin, self.n_batch - self._n_past % self.n_batch)
+                if self.options.exact_reuse:
+                    count = min(n - begin, self.n_batch - self._n_past % self.n_batch)
+                else:  # batches from the first new position, as one context is fed
+                    count = min(n - begin, self.n_batch)
                 if self.shape.first:
                     assert self._tokens is not None
                     self._tokens[:count] = tokens[begin : begin + count]

@@ -99,6 +99,15 @@ class EngineOptions:
     #: ``--cpu-moe``: a tensor buffer-type override to the CPU). The planner
     #: sets it (inventory ``experts:``; docs/planning.md).
     experts_in_ram: bool = False
+    #: What a new run may keep of the KV cache (docs/worker.md, "Prefix reuse").
+    #: False (run.reuse: cache, the default): every position the stage holds of
+    #: the previous run, as one llama.cpp context keeps its cache between
+    #: requests (llama-server's cache_prompt); prompts are then fed in batches
+    #: from the first new position, as that context is fed. True (run.reuse:
+    #: exact): only what a cold run of the same tokens computes alike, so a
+    #: follow-up is token-identical to a cold run; prefill batches are aligned
+    #: to absolute positions, and a probe decides whether rows are batch-invariant.
+    exact_reuse: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,9 @@ DEFAULT_AGENT = "ggufpipe-agent"
 #: always there; "ram" always in host RAM (llama.cpp's --cpu-moe).
 EXPERT_MODES = ("auto", "gpu", "ram")
 
+#: What a follow-up turn keeps of the stages' KV caches (``run.reuse``).
+REUSE_MODES = ("cache", "exact")
+
 #: Who feeds each sampled token back to stage 0 (``run.feedback``).
 FEEDBACK_MODES = ("ring", "orchestrator")
 
@@ -107,6 +110,10 @@ class RunOptions:
     chat: bool = True
     ignore_eos: bool = False
     feedback: str = "ring"  # FEEDBACK_MODES
+    # What a follow-up keeps of the stages' KV caches (REUSE_MODES): "cache"
+    # everything they hold (one llama.cpp context keeping its cache, as
+    # llama-server does); "exact" only what a cold run computes alike.
+    reuse: str = "cache"
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,6 +469,8 @@ def check_run_options(run: RunOptions, fail: Callable[[str, str], Exception]) ->
         raise fail("activation_dtype", f"must be one of {', '.join(ACTIVATION_DTYPES)}")
     if run.feedback not in FEEDBACK_MODES:
         raise fail("feedback", f"must be one of {', '.join(FEEDBACK_MODES)}")
+    if run.reuse not in REUSE_MODES:
+        raise fail("reuse", f"must be one of {', '.join(REUSE_MODES)}")
 
 
 def load_inventory(path: str | os.PathLike[str]) -> Inventory:

@@ -151,7 +151,12 @@ def engine_options(run: RunOptions, facts: ModelFacts) -> EngineOptions:
     """The llama.cpp sizes every stage of a run gets (before a host's own
     threads and GPU layers)."""
     length = min(run.context, facts.context_length or run.context)
-    return EngineOptions(n_ctx=length, n_batch=min(length, 2048), n_ubatch=min(run.ubatch, length))
+    return EngineOptions(
+        n_ctx=length,
+        n_batch=min(length, 2048),
+        n_ubatch=min(run.ubatch, length),
+        exact_reuse=run.reuse == "exact",
+    )
 
 
 def build_plan(

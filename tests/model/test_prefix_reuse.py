@@ -42,7 +42,12 @@ GEMMA3_SPLIT = [(0, 5), (5, 11), (11, 18)]  # off the sliding-window period, as 
 
 
 def write_inventory(
-    tmp_path: Path, model: Path, splits: list[tuple[int, int]], hosts: list[str], mode: str = "direct"
+    tmp_path: Path,
+    model: Path,
+    splits: list[tuple[int, int]],
+    hosts: list[str],
+    mode: str = "direct",
+    reuse: str = "cache",
 ) -> Path:
     stages = "".join(f"- {{host: {host}, layers: [{a}, {b}]}}\n" for host, (a, b) in zip(hosts, splits, strict=True))
     data, feedback = mode_yaml(mode)
@@ -52,7 +57,7 @@ def write_inventory(
         "hosts:\n  here: {local: true, threads: 1}\n  there: {local: true, threads: 1}\n"
         f"stages:\n{textwrap.indent(stages, '  ')}"
         f"run: {{context: {CONTEXT}, ubatch: {UBATCH}, max_tokens: {STEPS}, ignore_eos: true, chat: false, "
-        f"{feedback}}}\n"
+        f"reuse: {reuse}, {feedback}}}\n"
         "timeouts: {connect: 60, ready: 300, step: 60, teardown: 10}\n" + data
     )
     return path
@@ -142,11 +147,11 @@ async def test_a_reloaded_stage_makes_the_run_prefill_everything(tmp_path, model
 
 
 async def test_gemma3_keeps_only_what_a_cold_run_computes_alike(tmp_path, gemma3_path, no_agent_left):
-    """Gemma 3 270M's CPU kernels give a decode step other bits than a prefill
+    """run.reuse: exact. Gemma 3 270M's CPU kernels give a decode step other bits than a prefill
     (the stages' batch-invariance probe finds it), so a stage keeps only the
     positions prefilled in whole ubatches, and the run keeps a multiple of
     the ubatch: exact, and less than everything."""
-    inventory = load_inventory(write_inventory(tmp_path, gemma3_path, GEMMA3_SPLIT, ["here"] * 3))
+    inventory = load_inventory(write_inventory(tmp_path, gemma3_path, GEMMA3_SPLIT, ["here"] * 3, reuse="exact"))
     events: list[Any] = []
     pipeline = Pipeline(inventory, events.append)
     try:
@@ -202,7 +207,7 @@ def test_the_probe_leaves_the_cache_as_it_was(model_path):
     """Asking a stage what it can keep probes its kernels (once) with its cache
     saved and put back: the run it holds goes on as if nothing happened."""
     prompt = tokenize(model_path, LONG_PROMPT, bos=True)
-    chain = Chain(model_path, SMOLLM_SPLIT, EngineOptions(CONTEXT, CONTEXT, UBATCH, threads=1))
+    chain = Chain(model_path, SMOLLM_SPLIT, EngineOptions(CONTEXT, CONTEXT, UBATCH, threads=1, exact_reuse=True))
     try:
         tokens = chain.generate(prompt, 8)
         held = [engine.n_past for engine in chain.engines]

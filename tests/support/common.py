@@ -103,6 +103,47 @@ def _whole_model_greedy(
     return tuple(out)
 
 
+def whole_model_turns(
+    path: Path, prompts: list[list[int]], steps: int, n_ctx: int = 2048, n_ubatch: int = 512
+) -> list[list[int]]:
+    """The oracle of a conversation (run.reuse: cache): greedy tokens of each
+    prompt in ONE llama.cpp context that keeps its cache between turns, as
+    llama-server does with cache_prompt. Each turn keeps the positions its
+    prompt shares with what the context was fed (the last sampled token of a
+    turn is never fed), at least one prompt token computed, and is fed the
+    rest in batches from the first new position (llama-cpp-python's eval),
+    then one token per step."""
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 2048), n_ubatch=n_ubatch, verbose=False, flash_attn=True
+    )
+    n_vocab = llm.n_vocab()
+    fed: list[int] = []
+    replies: list[list[int]] = []
+    for prompt in prompts:
+        shared = 0
+        for a, b in zip(fed, prompt, strict=False):
+            if a != b:
+                break
+            shared += 1
+        kept = min(shared, len(prompt) - 1)
+        llm.n_tokens = kept  # eval drops the cache from here on
+        llm.eval(prompt[kept:])
+        out: list[int] = []
+        for step in range(steps):
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+            token = int(np.argmax(logits))
+            out.append(token)
+            if step < steps - 1:
+                llm.eval([token])
+        fed = list(prompt) + out[:-1]
+        replies.append(out)
+    llm.close()
+    return replies
+
+
 #: How objects move, for the tests that must hold in every mode: the data
 #: plane (direct links, insisted on, or the relay) and who feeds each token
 #: back to stage 0 (the last stage on the token ring, or the orchestrator).

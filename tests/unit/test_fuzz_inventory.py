@@ -236,6 +236,7 @@ RUN_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "chat": mostly(st.booleans(), st.sampled_from(["yes", 1])),
     "ignore_eos": mostly(st.booleans(), st.sampled_from(["no", 0])),
     "feedback": mostly(st.sampled_from(["ring", "orchestrator"]), st.sampled_from(["none", ""])),
+    "reuse": mostly(st.sampled_from(["cache", "exact"]), st.sampled_from(["none", "", "warm"])),
 }
 assert set(RUN_FIELDS) == {f.name for f in fields(RunOptions)}, "a RunOptions field is not fuzzed"
 TIMEOUT_FIELDS = {
