@@ -27,12 +27,15 @@ from ggufpipe_tui.core.events import (
     ModelInspected,
     Notice,
     PlanMade,
+    RunRecovered,
     RunResult,
     StageDelivery,
+    StageRecovery,
     StageStateChanged,
     TokenStreamed,
 )
 from ggufpipe_tui.core.inventory import Inventory
+from ggufpipe_tui.core.recovery import recovery_line, recovery_parts
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.session.runs import Prompt, RunHandle
 
@@ -101,6 +104,7 @@ class Printer:
         self.setups: dict[int, AgentSetup] = {}  # each stage's last set-up event (hosts given an agent)
         self._shown: dict[int, float] = {}  # when each stage's progress was last printed
         self._last_progress = 0.0
+        self.recoveries: list[RunRecovered] = []  # a lost stage's recovery each
 
     def progress(self, text: str) -> None:
         if not self.quiet:
@@ -138,6 +142,12 @@ class Printer:
         elif isinstance(event, StageStateChanged):
             if self.verbose or event.state in ("Ready", "Faulted"):
                 self.progress(fmt.stage_state_line(event.stage, event.state, event.detail))
+        elif isinstance(event, StageRecovery):
+            detail = f": {event.detail}" if event.detail else ""
+            self.progress(f"stage {event.stage} on {event.host}: {event.state.lower()}{detail}")
+        elif isinstance(event, RunRecovered):
+            self.recoveries.append(event)
+            self.progress(recovery_line(event))
         elif isinstance(event, AgentLog):
             if self.verbose:
                 print(f"[stage {event.stage} {event.host}] {event.line}", file=self.err, flush=True)
@@ -157,6 +167,21 @@ class Printer:
             return
         self._shown[event.stage] = self._last_progress = now
         self.progress(f"stage {event.stage} on {event.host}: {fmt.delivery_line(event)}")
+
+    def recoveries_json(self) -> list[dict[str, object]]:
+        """One entry per lost stage recovered in the run (docs/recovery.md)."""
+        return [
+            {
+                "lost": event.stages,
+                "how": event.how,
+                "at_token": event.at_token,
+                "replayed": event.replayed,
+                "interrupted_run": f"{event.interrupted:016x}",
+                "run_id": f"{event.run_id:016x}",
+                **recovery_parts(event),
+            }
+            for event in self.recoveries
+        ]
 
     def processes_json(self) -> list[dict[str, object]]:
         """One entry per agent process: the stages it runs (several where
@@ -237,6 +262,7 @@ async def run_headless(
         report["setup"] = printer.setup_json()  # hosts given an agent by this run; [] for none
         report["delivery"] = printer.delivery_json()  # model send: true; [] when hosts hold the model
         report["processes"] = printer.processes_json()  # stages sharing an agent process: one entry
+        report["recoveries"] = printer.recoveries_json()  # lost stages recovered; [] for none
         print(json.dumps(report, ensure_ascii=False), file=out, flush=True)
     elif printer.wrote_text:
         print(file=out, flush=True)

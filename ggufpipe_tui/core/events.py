@@ -192,6 +192,57 @@ class RunFinished:
     result: RunResult
 
 
+@dataclass(frozen=True, slots=True)
+class StageRecovery:
+    """A stage lost and its recovery (docs/recovery.md): ``state`` is "Lost",
+    "Recovering", "Ready" (repaired: ``detail`` says how) or "Broken" (the
+    session cannot go on: ``detail`` is the one reason)."""
+
+    stage: int
+    host: str
+    state: str
+    detail: str = ""
+    at_token: int = -1  # tokens the run in flight had streamed at the loss (-1: no run)
+
+
+@dataclass(frozen=True, slots=True)
+class RunInterrupted:
+    """A run that lost a stage and that recovery replays: it ends without a
+    RunFinished; its replay (:class:`RunReplaying`) carries its prompt on."""
+
+    run_id: int
+    reason: str
+    tokens: int  # tokens it streamed before the loss
+
+
+@dataclass(frozen=True, slots=True)
+class RunReplaying:
+    """``run_id`` replays ``interrupted``: the first ``tokens`` it generates are
+    checked against what was streamed and not streamed again."""
+
+    run_id: int
+    interrupted: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecovered:
+    """The replay caught up: the next token streamed is a new one. Seconds
+    of each part, from the loss report (``lost_at``, time.perf_counter())."""
+
+    run_id: int
+    interrupted: int
+    stages: str  # who was lost: "stage 1 on gpu-b"
+    how: str  # what the repair did: "restarted"
+    at_token: int  # tokens streamed before the loss
+    replayed: int  # tokens computed again: the prompt and the tokens streamed
+    lost_at: float
+    teardown_s: float  # the interrupted run's teardown
+    restart_s: float  # agents started again, model checked, data plane open
+    load_s: float  # the replay run provisioned and its stages loaded
+    replay_s: float  # the prompt injected to the last replayed token
+
+
 Event = (
     AgentLog
     | Notice
@@ -208,5 +259,9 @@ Event = (
     | StageStats
     | TokenStreamed
     | RunFinished
+    | StageRecovery
+    | RunInterrupted
+    | RunReplaying
+    | RunRecovered
 )
 Emit = Callable[[Event], None]

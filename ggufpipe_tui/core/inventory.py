@@ -134,6 +134,16 @@ class Timeouts:
 
 
 @dataclass(frozen=True, slots=True)
+class Recovery:
+    """A lost stage (docs/recovery.md): the run in flight is repaired and
+    replayed at most ``attempts`` times (0: a loss ends the run, as a fault),
+    within ``deadline`` seconds of its first loss."""
+
+    attempts: int = 2
+    deadline: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
 class Inventory:
     path: Path
     model_path: str
@@ -142,6 +152,7 @@ class Inventory:
     stages: tuple[StageSpec, ...]
     run: RunOptions = field(default_factory=RunOptions)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    recovery: Recovery = field(default_factory=Recovery)
     # model.send: the model lies on this machine (model_path, relative to the
     # inventory's folder) and each stage host is sent its stage file.
     send: bool = False
@@ -373,7 +384,8 @@ def parse_inventory(text: str, path: Path) -> Inventory:
         raise InventoryError(f"{path}:{line}: not valid YAML: {problem}") from None
     if root is None:
         raise InventoryError(f"{path}:1: the inventory is empty")
-    top = reader.mapping(root, "inventory", ("model", "hosts", "stages", "run", "timeouts", "data"))
+    keys = ("model", "hosts", "stages", "run", "timeouts", "data", "recovery")
+    top = reader.mapping(root, "inventory", keys)
     for required in ("model", "hosts", "stages"):
         if required not in top:
             raise reader.fail(root, required, "missing")
@@ -425,6 +437,11 @@ def parse_inventory(text: str, path: Path) -> Inventory:
 
     run = _fill(reader, RunOptions, top["run"], "run") if "run" in top else RunOptions()
     timeouts = _fill(reader, Timeouts, top["timeouts"], "timeouts") if "timeouts" in top else Timeouts()
+    recovery = _fill(reader, Recovery, top["recovery"], "recovery") if "recovery" in top else Recovery()
+    if recovery.attempts < 0:
+        raise reader.fail(top["recovery"], "recovery.attempts", "must be 0 (off) or more")
+    if not 0 < recovery.deadline < math.inf:
+        raise reader.fail(top["recovery"], "recovery.deadline", "must be a positive number of seconds")
     inventory = Inventory(
         path=path,
         model_path=model_path,
@@ -433,6 +450,7 @@ def parse_inventory(text: str, path: Path) -> Inventory:
         stages=stages,
         run=run,
         timeouts=timeouts,
+        recovery=recovery,
         send=send,
     )
     check_run_options(inventory.run, lambda key, message: _run_error(top.get("run"), reader, key, message))

@@ -22,8 +22,11 @@ tokenizes it, and a bug in a handler is a 500 for that request alone; ``stop`` s
 the text streams, and the run is stopped at the first one. SIGTERM or SIGINT:
 stop listening, answer what waits with a 503, give the running request
 :data:`SHUTDOWN_GRACE` seconds to finish, stop it, tear every stage down,
-exit 0. A fault of the pipeline ends the server (exit 1): run it under a
-supervisor that starts it again.
+exit 0. A lost stage is recovered (docs/recovery.md): the running request is
+replayed and goes on, the requests that arrive meanwhile wait (past the queue
+a 503 with Retry-After) and ``/health`` says "recovering"; only a pipeline
+that cannot be rebuilt ends the server (exit 1): run it under a supervisor
+that starts it again.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ IDLE_SECONDS = 15.0
 #: The most seconds a request's body may take to arrive.
 BODY_SECONDS = 30.0
 STOP_WORDS = {"eos": "stop", "max_tokens": "length"}
+#: Seconds a request past the queue is told to wait (Retry-After) while the
+#: pipeline recovers a lost stage: about a local restart and replay.
+RECOVERY_RETRY_AFTER = 5
 
 
 @dataclass
@@ -138,7 +144,7 @@ class Server:
             return await handler(request)
         except api.ApiError as error:
             self._log_refusal(request, error.status, error.message)
-            return web.json_response(error.body(), status=error.status)
+            return web.json_response(error.body(), status=error.status, headers=error.headers)
         except web.HTTPException as error:  # the router's 404 and 405, a body over the size limit
             if error.status < 400:
                 raise
@@ -182,7 +188,11 @@ class Server:
         if self.ready and not self.pipeline.queue.stopped and not self.closing:
             # requests: being answered or waiting (a load balancer's measure
             # of how busy this pipeline is); past queue + 1 the next is a 503.
-            return web.json_response({"status": "ok", "requests": self.admitted, "queue": self.queue})
+            # "recovering": a stage was lost and is being started again; the
+            # requests wait (docs/recovery.md).
+            status = "recovering" if self.pipeline.recovering else "ok"
+            body = {"status": status, "requests": self.admitted, "queue": self.queue}
+            return web.json_response(body | {"recoveries": len(self.pipeline.recoveries)})
         status = "loading" if not self.ready else "unavailable"
         return web.json_response(api.error_body(f"the pipeline is {status}", "unavailable_error"), status=503)
 
@@ -217,6 +227,16 @@ class Server:
         if self.closing or self.pipeline.queue.stopped:
             raise api.ApiError(503, "the server is shutting down", "unavailable_error")
         if self.admitted > self.queue:
+            if self.pipeline.recovering:
+                # The pipeline is rebuilding a lost stage: come back when it may be done.
+                retry = str(RECOVERY_RETRY_AFTER)
+                raise api.ApiError(
+                    503,
+                    f"the pipeline is recovering a lost stage and {self.queue} requests wait: "
+                    f"try again in {retry} s",
+                    "unavailable_error",
+                    headers={"Retry-After": retry},
+                )
             raise api.ApiError(
                 503, f"the queue is full ({self.queue} requests wait): try again later", "unavailable_error"
             )

@@ -20,6 +20,8 @@ from ggufpipe_tui.core.events import (
     Event,
     Notice,
     PlanMade,
+    RunRecovered,
+    StageRecovery,
     StageStateChanged,
 )
 from ggufpipe_tui.core.inventory import Inventory
@@ -49,7 +51,8 @@ class ServerPrinter(Printer):
     def __call__(self, event: Event) -> None:
         started = self.loaded.is_set()
         faulted = isinstance(event, StageStateChanged) and event.state == "Faulted"
-        if self.verbose or not started or faulted or isinstance(event, Notice | AgentConnected):
+        said = Notice | AgentConnected | StageRecovery | RunRecovered
+        if self.verbose or not started or faulted or isinstance(event, said):
             super().__call__(event)
         if started:
             return

@@ -176,6 +176,12 @@ class RunDriver:
         self.lost: set[int] = set()  # stages reported lost: a StopRun there would go unanswered
         self._submitted = 0.0
         self._injected = 0.0
+        # Recovery (docs/recovery.md): the tokens an interrupted run streamed,
+        # which this run regenerates, checks and does not stream again, and
+        # what is called when it has (the injection's and that moment's time).
+        self.replay: tuple[int, ...] = ()
+        self.caught_up: Callable[[float, float], None] | None = None
+        self._replayed = 0.0
         self._first_token = 0.0
         self._last_token = 0.0
 
@@ -318,7 +324,7 @@ class RunDriver:
             self.fed.append(effect.token)
             self._write_tokens(effect.sequence, [effect.token], len(self.prompt) + effect.sequence - 1)
         elif isinstance(effect, fsm.AcceptToken):
-            self._accept(effect.sequence, effect.token)
+            return self._accept(effect.sequence, effect.token)
         elif isinstance(effect, fsm.FinalizeOutput):
             tail = self.detokenizer.flush()
             if tail:
@@ -423,17 +429,30 @@ class RunDriver:
             lambda: self.edges.write_tokens(self.plan, sequence, tokens, position), failed
         )
 
-    def _accept(self, sequence: int, token: int) -> None:
+    def _accept(self, sequence: int, token: int) -> fsm.RunEvent | None:
         now = time.perf_counter()
         if sequence == 0:
             self._first_token = now
         self._last_token = now
+        replaying = sequence < len(self.replay)
+        if replaying and token != self.replay[sequence]:
+            return fsm.EdgeFault(
+                f"the replay diverged at token {sequence}: {token} where the interrupted run "
+                f"streamed {self.replay[sequence]}"
+            )
+        if not replaying and self.caught_up is not None:  # the replay is done (or was empty)
+            caught_up, self.caught_up = self.caught_up, None
+            caught_up(self._injected, self._replayed if self.replay else self._injected)
         self.tokens.append(token)
         if token in self.run.eog:
-            return
+            return None
         text = self.detokenizer.feed(token)
         self.text.append(text)
+        if replaying:
+            self._replayed = now  # streamed before the loss: the client has it
+            return None
         self.emit(TokenStreamed(self.plan.run_id, sequence, token, text))
+        return None
 
     def _finish(self) -> None:
         for timer in self._timers.values():

@@ -48,6 +48,7 @@ class HostCopies:
     def __init__(self, inventory: Inventory, stages: Sequence[StageHandle]) -> None:
         self.inventory = inventory
         self.stages = stages
+        self.reference: tuple[StageHandle, ModelInfo] | None = None  # stage 0's copy, once read
 
     async def read(self, timeout: float) -> ModelRead:
         inventory = self.inventory
@@ -74,11 +75,23 @@ class HostCopies:
                 raise PipelineError(f"model on {host.name}: {reply.reason} ({where})")
         infos = [reply for reply in replies if isinstance(reply, ModelInfo)]
         reference, reference_stage = infos[0], asking[0]
+        self.reference = (reference_stage, reference)
         for stage, info in zip(asking[1:], infos[1:], strict=True):
             self._check_copy(reference_stage, reference, stage, info)
         facts = reference.facts
         where = f"{facts.path} on {reference_stage.host.name}"
         return ModelRead(facts, reference.pieces, where)
+
+    async def check(self, stage: StageHandle, timeout: float) -> None:
+        """A stage started again (recovery): its host's copy is still stage 0's model."""
+        path = self.inventory.model_path_for(stage.host)
+        reply = await stage.request(lambda rid: Inspect(rid, path, False), timeout)
+        if isinstance(reply, RequestFailed):
+            raise PipelineError(f"model on {stage.host.name}: {reply.reason}")
+        assert isinstance(reply, ModelInfo)
+        if self.reference is not None:
+            first, expected = self.reference
+            self._check_copy(first, expected, stage, reply)
 
     def _check_copy(
         self, first: StageHandle, expected: ModelInfo, stage: StageHandle, info: ModelInfo
@@ -146,6 +159,9 @@ class LocalModel:
             raise PipelineError(f"model on this machine: {error} (model.path at {where})") from None
         self.facts = read.facts
         return read
+
+    async def check(self, stage: StageHandle, timeout: float) -> None:
+        """Nothing to check: the stage file sent to the host is checked by its digest."""
 
     async def tokenize(
         self, text: str, chat: bool, messages: tuple[ChatMessage, ...] = ()

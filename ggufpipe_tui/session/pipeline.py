@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -35,6 +36,7 @@ from ggufpipe_agent.wire.protocol import (
     Shutdown,
     StageFileRef,
 )
+from ggufpipe_tui.core import recovery as rec
 from ggufpipe_tui.core import run_fsm as fsm
 from ggufpipe_tui.core.events import (
     AgentConnected,
@@ -46,7 +48,11 @@ from ggufpipe_tui.core.events import (
     Notice,
     PlanMade,
     RunFinished,
+    RunInterrupted,
+    RunRecovered,
+    RunReplaying,
     RunResult,
+    StageRecovery,
 )
 from ggufpipe_tui.core.inventory import HostSpec, Inventory, RunOptions
 from ggufpipe_tui.core.placement import Placement, place_stages
@@ -116,6 +122,15 @@ class Pipeline:
         self.prefix_reuse = prefix_reuse
         self._subscribers: list[Emit] = [emit] if emit is not None else []
         self._handles: dict[int, RunHandle] = {}
+        # Recovery of a lost stage (docs/recovery.md, core/recovery.py).
+        self.policy = rec.Policy(inventory.recovery.attempts, inventory.recovery.deadline)
+        self.recovery = rec.Recovery()
+        self.recoveries: list[RunRecovered] = []
+        self._plane = 0  # the data plane's generation: a replaced one's reports are ignored
+        self._repairing: asyncio.Task[None] | None = None
+        self._interrupted: dict[int, RunResult] = {}  # faulted runs that recovery replays
+        self._loss: tuple[str, float, int] = ("", 0.0, -1)  # who was lost first, when, at which token
+        self._repair_times = (0.0, 0.0, 0.0, "")  # repair start, end, teardown done, how
 
     @property
     def links(self) -> list[AgentLink]:
@@ -142,6 +157,25 @@ class Pipeline:
 
     def _run_emitter(self, run_id: int) -> Emit:
         def emit(event: Event) -> None:
+            if (
+                isinstance(event, RunFinished)
+                and event.result.outcome == "faulted"
+                and self.recovery.phase is rec.Phase.RECOVERING
+                and not self.closing
+            ):
+                # A lost stage that recovery repairs: the run is replayed, and
+                # the replay's RunFinished ends it (RunQueue._run).
+                self._interrupted[run_id] = event.result
+                self._repair_times = (0.0, 0.0, time.perf_counter(), "")
+                interrupted = RunInterrupted(run_id, event.result.failure, len(event.result.tokens))
+                self.emit(interrupted)
+                handle = self._handles.get(run_id)
+                if handle is not None:
+                    handle.push(interrupted)
+                return
+            if isinstance(event, RunFinished) and event.result.ok:
+                # A run completed: the next loss gets recovery's whole budget.
+                self.recovery = rec.transition(self.recovery, rec.Settled(), self.policy)
             self.emit(event)
             handle = self._handles.get(run_id)
             if handle is not None:
@@ -179,20 +213,41 @@ class Pipeline:
                 raise first
             raise PipelineError(f"starting the agents failed: {first!r}") from first
         for stage in self.stages:
-            stage.start_heartbeat(self.tasks, inventory.timeouts.heartbeat)
-            self.tasks.spawn(stage.read_control(), f"control reader of stage {stage.index}")
+            self._watch_stage(stage)
         try:
             await self._inspect()
             await self._deliver()
-            events = DataPlaneEvents(
-                lost=self._lost_at, fault=self._edge_fault, log=self._log_at, routed=self.emit
-            )
-            self.data = self.data_plane_factory(self.stages, self.tasks, events)
-            await self.data.open(timeout)
+            await self._open_data_plane(timeout)
         except BaseException:
             await self.close()
             raise
         self.tasks.spawn(self.queue.serve(), "run queue")
+
+    def _watch_stage(self, stage: StageHandle) -> None:
+        stage.start_heartbeat(self.tasks, self.inventory.timeouts.heartbeat)
+        self.tasks.spawn(stage.read_control(), f"control reader of stage {stage.index}")
+
+    async def _open_data_plane(self, timeout: float) -> None:
+        """A data plane over the current stages; whatever an older one still
+        reports (its streams closed by a repair) is ignored."""
+        self._plane += 1
+        plane = self._plane
+
+        def current(report: Callable[..., None]) -> Callable[..., None]:
+            def reported(*args: object) -> None:
+                if plane == self._plane:
+                    report(*args)
+
+            return reported
+
+        events = DataPlaneEvents(
+            lost=current(self._lost_at),
+            fault=current(self._edge_fault),
+            log=self._log_at,
+            routed=current(self.emit),
+        )
+        self.data = self.data_plane_factory(self.stages, self.tasks, events)
+        await self.data.open(timeout)
 
     def _log_sink(self, stage: int, host: str) -> Callable[[str], None]:
         return lambda line: self.emit(AgentLog(stage, host, line))
@@ -285,6 +340,8 @@ class Pipeline:
 
     async def prepare_run(self, options: RunOptions | None = None) -> RunDriver:
         """Plan, provision and load a run that waits for its prompt."""
+        if self.recovery.active and not self.closing:
+            await self.recover()  # a stage lost between runs: repaired first
         if self.closing or self.data is None:
             raise PipelineError("the pipeline is not running")
         if self.driver is not None and not self.driver.done.is_set():
@@ -345,6 +402,8 @@ class Pipeline:
     # ------------------------------------------------------- control plane
 
     def _on_message(self, stage: StageHandle, message: Message) -> None:
+        if self.stages[stage.index] is not stage:
+            return  # an agent replaced by recovery
         driver = self.driver
         if self.data is not None and self.data.on_message(stage.index, message):
             return
@@ -379,7 +438,7 @@ class Pipeline:
     def _stage_lost(self, stage: StageHandle, symptom: str) -> None:
         """A stage's stream broke or ended. Reported once per stage, with the
         root cause when there is one (the agent exited, and how)."""
-        if self.closing or stage.lost:
+        if self.closing or stage.lost or self.stages[stage.index] is not stage:
             return
         stage.lost = symptom
         self.tasks.spawn(self._report_lost(stage, symptom), f"loss report of stage {stage.index}")
@@ -387,17 +446,182 @@ class Pipeline:
     async def _report_lost(self, stage: StageHandle, symptom: str) -> None:
         reason = await stage.diagnose(symptom)
         stage.lost = reason
+        if self.closing:
+            return
         repeated = reason == self.broken  # another stage of a shared process that died
         if not self.broken:
             self.broken = reason
         if not repeated:
             self.emit(Notice("error", reason))
         stage.fail_requests(reason)
-        if self.driver is not None and not self.driver.done.is_set():
-            self.driver.feed(fsm.StageLost(stage.index, reason))
+        driver = self.driver
+        running = driver is not None and not driver.done.is_set()
+        at_token = len(driver.tokens) if driver is not None and running else -1
+        now = time.perf_counter()
+        before = self.recovery
+        self.recovery = rec.transition(before, rec.Loss(reason, now), self.policy)
+        if before.phase is rec.Phase.READY:
+            self._loss = (f"{stage.label}", now, at_token)
+        self.recovery = rec.transition(self.recovery, rec.Begin(now), self.policy)
+        if self.recovery.phase is rec.Phase.BROKEN:
+            failure = self.recovery.reason
+            if self.policy.attempts > 0:
+                self.broken = failure
+                self.emit(StageRecovery(stage.index, stage.host.name, "Broken", failure, at_token))
         else:
+            failure = reason
+            if before.phase is not rec.Phase.RECOVERING:
+                self.emit(StageRecovery(stage.index, stage.host.name, "Lost", reason, at_token))
+                self.emit(StageRecovery(stage.index, stage.host.name, "Recovering", "", at_token))
+        if running:
+            assert driver is not None
+            driver.feed(fsm.StageLost(stage.index, failure))
+        elif self.recovery.phase is rec.Phase.BROKEN:
             # Between runs (no run to fault): the session can serve no more.
-            self.queue.stop(reason)
+            self.queue.stop(failure)
+        elif self.recovery.phase is rec.Phase.RECOVERING and self._repairing is None:
+            self.tasks.spawn(self._recover_between_runs(), "recovery between runs")
+
+    async def _recover_between_runs(self) -> None:
+        # Let a faulting prepared run (the queue's) settle first.
+        await asyncio.sleep(0)
+        try:
+            await self.recover()
+        except PipelineError as error:
+            self.queue.stop(str(error))
+
+    # ------------------------------------------------------------ recovery
+
+    def take_interrupted(self, run_id: int) -> RunResult | None:
+        """Run ``run_id``'s result when it faulted by a lost stage that
+        recovery repairs: it is to be replayed (RunQueue._run), not finished."""
+        return self._interrupted.pop(run_id, None)
+
+    @property
+    def recovering(self) -> bool:
+        return self.recovery.active
+
+    async def recover(self) -> None:
+        """Repair the pipeline after a lost stage (every lost stage's agent
+        started again, the model checked, its stage file delivered, a new data
+        plane); returns when it can carry runs, raises PipelineError with the
+        one reason when recovery gives up."""
+        while self.recovery.phase is rec.Phase.RECOVERING and not self.closing:
+            if self._repairing is None or self._repairing.done():
+                self._repairing = self.tasks.spawn(self._repair(), "recovery")
+            await asyncio.wait({self._repairing})
+        if self.recovery.phase is rec.Phase.BROKEN:
+            raise PipelineError(self.recovery.reason)
+        if self.closing:
+            raise PipelineError("the pipeline closed")
+        if self.broken:
+            raise PipelineError(self.broken)
+
+    async def _repair(self) -> None:
+        started = time.perf_counter()
+        left = rec.time_left(self.recovery, self.policy, started)
+        try:
+            how = await asyncio.wait_for(self._rebuild(), max(left, 1.0))
+            again = next((stage for stage in self.stages if stage.lost), None)
+            if again is not None:
+                raise PipelineError(f"lost while repairing: {again.lost}")
+        except (GgufpipeError, OSError, asyncio.TimeoutError) as error:
+            why = str(error) or f"it took more than the {left:.0f} s left of recovery.deadline"
+            self.recovery = rec.transition(self.recovery, rec.RepairFailed(why), self.policy)
+            self.recovery = rec.transition(self.recovery, rec.Begin(time.perf_counter()), self.policy)
+            if self.recovery.phase is rec.Phase.BROKEN:
+                self.broken = self.recovery.reason
+                self.emit(Notice("error", self.recovery.reason))
+            return
+        self.recovery = rec.transition(self.recovery, rec.Repaired(how), self.policy)
+        self.broken = ""
+        self._repair_times = (started, time.perf_counter(), self._repair_times[2], how)
+
+    async def _rebuild(self) -> str:
+        """Every lost stage's agent started again on its host, the model
+        checked there and its stage file delivered (from its cache when it has
+        it), and a new data plane (new links, new credentials) over all stages."""
+        timeout = self.inventory.timeouts.connect
+        lost = [stage for stage in self.stages if stage.lost or not stage.alive()]
+        for stage in lost:
+            if stage.link.share_process or isinstance(stage.link, SharedAgent):
+                raise PipelineError(
+                    f"{stage.label} runs in a shared agent process (share_process: true), "
+                    "which recovery cannot start again yet"
+                )
+        if self.data is not None:
+            self._plane += 1  # the old plane's reports (its streams closing) are ignored
+            self.data.close()
+            self.data = None
+        await asyncio.gather(*(stage.close(1.0) for stage in lost), return_exceptions=True)
+        fresh: list[StageHandle] = []
+        for old in lost:
+            host = old.host
+            link = self.link_factory(host, old.index, self._log_sink(old.index, host.name))
+            handle = StageHandle(old.index, link, self._on_message, self._stage_lost)
+            self.stages[old.index] = handle
+            fresh.append(handle)
+        results = await asyncio.gather(
+            *(self._start_stage(stage, timeout) for stage in fresh), return_exceptions=True
+        )
+        for stage in fresh:
+            if stage.hello is not None:
+                self._watch_stage(stage)
+        failures = [result for result in results if isinstance(result, BaseException)]
+        if failures:
+            first = failures[0]
+            raise first if isinstance(first, GgufpipeError) else PipelineError(f"restarting: {first!r}")
+        assert self.model is not None
+        await asyncio.gather(*(self.model.check(stage, max(60.0, timeout)) for stage in fresh))
+        if self.delivered and isinstance(self.model, LocalModel) and self.model.files is not None:
+            files, timeouts = self.model.files, self.inventory.timeouts
+            again = await deliver_stages(fresh, files, self.ranges, self.emit, timeouts)
+            by_stage = {done.stage: done for done in again}
+            self.delivered = [by_stage.get(done.stage, done) for done in self.delivered]
+        await self._open_data_plane(timeout)
+        for stage in fresh:
+            self.emit(StageRecovery(stage.index, stage.host.name, "Ready", "restarted"))
+        if not fresh:
+            return "reopened the data plane"
+        return "restarted " + ", ".join(stage.label for stage in fresh)
+
+    def replaying(self, replay: RunDriver, old: RunResult) -> None:
+        """``replay`` carries the interrupted run's prompt on (``old``: its
+        result): it regenerates the tokens already streamed (checked, not
+        streamed again) and goes on."""
+        self._handles.pop(old.run_id, None)
+        replay.replay = old.tokens
+        prepared = time.perf_counter()
+        who, lost_at, at_token = self._loss
+        start, end, torn_down, how = self._repair_times
+        prompt_tokens = len(old.prompt_tokens)
+
+        def caught_up(injected: float, done: float) -> None:
+            event = RunRecovered(
+                run_id=replay.plan.run_id,
+                interrupted=old.run_id,
+                stages=who,
+                how=how.split(" ", 1)[0] if how else "restarted",
+                at_token=len(old.tokens),
+                replayed=prompt_tokens + len(old.tokens),
+                lost_at=lost_at,
+                teardown_s=max(0.0, (torn_down or start) - lost_at),
+                restart_s=max(0.0, end - start),
+                load_s=max(0.0, injected - prepared),
+                replay_s=max(0.0, done - injected),
+            )
+            self.recoveries.append(event)
+            replay.emit(event)
+
+        replay.caught_up = caught_up
+        replay.emit(RunReplaying(replay.plan.run_id, old.run_id, len(old.tokens)))
+
+    def give_up(self, old: RunResult, reason: str) -> RunResult:
+        """An interrupted run that recovery could not carry on (``old``: its
+        result): it ends now, faulted with ``reason``."""
+        result = replace(old, failure=reason)
+        self._run_emitter(old.run_id)(RunFinished(result))
+        return result
 
     def _edge_fault(self, reason: str) -> None:
         if not self.broken:

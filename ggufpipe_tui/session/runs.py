@@ -62,6 +62,15 @@ class QueuePipeline(Protocol):
         self, driver: RunDriver, tokens: list[int], submitted: float, max_tokens: int = 0
     ) -> RunResult: ...
 
+    # Recovery of a lost stage (docs/recovery.md).
+    def take_interrupted(self, run_id: int) -> RunResult | None: ...
+
+    async def recover(self) -> None: ...
+
+    def replaying(self, replay: RunDriver, old: RunResult) -> None: ...
+
+    def give_up(self, old: RunResult, reason: str) -> RunResult: ...
+
 
 #: What a prompt whose tokens and max_tokens do not fit the context gets.
 RUN_ANYWAY = "run"  # it runs; it may fault when the context fills (headless)
@@ -275,6 +284,12 @@ class RunQueue:
                 handle = self.taking = await self._next(prepared)
                 if handle is None:
                     if prepared is not None and prepared.done.is_set():
+                        if pipeline.take_interrupted(prepared.plan.run_id) is not None:
+                            # A stage lost while the run waited for its prompt:
+                            # repaired, and the next run is prepared afresh.
+                            prepared = None
+                            await pipeline.recover()
+                            continue
                         # The run ended before its prompt: it faulted while preparing or waiting.
                         reason = prepared.result.failure if prepared.result else ""
                         break
@@ -314,7 +329,7 @@ class RunQueue:
                         break
                     driver = await pipeline.prepare_run(replace(options, max_tokens=limit))
                 self.last_options = options
-                result = await self._run(handle, driver, tokens, limit)
+                result = await self._run(handle, driver, tokens, limit, replace(options, max_tokens=limit))
                 if pipeline.broken or result.outcome == "faulted":
                     reason = result.failure or pipeline.broken
                     break
@@ -385,7 +400,9 @@ class RunQueue:
             tokens, _ = await self.pipeline.tokenize(prompt.text, chat, prompt.messages)
         return tokens, reply_limit(prompt, len(tokens), options, plan.model.max_seq_len)
 
-    async def _run(self, handle: RunHandle, driver: RunDriver, tokens: list[int], limit: int) -> RunResult:
+    async def _run(
+        self, handle: RunHandle, driver: RunDriver, tokens: list[int], limit: int, options: RunOptions
+    ) -> RunResult:
         pipeline = self.pipeline
         prompt = handle.prompt
         handle.driver, handle.run_id = driver, driver.plan.run_id
@@ -393,6 +410,23 @@ class RunQueue:
         driver.emit(PromptAssigned(driver.plan.run_id, prompt.text, handle.ticket))
         try:
             result = await pipeline.run_prompt(driver, tokens, prompt.submitted, limit)
+            # A stage lost mid-run: once the pipeline is repaired, the prompt
+            # runs again with the same sampling (and seed), cold, and the
+            # tokens already streamed are regenerated, checked and not
+            # streamed again (docs/recovery.md). Bounded by recovery.attempts.
+            while (old := pipeline.take_interrupted(driver.plan.run_id)) is not None:
+                try:
+                    if handle.done:
+                        raise PipelineError("the prompt was withdrawn")
+                    await pipeline.recover()
+                    driver = await pipeline.prepare_run(options)
+                except GgufpipeError as error:
+                    result = pipeline.give_up(old, str(error))
+                    break
+                pipeline.replaying(driver, old)
+                handle.driver, handle.run_id = driver, driver.plan.run_id
+                pipeline.route(driver, handle)
+                result = await pipeline.run_prompt(driver, tokens, prompt.submitted, limit)
         except GgufpipeError as error:  # refused at the last moment: the run is torn down
             if not driver.done.is_set():
                 driver.stop(f"no prompt: {error}")

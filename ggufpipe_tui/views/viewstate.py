@@ -31,15 +31,20 @@ from ggufpipe_tui.core.events import (
     PlanMade,
     PromptAssigned,
     RunFinished,
+    RunInterrupted,
     RunPhaseChanged,
+    RunRecovered,
+    RunReplaying,
     RunResult,
     StageDelivery,
     StageLoadProgress,
+    StageRecovery,
     StageStateChanged,
     StageStats,
     TokenStreamed,
 )
 from ggufpipe_tui.core.inventory import Inventory
+from ggufpipe_tui.core.recovery import recovery_line
 from ggufpipe_tui.core.run_fsm import RunPhase
 
 STAGE_STYLES = {
@@ -51,6 +56,8 @@ STAGE_STYLES = {
     "Stopping": "magenta",
     "Stopped": "grey58",
     "Lost": "bold white on red3",  # not an FSM state: the agent process is gone
+    "Recovering": "bold black on yellow",  # not an FSM state: its agent is being started again
+    "Broken": "bold white on red3",  # not an FSM state: recovery gave up
     "Setting up": "bold yellow",  # not an FSM state: its host is being given an agent
 }
 #: What a long session keeps: the newest exchanges in the transcript (older
@@ -108,6 +115,7 @@ class ExchangeView:
     summary: Text | None = None
     shown: bool = False  # in the output pane yet
     submitted: float = field(default_factory=time.perf_counter)  # for the time to first token
+    recovered: list[str] = field(default_factory=list)  # a line per recovery of its run
 
     @property
     def text(self) -> str:
@@ -184,6 +192,10 @@ class ViewState:
             Notice: self._notice,
             PromptAssigned: self._prompt,
             DataPath: self._data_path,
+            StageRecovery: self._recovery,
+            RunInterrupted: self._interrupted,
+            RunReplaying: self._replaying,
+            RunRecovered: self._recovered,
         }
 
     @property
@@ -403,6 +415,41 @@ class ViewState:
         self.note(None, Text(f"run {event.run_id:016x}: prompt {event.text!r}", style="bold"))
         self.dirty = True
 
+    def _recovery(self, event: StageRecovery, now: float) -> None:
+        """A lost stage: its row goes Lost -> Recovering -> Ready (or Broken)."""
+        row = self.rows[event.stage]
+        row.state = event.state
+        row.fault = event.detail if event.state in ("Lost", "Broken") else ""
+        self._record(row, event.state)
+        line = Text(f"stage {event.stage} on {event.host} → ")
+        line.append(event.state, style=STAGE_STYLES.get(event.state, ""))
+        if event.detail:
+            line.append(f": {event.detail}")
+        self.note(event.stage, line)
+        self.dirty = True
+
+    def _interrupted(self, event: RunInterrupted, now: float) -> None:
+        line = f"run {event.run_id:016x} interrupted after {event.tokens} tokens: {event.reason}"
+        self.note(None, Text(line, style="bold yellow"))
+
+    def _replaying(self, event: RunReplaying, now: float) -> None:
+        """The replay carries the interrupted run's exchange on."""
+        view = self.exchanges.get(event.interrupted)
+        if view is not None:
+            view.run_id = event.run_id
+            self.exchanges[event.run_id] = view
+        self.note(None, Text(f"run {event.run_id:016x} replays run {event.interrupted:016x}", style="bold"))
+
+    def _recovered(self, event: RunRecovered, now: float) -> None:
+        line = recovery_line(event)
+        view = self.exchanges.get(event.run_id)
+        if view is not None:  # a line under the reply, which goes on
+            view.recovered.append(line)
+            view.summary = Text("; ".join(view.recovered), style="yellow")
+            self.touched[id(view)] = view
+        self.note(None, Text(line, style="bold yellow"))
+        self.dirty = True
+
     def _finished(self, event: RunFinished, now: float) -> None:
         result = event.result
         self.results.append(result)
@@ -414,6 +461,8 @@ class ViewState:
         summary = Text(fmt.result_summary(result), style=style)
         view = self.exchanges.get(result.run_id)
         if view is not None:
+            if view.recovered:
+                summary.append("\n" + "\n".join(view.recovered), style="yellow")
             view.finished, view.summary = True, summary
             self.touched[id(view)] = view
             self._scroll_out()

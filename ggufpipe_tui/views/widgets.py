@@ -309,7 +309,7 @@ class StageTable(DrawnOnce):
         return cells
 
     def _detail(self, row: StageRow, compact: bool) -> RenderableType:
-        if row.state in ("Faulted", "Lost"):
+        if row.state in ("Faulted", "Lost", "Broken"):
             return Text(row.fault or row.state, style="red")
         delivery = row.delivery
         if delivery is not None and row.state == "Unprovisioned":  # its stage file going to its host

@@ -73,7 +73,8 @@ def test_models_and_health(server: Served) -> None:
     models = server.client().models.list()
     assert [model.id for model in models.data] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
     assert models.data[0].owned_by == "ggufpipe"
-    assert raw(server, "GET", "/health", key=None) == (200, {"status": "ok", "requests": 0, "queue": 2}), (
+    health = (200, {"status": "ok", "requests": 0, "queue": 2, "recoveries": 0})
+    assert raw(server, "GET", "/health", key=None) == health, (
         "health needs no key"
     )
     assert any(line.startswith("  curl -s http://127.0.0.1:") for line in server.lines), "a curl example at start"
@@ -346,7 +347,8 @@ def children(pid: int) -> list[int]:
 
 
 def test_a_fault_ends_the_server_with_its_reason(tmp_path: Path, model_path: Path, no_agent_left: None) -> None:
-    served = start_server(tmp_path, model_path)
+    """With recovery off (tests/e2e/test_server_recovery.py has it on)."""
+    served = start_server(tmp_path, model_path, data="recovery: {attempts: 0}\n")
     try:
         agents = children(served.process.pid)
         assert len(agents) == 3, agents

@@ -42,7 +42,9 @@ def inventory_file(
         f"hosts:\n  here: {{local: true}}\n{hosts}"
         f"stages:\n{stages}"
         f"run: {{context: 512, ubatch: 32, max_tokens: 40, ignore_eos: true, chat: false, {feedback}}}\n"
-        f"timeouts: {{{', '.join(f'{k}: {v}' for k, v in limits.items())}}}\n" + data
+        f"timeouts: {{{', '.join(f'{k}: {v}' for k, v in limits.items())}}}\n"
+        # These tests are of the fault itself: recovery (tests/e2e/test_recovery.py) is off.
+        "recovery: {attempts: 0}\n" + data
     )
     return path
 

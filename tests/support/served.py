@@ -79,8 +79,9 @@ def raw(
     return asyncio.run(main())
 
 
-def start_server(tmp_path: Path, model_path: Path, *args: str, key: str = KEY) -> Served:
-    inventory = write_inventory(tmp_path, model_path, UNEVEN)
+def start_server(tmp_path: Path, model_path: Path, *args: str, key: str = KEY, data: str = "") -> Served:
+    """``data``: more top-level inventory lines (e.g. ``recovery: {attempts: 0}``)."""
+    inventory = write_inventory(tmp_path, model_path, UNEVEN, data=data)
     log_dir = tmp_path / "runs"
     env = dict(os.environ, GGUFPIPE_API_KEY=key)
     command = [sys.executable, "-m", "ggufpipe_tui.cli", str(inventory), "--serve", "127.0.0.1:0"]

@@ -23,6 +23,7 @@ from tests.support.app import (
     wait_for,
     write_inventory,
 )
+from tests.support.common import whole_model_greedy
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -100,7 +101,10 @@ async def test_prompts_stream_one_after_another_without_reloading(
 
 
 async def test_stop_fault_and_start_again(tmp_path: Path, model_path: Path, no_agent_left: None) -> None:
-    inventory = write_inventory(tmp_path, model_path, "{max_tokens: 400, ignore_eos: true}")
+    # recovery off: a lost stage faults the run, as it did before recovery.
+    inventory = write_inventory(
+        tmp_path, model_path, "{max_tokens: 400, ignore_eos: true}\nrecovery: {attempts: 0}"
+    )
     app = GgufpipeApp(inventory, log_dir=tmp_path / "runs")
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_for(pilot, lambda: ready_for_prompt(app), READY_TIMEOUT, "the stages to load")
@@ -146,6 +150,36 @@ async def test_stop_fault_and_start_again(tmp_path: Path, model_path: Path, no_a
         assert app.results[2].ok
         assert broken.text == faulted.text, "the faulted run's output left the screen"
 
+        await pilot.press("ctrl+q")
+        await wait_for(pilot, lambda: app.return_code is not None, 60, "the app to quit")
+
+
+async def test_a_lost_stage_recovers_and_the_reply_goes_on(
+    tmp_path: Path, model_path: Path, no_agent_left: None
+) -> None:
+    """Recovery on (the default): the row goes Lost -> Recovering -> Ready,
+    a line under the reply says what happened, the reply completes and is
+    the whole model's."""
+    inventory = write_inventory(tmp_path, model_path, "{max_tokens: 48, ignore_eos: true, chat: false}")
+    app = GgufpipeApp(inventory, log_dir=tmp_path / "runs")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: ready_for_prompt(app), READY_TIMEOUT, "the stages to load")
+        reply = await type_prompt(pilot, "The history of the Roman empire")
+        await wait_for(pilot, lambda: len(reply.parts) >= 8, RUN_TIMEOUT, "some tokens")
+        old = dict(app.agent_pids)
+        os.kill(old[1], signal.SIGKILL)
+        await wait_for(pilot, lambda: len(app.results) == 1, RUN_TIMEOUT, "the recovered run")
+        result = app.results[0]
+        assert result.ok and len(result.tokens) == 48, result.failure
+        history = app.rows[1].history
+        assert history[history.index("Lost") :][:3] == ["Lost", "Recovering", "Ready"], history
+        assert app.rows[1].state == "Ready" and app.fault == ""
+        assert reply.text == result.text, "the reply went on where it was, nothing streamed twice"
+        recovered = app.state.exchanges[result.run_id].recovered
+        assert any("lost at token" in line and "replayed" in line for line in recovered), recovered
+        assert result.tokens == tuple(
+            whole_model_greedy(model_path, list(result.prompt_tokens), 48, n_ctx=2048, n_ubatch=512)
+        )
         await pilot.press("ctrl+q")
         await wait_for(pilot, lambda: app.return_code is not None, 60, "the app to quit")
 

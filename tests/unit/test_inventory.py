@@ -1,4 +1,4 @@
-"""The inventory's checks of hand-started agents (listen:)."""
+"""The inventory's checks of hand-started agents (listen:) and of recovery:."""
 
 from __future__ import annotations
 
@@ -50,3 +50,30 @@ def test_an_ssh_host_without_agent_gets_the_one_ggufpipe_sets_up(tmp_path):
 def test_the_setup_keys_are_checked(tmp_path, entry, message):
     with pytest.raises(InventoryError, match=message):
         _host(tmp_path, entry)
+
+
+def _recovery(tmp_path, entry: str):
+    text = f"model: {{path: m.gguf}}\nhosts:\n  h: {{local: true}}\nstages:\n  - {{host: h}}\n{entry}"
+    return parse_inventory(text, tmp_path / "inv.yaml").recovery
+
+
+def test_recovery_keys(tmp_path):
+    default = _recovery(tmp_path, "")
+    assert (default.attempts, default.deadline) == (2, 120.0)
+    chosen = _recovery(tmp_path, "recovery: {attempts: 0, deadline: 30}\n")
+    assert (chosen.attempts, chosen.deadline) == (0, 30.0)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("recovery: {attempts: -1}\n", r"inv.yaml:6: recovery.attempts: must be 0 \(off\) or more"),
+        ("recovery: {deadline: 0}\n", "inv.yaml:6: recovery.deadline: must be a positive number of seconds"),
+        ("recovery: {attempts: two}\n", "inv.yaml:6: recovery.attempts: "),
+        ("recovery: {tries: 2}\n", "inv.yaml:6: recovery.tries"),
+        ("recovery: 2\n", "inv.yaml:6: recovery: expected a mapping"),
+    ],
+)
+def test_recovery_keys_are_checked(tmp_path, entry, message):
+    with pytest.raises(InventoryError, match=message):
+        _recovery(tmp_path, entry)

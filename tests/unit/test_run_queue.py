@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from ggufpipe_agent.wire.protocol import ChatMessage
-from ggufpipe_tui.core.events import Event, PromptAssigned, RunFinished, TokenStreamed
+from ggufpipe_tui.core.events import Event, PromptAssigned, RunFinished, RunResult, TokenStreamed
 from ggufpipe_tui.core.inventory import RunOptions
 from ggufpipe_tui.session.driver import RunDriver
 from ggufpipe_tui.session.runs import (
@@ -72,6 +72,18 @@ class FakePipeline:
         driver.give_prompt(tokens, submitted, max_tokens)
         await driver.done.wait()
         return driver.result
+
+    def take_interrupted(self, run_id: int) -> RunResult | None:
+        return None  # no recovery here: tests/e2e/test_recovery.py
+
+    async def recover(self) -> None:
+        raise PipelineError(self.broken)
+
+    def replaying(self, replay: RunDriver, old: RunResult) -> None:
+        raise AssertionError("no replay in these tests")
+
+    def give_up(self, old: RunResult, reason: str) -> RunResult:
+        raise AssertionError("no replay in these tests")
 
 
 async def served(pipeline: FakePipeline) -> asyncio.Task[None]:

@@ -1,0 +1,174 @@
+"""Recovery of a lost stage (issue 30, docs/recovery.md), over the local
+transport with the real model: an agent killed, stopped or lost during
+prefill is started again, the run is replayed and goes on, and its greedy
+output is the unbroken run's token for token (the whole model's, in one
+llama.cpp context); past ``recovery.attempts`` the run faults with one reason
+naming the first loss and what recovery tried. No agent is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ggufpipe_tui.core.events import (
+    AgentConnected,
+    RunFinished,
+    RunInterrupted,
+    RunPhaseChanged,
+    RunRecovered,
+    StageRecovery,
+    TokenStreamed,
+)
+from ggufpipe_tui.core.inventory import load_inventory
+from ggufpipe_tui.core.recovery import recovery_line
+from ggufpipe_tui.session.pipeline import Pipeline
+from tests.support.common import MODES, mode_yaml, whole_model_greedy
+from tests.support.sabotage import Saboteur, on_token, run_with, signal_agent
+
+pytestmark = pytest.mark.model
+
+MAX_TOKENS = 40
+
+
+def inventory_file(
+    tmp_path: Path, model_path: Path, mode: str = "direct", attempts: int = 2, **timeouts: float
+) -> Path:
+    limits = {"connect": 30, "ready": 60, "step": 30, "teardown": 5, **timeouts}
+    data, feedback = mode_yaml(mode)
+    ranges = [(0, 7), (7, 23), (23, 30)]
+    stages = "".join(f"  - {{host: here, layers: [{a}, {b}]}}\n" for a, b in ranges)
+    path = tmp_path / "inventory.yaml"
+    path.write_text(
+        f"model: {{path: {model_path}}}\n"
+        "hosts:\n  here: {local: true}\n"
+        f"stages:\n{stages}"
+        f"run: {{context: 512, ubatch: 32, max_tokens: {MAX_TOKENS}, ignore_eos: true, chat: false, {feedback}}}\n"
+        f"timeouts: {{{', '.join(f'{k}: {v}' for k, v in limits.items())}}}\n"
+        f"recovery: {{attempts: {attempts}, deadline: 120}}\n" + data
+    )
+    return path
+
+
+def unbroken(model_path: Path, result: Any) -> list[int]:
+    return whole_model_greedy(model_path, list(result.prompt_tokens), MAX_TOKENS, n_ctx=512, n_ubatch=32)
+
+
+def streamed(saboteur: Saboteur) -> tuple[list[int], str]:
+    tokens = [e.token for e in saboteur.events if isinstance(e, TokenStreamed) and e.sequence >= 0]
+    text = "".join(e.text for e in saboteur.events if isinstance(e, TokenStreamed))
+    return tokens, text
+
+
+def of(saboteur: Saboteur, kind: type) -> list[Any]:
+    return [e for e in saboteur.events if isinstance(e, kind)]
+
+
+def assert_recovered(saboteur: Saboteur, result: Any, model_path: Path, stage: int, recoveries: int = 1) -> None:
+    assert result.outcome == "completed", result.failure
+    assert list(result.tokens) == unbroken(model_path, result), "the output differs from an unbroken run"
+    tokens, text = streamed(saboteur)
+    assert tokens == list(result.tokens), "every token streamed once, in order"
+    assert text == result.text
+    recovered = of(saboteur, RunRecovered)
+    assert len(recovered) == recoveries
+    assert recovered[0].stages.startswith(f"stage {stage} on here")
+    states = [e.state for e in of(saboteur, StageRecovery) if e.stage == stage]
+    assert states[:3] == ["Lost", "Recovering", "Ready"], states
+    assert len(of(saboteur, RunFinished)) == 1, "one RunFinished: the interrupted run has none"
+    assert len(of(saboteur, RunInterrupted)) == recoveries
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("stage", [0, 1, 2])
+async def test_agent_killed_mid_decode_is_restarted(tmp_path, model_path, no_agent_left, mode, stage):
+    saboteur = Saboteur(on_token(8), signal_agent(stage, signal.SIGKILL))
+    result = await run_with(saboteur, inventory_file(tmp_path, model_path, mode=mode))
+    assert saboteur.fired
+    assert_recovered(saboteur, result, model_path, stage)
+    (event,) = of(saboteur, RunRecovered)
+    assert event.at_token >= 9 and event.replayed == len(result.prompt_tokens) + event.at_token
+    line = recovery_line(event)
+    assert line.startswith(f"stage {stage} on here (local) lost at token {event.at_token}; restarted; replayed ")
+    pids = {e.hello.pid for e in of(saboteur, AgentConnected) if e.stage == stage}
+    assert len(pids) == 2, "a new agent process for the stage"
+
+
+async def test_agent_killed_during_prefill(tmp_path, model_path, no_agent_left):
+    saboteur = Saboteur(
+        lambda e: isinstance(e, RunPhaseChanged) and e.phase == "Running", signal_agent(2, signal.SIGKILL)
+    )
+    result = await run_with(saboteur, inventory_file(tmp_path, model_path))
+    assert_recovered(saboteur, result, model_path, 2)
+    assert of(saboteur, RunRecovered)[0].at_token == 0
+
+
+async def test_a_stopped_agent_is_lost_by_its_heartbeat(tmp_path, model_path, no_agent_left):
+    """SIGSTOP: the agent says nothing, not even a heartbeat; after
+    timeouts.heartbeat it is lost, killed and started again."""
+    saboteur = Saboteur(on_token(5), signal_agent(1, signal.SIGSTOP))
+    path = inventory_file(tmp_path, model_path, step=60, heartbeat=3)
+    result = await run_with(saboteur, path)
+    assert_recovered(saboteur, result, model_path, 1)
+    (lost, *_) = of(saboteur, StageRecovery)
+    assert lost.state == "Lost" and "no answer from stage 1 on here (local) for 3 s" in lost.detail
+
+
+async def test_a_second_loss_is_recovered_then_a_third_is_the_end(tmp_path, model_path, no_agent_left):
+    """attempts: 2: two losses in one run are both recovered; a third ends the
+    run with one reason naming the first loss and what recovery tried."""
+    kills = {"count": 0}
+
+    class Repeated(Saboteur):
+        def __call__(self, event: Any) -> None:
+            self.events.append(event)
+            # Each time the reply reaches a new 6 tokens, another agent dies.
+            due = isinstance(event, TokenStreamed) and event.sequence in (6, 14, 22)
+            if due and self.pipeline is not None and kills["count"] < 3:
+                kills["count"] += 1
+                stage = kills["count"] % 3
+                hello = self.pipeline.links[stage].hello
+                assert hello is not None
+                os.kill(hello.pid, signal.SIGKILL)
+
+    saboteur = Repeated(lambda e: False, lambda p: None)
+    result = await run_with(saboteur, inventory_file(tmp_path, model_path))
+    assert kills["count"] == 3
+    assert result.outcome == "faulted"
+    assert result.failure.startswith("stage 1 on here (local): the agent exited (killed by signal 9) (recovery gave up")
+    assert "2 of recovery.attempts 2 used" in result.failure
+    assert "attempt 1: restarted stage 1 on here" in result.failure
+    assert "attempt 2: restarted stage 2 on here" in result.failure
+    assert len(of(saboteur, RunRecovered)) == 2
+    tokens, text = streamed(saboteur)
+    assert tokens == list(result.tokens) == unbroken(model_path, result)[: len(tokens)]
+    assert len(of(saboteur, RunFinished)) == 1
+
+
+async def test_recovery_off_faults_as_before(tmp_path, model_path, no_agent_left):
+    saboteur = Saboteur(on_token(5), signal_agent(1, signal.SIGKILL))
+    result = await run_with(saboteur, inventory_file(tmp_path, model_path, attempts=0))
+    assert result.outcome == "faulted"
+    assert result.failure == "stage 1 on here (local): the agent exited (killed by signal 9)"
+    assert not of(saboteur, StageRecovery)
+
+
+async def test_a_stage_lost_between_runs_is_restarted_before_the_next(tmp_path, model_path, no_agent_left):
+    events: list[Any] = []
+    pipeline = Pipeline(load_inventory(inventory_file(tmp_path, model_path)), events.append)
+    try:
+        await pipeline.start()
+        first = await pipeline.generate("Once upon a time")
+        hello = pipeline.links[2].hello
+        assert hello is not None
+        os.kill(hello.pid, signal.SIGKILL)
+        second = await pipeline.generate("Once upon a time")
+    finally:
+        await pipeline.close()
+    assert first.ok and second.ok, second.failure
+    assert second.tokens == first.tokens
+    states = [e.state for e in events if isinstance(e, StageRecovery)]
+    assert states == ["Lost", "Recovering", "Ready"]

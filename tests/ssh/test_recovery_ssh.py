@@ -1,0 +1,77 @@
+"""Recovery of a lost stage over SSH (issue 30, docs/recovery.md): real
+agents through a real sshd on loopback. An agent SIGKILLed mid-decode, or
+its host's SSH connection dropped, is started again on its host (a new SSH
+connection where the old one is gone); the run is replayed and its greedy
+output is the unbroken run's; no agent or bridge is left on the host."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from ggufpipe_tui.core.events import RunFinished, RunRecovered, StageRecovery, TokenStreamed
+from ggufpipe_tui.session.pipeline import Pipeline
+from tests.ssh.test_faults_ssh import HOSTS, RANGES, sshd_session_of, where
+from tests.support.common import whole_model_greedy
+from tests.support.sabotage import Saboteur, on_token, run_with, signal_agent
+from tests.support.ssh_hosts import host_entry, wait_no_session_agents, write_inventory
+from tests.support.sshd import Sshd
+
+pytestmark = [pytest.mark.ssh, pytest.mark.model]
+
+
+@pytest.fixture
+def none_left(sshd: Sshd):
+    yield
+    left = wait_no_session_agents(sshd, 10)
+    assert not left, f"agent or bridge processes left on the host: {left}"
+
+
+def inventory_file(tmp_path: Path, sshd: Sshd, cache: Path, model_path: Path) -> Path:
+    hosts = {"gpu-a": host_entry(sshd, cache), "gpu-b": host_entry(sshd, cache)}
+    path = write_inventory(
+        tmp_path / "inventory.yaml",
+        model_path,
+        hosts,
+        list(zip(HOSTS, RANGES, strict=True)),
+        mode="direct",
+        max_tokens=40,
+        ignore_eos=True,
+    )
+    path.write_text(path.read_text() + "recovery: {attempts: 2, deadline: 120}\n")
+    return path
+
+
+def assert_recovered(saboteur: Saboteur, result, model_path: Path, label: str) -> None:
+    assert saboteur.fired
+    assert result.outcome == "completed", result.failure
+    expected = whole_model_greedy(model_path, list(result.prompt_tokens), 40, n_ctx=512, n_ubatch=32)
+    assert list(result.tokens) == expected, "the output differs from an unbroken run"
+    streamed = [e.token for e in saboteur.events if isinstance(e, TokenStreamed) and e.sequence >= 0]
+    assert streamed == list(result.tokens), "every token streamed once, in order"
+    (recovered,) = [e for e in saboteur.events if isinstance(e, RunRecovered)]
+    assert recovered.stages == label
+    states = [e.state for e in saboteur.events if isinstance(e, StageRecovery)]
+    assert states == ["Lost", "Recovering", "Ready"], states
+    assert len([e for e in saboteur.events if isinstance(e, RunFinished)]) == 1
+
+
+@pytest.mark.parametrize(("stage", "host"), [(1, "gpu-b"), (0, "gpu-a")])
+async def test_agent_killed_mid_decode_is_restarted(tmp_path, sshd, cache_dir, model_path, none_left, stage, host):
+    saboteur = Saboteur(on_token(6), signal_agent(stage, signal.SIGKILL))
+    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path))
+    assert_recovered(saboteur, result, model_path, f"stage {stage} on {host} ({where(sshd)})")
+
+
+async def test_ssh_connection_dropped_is_reconnected(tmp_path, sshd, cache_dir, model_path, none_left):
+    def drop(pipeline: Pipeline) -> None:
+        hello = pipeline.links[1].hello
+        assert hello is not None
+        os.kill(sshd_session_of(hello.pid), signal.SIGKILL)
+
+    saboteur = Saboteur(on_token(6), drop)
+    result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path))
+    assert_recovered(saboteur, result, model_path, f"stage 1 on gpu-b ({where(sshd)})")
