@@ -14,10 +14,14 @@ Measures, on this machine, with SmolLM2-135M, greedy, a reply of at most
     token of each run (its log line), so the rest is HTTP, JSON and queueing;
   * throughput with 4 clients at once (requests are served one at a time, in
     order: the same tokens/s as one client, the latency is the queue's);
-  * one conversation of 4 turns over the API: each turn's prompt is the whole
+  * one conversation of 10 turns over the API: each turn's prompt is the whole
     conversation; the stages keep the prefix it shares with the last request
-    (prefix reuse, in whole ubatches), and each turn says how many prompt
-    tokens were reused (usage.prompt_tokens_details.cached_tokens).
+    (run.reuse: cache, the default: every position they hold), and each turn
+    says how many prompt tokens were reused
+    (usage.prompt_tokens_details.cached_tokens) and computed, with its time to
+    first token against llama.cpp's own Llama keeping its cache between the
+    same turns (create_chat_completion on one object: it keeps the longest
+    common prefix, as llama-server does with cache_prompt).
 Medians; ratios against the baseline. Writes docs/bench-server.md.
 """
 
@@ -52,7 +56,18 @@ QUESTIONS = [
     "Name three fruits.",
     "What is two plus two?",
 ]
-TURNS = ["My favourite colour is green.", "Why might that be?", "Name a green fruit.", "And a red one?"]
+TURNS = [
+    "My favourite colour is green.",
+    "Why might that be?",
+    "Name a green fruit.",
+    "And a red one?",
+    "Which of the two is sweeter?",
+    "Give me a recipe with it, in one line.",
+    "How long does that take to cook?",
+    "What would you drink with it?",
+    "Summarise our conversation in one sentence.",
+    "Thank you. Say goodbye in French.",
+]
 
 
 def median(values: list[float]) -> float:
@@ -79,6 +94,21 @@ def baseline(path: Path, max_tokens: int, repeats: int) -> dict[str, float]:
         tokens.append(count)
     llm.close()
     return {"ttft_ms": median(ttft), "total_ms": median(total), "tokens": median(tokens)}
+
+
+def baseline_turns(path: Path, conversations: list[list[dict[str, str]]], max_tokens: int) -> list[float]:
+    """Time to first token of each turn in ONE llama.cpp object that keeps its
+    cache between turns (each turn: the same messages the server was sent)."""
+    llm = llama_cpp.Llama(str(path), n_ctx=2048, n_threads=os.cpu_count(), verbose=False, flash_attn=True)
+    times = []
+    for messages in conversations:
+        started, first = time.perf_counter(), 0.0
+        for part in llm.create_chat_completion(messages, max_tokens=max_tokens, temperature=0.0, stream=True):
+            if part["choices"][0]["delta"].get("content"):  # type: ignore[index]
+                first = first or time.perf_counter()
+        times.append((first - started) * 1000.0)
+    llm.close()
+    return times
 
 
 class Server:
@@ -177,8 +207,10 @@ async def measure(server: Server, requests: int, max_tokens: int) -> dict[str, A
         wall = time.perf_counter() - started
         conversation: list[dict[str, str]] = []
         turns = []
+        sent = []
         for turn in TURNS:
             conversation.append({"role": "user", "content": turn})
+            sent.append(list(conversation))
             answer = await ask(http, server.url, conversation, max_tokens)
             conversation.append({"role": "assistant", "content": answer["text"]})
             turns.append(answer)
@@ -190,6 +222,7 @@ async def measure(server: Server, requests: int, max_tokens: int) -> dict[str, A
         "concurrent": {"requests": len(concurrent), "wall_s": wall, "tokens": tokens,
                        "latency_ms": median([a["total_ms"] for a in concurrent])},
         "turns": turns,
+        "sent": sent,
     }
 
 
@@ -230,15 +263,26 @@ def report(base: dict[str, float], served: dict[str, Any], args: argparse.Namesp
         "One conversation over the API, each turn's prompt the whole conversation so far",
         "(the stages keep what they can of the last request's prefix: the reused column):",
         "",
-        "| turn | prompt tokens | reused | reply tokens | first token ms (client) | first token ms (run) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| turn | prompt tokens | reused | computed | reply tokens | first token ms (client) "
+        "| first token ms (run) | llama.cpp keeping its cache, ms | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for index, turn in enumerate(served["turns"], 1):
+    for index, (turn, base_ms) in enumerate(zip(served["turns"], served["baseline_turns"], strict=True), 1):
         lines.append(
-            f"| {index} | {turn['prompt_tokens']} | {turn['cached_tokens']} | {turn['completion_tokens']} | "
-            f"{turn['ttft_ms']:.0f} | "
-            f"{turn['run_ttft_ms']:.0f} |"
+            f"| {index} | {turn['prompt_tokens']} | {turn['cached_tokens']} | "
+            f"{turn['prompt_tokens'] - turn['cached_tokens']} | {turn['completion_tokens']} | "
+            f"{turn['ttft_ms']:.0f} | {turn['run_ttft_ms']:.0f} | {base_ms:.0f} | {turn['ttft_ms'] / base_ms:.2f}x |"
         )
+    later = served["turns"][1:]
+    if later:
+        first_half = median([t["ttft_ms"] for t in later[: len(later) // 2]])
+        second_half = median([t["ttft_ms"] for t in later[len(later) // 2 :]])
+        lines += [
+            "",
+            f"Follow-up turns compute only their new tokens: the median first token of turns 2-"
+            f"{1 + len(later) // 2} is {first_half:.0f} ms, of the later turns {second_half:.0f} ms, while the "
+            f"prompt grows from {later[0]['prompt_tokens']} to {later[-1]['prompt_tokens']} tokens.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -259,6 +303,7 @@ def main() -> None:
             code = server.close()
     if code != 0:
         raise SystemExit(f"the server exited {code}:\n" + "".join(server.lines))
+    served["baseline_turns"] = baseline_turns(path, served["sent"], args.max_tokens)
     text = report(base, served, args)
     print(text)
     (REPO / "docs" / "bench-server.md").write_text(text)
