@@ -590,8 +590,9 @@ class StageEngine:
             lib.llama_sampler_free(self._sampler)
             self._sampler = None
         if getattr(self, "_batch", None) is not None:
-            if getattr(self, "_batch_pos", None) is not None:  # not our position buffer
-                self._batch.pos = ctypes.cast(self._batch_pos, type(self._batch.pos))
+            original = getattr(self, "_batch_pos", None)
+            if original is not None:  # llama_batch_init's, not our position buffer
+                self._batch.pos = ctypes.cast(original, type(self._batch.pos))
             lib.llama_batch_free(self._batch)
             self._batch = None
         if getattr(self, "context", None):

@@ -110,7 +110,7 @@ class Failed(Exception):
 
 def run_logged(command, env=None):
     """``command``, its output said line by line; the last lines kept for an error."""
-    tail = []
+    tail: list = []  # noqa: UP006 - the host's Python may be old: plain names only
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -120,6 +120,7 @@ def run_logged(command, env=None):
         universal_newlines=True,
         errors="replace",
     )
+    assert process.stdout is not None
     for line in process.stdout:
         line = line.rstrip()
         if line:
@@ -141,6 +142,8 @@ def receive(directory):
             if not member.isfile() or "/" in name or name.startswith("."):
                 raise Failed(f"unexpected entry {name!r} in the wheels sent")
             source = stream.extractfile(member)
+            if source is None:
+                raise Failed(f"entry {name!r} of the wheels sent has no data")
             with open(os.path.join(directory, name), "wb") as target:
                 shutil.copyfileobj(source, target, 1 << 20)
             names.append(name)
