@@ -80,6 +80,9 @@ class HostSpec:
     # The stages placed on this host run in one agent process (one OpenMP
     # team for all; the first stage's agent, the others attached to it).
     share_process: bool = False
+    # Named by no stage: recovery moves a lost stage here when its own host
+    # does not answer (docs/recovery.md).
+    spare: bool = False
 
     @property
     def where(self) -> str:
@@ -216,9 +219,10 @@ class _Reader:
             raise self.fail(node, key, f"expected {_kind_name(kind)}")
         try:
             value = yaml.safe_load(yaml.serialize(node)) if node.value != "" else None
-        except (yaml.YAMLError, ValueError, KeyError, AttributeError, TypeError):
+        except (yaml.YAMLError, ValueError, KeyError, AttributeError, TypeError, IndexError):
             # A tag that does not fit its text (!!bool maybe, !!int abc) or
-            # that safe_load does not construct (!custom, !!python/...).
+            # that safe_load does not construct (!custom, !!python/...), or that
+            # its constructor trips over (!!int -).
             got = f"{node.tag} {node.value!r}"
             raise self.fail(node, key, f"expected {_kind_name(kind)}, got {got}") from None
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -427,6 +431,12 @@ def parse_inventory(text: str, path: Path) -> Inventory:
                 "each with its own --listen address, and give each its own host entry"
             )
         first_on.setdefault(stage.host, index)
+        if hosts[stage.host].spare:
+            raise InventoryError(
+                f"{path}:{stage.line}: stages[{index}].host: {stage.host} is a spare (spare: true at line "
+                f"{hosts[stage.host].line}), which recovery moves a lost stage to; name another host, "
+                "or remove spare: true"
+            )
     given = [stage.layers is not None for stage in stages]
     if any(given) and not all(given):
         missing = stages[given.index(False)]
@@ -454,7 +464,7 @@ def parse_inventory(text: str, path: Path) -> Inventory:
         send=send,
     )
     check_run_options(inventory.run, lambda key, message: _run_error(top.get("run"), reader, key, message))
-    for name in ("connect", "ready", "step", "teardown", "heartbeat"):
+    for name in ("connect", "ready", "step", "teardown", "heartbeat", "setup"):
         if not 0 < getattr(timeouts, name) < math.inf:
             node = top.get("timeouts")
             raise reader.fail(node, f"timeouts.{name}", "must be a positive number of seconds")

@@ -57,6 +57,7 @@ from ggufpipe_tui.core.events import (
 from ggufpipe_tui.core.inventory import HostSpec, Inventory, RunOptions
 from ggufpipe_tui.core.placement import Placement, place_stages
 from ggufpipe_tui.core.plan import PlanError, RunPlan, build_plan, new_run_id, validate_plan
+from ggufpipe_tui.core.spares import moved_inventory, spare_candidates, spare_placement, spare_problem
 from ggufpipe_tui.dataplane import DataPlane, DataPlaneEvents
 from ggufpipe_tui.dataplane.direct import DirectPlane
 from ggufpipe_tui.session.delivery import Delivered, deliver_stages, with_stage_files
@@ -65,7 +66,7 @@ from ggufpipe_tui.session.modelsource import LocalModel, ModelSource, model_sour
 from ggufpipe_tui.session.runlog import RunLog
 from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
 from ggufpipe_tui.session.stages import PipelineError, StageHandle
-from ggufpipe_tui.transports.link import AgentLink, AgentNotSetUp
+from ggufpipe_tui.transports.link import AgentLink, AgentNotSetUp, HostUnreachable
 from ggufpipe_tui.transports.shared import ProcessSharing, SharedAgent
 
 log = logging.getLogger("ggufpipe.orchestrator")
@@ -113,6 +114,7 @@ class Pipeline:
         self.driver: RunDriver | None = None
         self.broken = ""  # why the pipeline cannot carry another run
         self.closing = False
+        self.serving = False  # start() has finished: the queue serves runs
         self.runlog = RunLog(log_dir)
         self.tasks = TaskOwner(self._task_failed, "pipeline")
         self.queue = RunQueue(self, prepare_ahead)
@@ -131,6 +133,7 @@ class Pipeline:
         self._interrupted: dict[int, RunResult] = {}  # faulted runs that recovery replays
         self._loss: tuple[str, float, int] = ("", 0.0, -1)  # who was lost first, when, at which token
         self._repair_times = (0.0, 0.0, 0.0, "")  # repair start, end, teardown done, how
+        self._how = ""  # the last repair in a few words: "restarted", "moved to gpu-c"
 
     @property
     def links(self) -> list[AgentLink]:
@@ -203,6 +206,10 @@ class Pipeline:
             host = inventory.hosts[spec.host]
             link = sharing.link(host, index, self._log_sink(index, host.name))
             self.stages.append(StageHandle(index, link, self._on_message, self._stage_lost))
+        if any(inventory.hosts[spec.host].share_process for spec in inventory.stages):
+            # Recovery cannot start a shared agent process again yet: a loss
+            # there is the fault it was before recovery (docs/recovery.md).
+            self.policy = rec.Policy(0, self.policy.deadline)
         starting = (self._start_stage(stage, timeout) for stage in self.stages)
         results = await asyncio.gather(*starting, return_exceptions=True)
         failures = [result for result in results if isinstance(result, BaseException)]
@@ -221,6 +228,7 @@ class Pipeline:
         except BaseException:
             await self.close()
             raise
+        self.serving = True  # from now on a lost stage is recovered (before: start() fails)
         self.tasks.spawn(self.queue.serve(), "run queue")
 
     def _watch_stage(self, stage: StageHandle) -> None:
@@ -459,6 +467,11 @@ class Pipeline:
         at_token = len(driver.tokens) if driver is not None and running else -1
         now = time.perf_counter()
         before = self.recovery
+        if not self.serving:
+            # Lost while the pipeline starts: start() fails with the reason
+            # (a recovery would race the teardown of what was started).
+            self.queue.stop(reason)
+            return
         self.recovery = rec.transition(before, rec.Loss(reason, now), self.policy)
         if before.phase is rec.Phase.READY:
             self._loss = (f"{stage.label}", now, at_token)
@@ -535,10 +548,11 @@ class Pipeline:
             return
         self.recovery = rec.transition(self.recovery, rec.Repaired(how), self.policy)
         self.broken = ""
-        self._repair_times = (started, time.perf_counter(), self._repair_times[2], how)
+        self._repair_times = (started, time.perf_counter(), self._repair_times[2], self._how)
 
     async def _rebuild(self) -> str:
-        """Every lost stage's agent started again on its host, the model
+        """Every lost stage's agent started again on its host, or, where its
+        host does not answer, on a spare host (:meth:`_move`); the model
         checked there and its stage file delivered (from its cache when it has
         it), and a new data plane (new links, new credentials) over all stages."""
         timeout = self.inventory.timeouts.connect
@@ -556,34 +570,116 @@ class Pipeline:
         await asyncio.gather(*(stage.close(1.0) for stage in lost), return_exceptions=True)
         fresh: list[StageHandle] = []
         for old in lost:
-            host = old.host
-            link = self.link_factory(host, old.index, self._log_sink(old.index, host.name))
-            handle = StageHandle(old.index, link, self._on_message, self._stage_lost)
-            self.stages[old.index] = handle
-            fresh.append(handle)
+            fresh.append(self._handle(old.index, old.host))
+            self.stages[old.index] = fresh[-1]
         results = await asyncio.gather(
             *(self._start_stage(stage, timeout) for stage in fresh), return_exceptions=True
         )
-        for stage in fresh:
-            if stage.hello is not None:
+        # Stages whose host does not answer, by host: they move together.
+        gone: dict[str, tuple[HostUnreachable, list[StageHandle]]] = {}
+        failures: list[BaseException] = []
+        for stage, result in zip(fresh, results, strict=True):
+            if isinstance(result, HostUnreachable):
+                gone.setdefault(stage.host.name, (result, []))[1].append(stage)
+            elif isinstance(result, BaseException):
+                failures.append(result)
+            else:
                 self._watch_stage(stage)
-        failures = [result for result in results if isinstance(result, BaseException)]
         if failures:
             first = failures[0]
             raise first if isinstance(first, GgufpipeError) else PipelineError(f"restarting: {first!r}")
+        moves: list[tuple[str, str]] = []  # (the stages moved, to which host)
+        restarted = [stage for stage in fresh if stage.hello is not None]
+        for error, stages in gone.values():
+            await asyncio.gather(*(stage.close(1.0) for stage in stages), return_exceptions=True)
+            moved = await self._move([stage.index for stage in stages], error, timeout)
+            moves.append((", ".join(stage.label for stage in stages), moved[0].host.name))
+            fresh = [stage for stage in fresh if stage not in stages] + moved
         assert self.model is not None
-        await asyncio.gather(*(self.model.check(stage, max(60.0, timeout)) for stage in fresh))
+        await asyncio.gather(*(self.model.check(stage, max(60.0, timeout)) for stage in restarted))
         if self.delivered and isinstance(self.model, LocalModel) and self.model.files is not None:
             files, timeouts = self.model.files, self.inventory.timeouts
             again = await deliver_stages(fresh, files, self.ranges, self.emit, timeouts)
             by_stage = {done.stage: done for done in again}
             self.delivered = [by_stage.get(done.stage, done) for done in self.delivered]
         await self._open_data_plane(timeout)
-        for stage in fresh:
-            self.emit(StageRecovery(stage.index, stage.host.name, "Ready", "restarted"))
-        if not fresh:
-            return "reopened the data plane"
-        return "restarted " + ", ".join(stage.label for stage in fresh)
+        for stage in sorted(fresh, key=lambda stage: stage.index):
+            detail = "restarted" if stage in restarted else f"moved to {stage.host.name}"
+            self.emit(StageRecovery(stage.index, stage.host.name, "Ready", detail))
+        short = ["restarted"] if restarted else []
+        if moves:
+            short.append("moved to " + ", ".join(dict.fromkeys(to for _, to in moves)))
+        self._how = ", ".join(short) or "reopened the data plane"
+        how = [f"moved {stages} to {to}" for stages, to in moves]
+        if restarted:
+            how.insert(0, "restarted " + ", ".join(stage.label for stage in restarted))
+        return "; ".join(how) or "reopened the data plane"
+
+    def _handle(self, index: int, host: HostSpec) -> StageHandle:
+        link = self.link_factory(host, index, self._log_sink(index, host.name))
+        return StageHandle(index, link, self._on_message, self._stage_lost)
+
+    async def _move(self, indexes: list[int], error: HostUnreachable, timeout: float) -> list[StageHandle]:
+        """The stages ``indexes`` of a host that does not answer (``error``)
+        started on the first spare host no stage uses that can hold them (the
+        memory plan's figures, core/spares.py) and whose model is stage 0's,
+        with their layer ranges; raises PipelineError naming each spare
+        tried, and why not, when none can."""
+        assert self.facts is not None and self.model is not None
+        what = "stage" + ("s " if len(indexes) > 1 else " ") + ", ".join(map(str, indexes))
+        in_use = {stage.host.name for stage in self.stages}
+        candidates = spare_candidates(self.inventory, in_use)
+        if not candidates:
+            raise PipelineError(f"{error}; no spare host (spare: true) to move {what} to")
+        refused: list[str] = []
+        for name in candidates:
+            trial = [self._handle(index, self.inventory.hosts[name]) for index in indexes]
+            try:
+                problem, placement = await self._try_spare(trial, name, timeout)
+            except BaseException:  # cancelled (recovery.deadline): no agent is left behind
+                await asyncio.gather(*(stage.close(1.0) for stage in trial), return_exceptions=True)
+                raise
+            if problem or placement is None:
+                refused.append(f"{name}: {problem}")
+                await asyncio.gather(*(stage.close(1.0) for stage in trial), return_exceptions=True)
+                continue
+            for stage in trial:
+                self.stages[stage.index] = stage
+                stage.start_heartbeat(self.tasks, self.inventory.timeouts.heartbeat)
+            self.inventory = moved_inventory(self.inventory, dict.fromkeys(indexes, name))
+            self.placement = placement
+            return trial
+        raise PipelineError(f"{error}; no spare host could take {what}: {'; '.join(refused)}")
+
+    async def _try_spare(
+        self, trial: list[StageHandle], name: str, timeout: float
+    ) -> tuple[str, Placement | None]:
+        """Start ``trial`` (stages on the spare ``name``) and check that it can
+        hold them and has stage 0's model: ("", its placement), or why not."""
+        assert self.facts is not None and self.model is not None
+        try:
+            started = await asyncio.gather(
+                *(self._start_stage(stage, timeout) for stage in trial), return_exceptions=True
+            )
+            for result in started:
+                if isinstance(result, GgufpipeError | OSError):
+                    return str(result), None
+                if isinstance(result, BaseException):
+                    raise result
+            for stage in trial:  # its replies (the model check); heartbeats once it is taken
+                self.tasks.spawn(stage.read_control(), f"control reader of stage {stage.index}")
+            hellos = [stage.hello for stage in self.stages]
+            indexes = [stage.index for stage in trial]
+            placement = spare_placement(
+                self.inventory, self.facts, hellos, self.ranges, indexes, name, trial[0].hello
+            )
+            problem = spare_problem(placement, name)
+            if problem:
+                return problem, None
+            await asyncio.gather(*(self.model.check(stage, max(60.0, timeout)) for stage in trial))
+        except (GgufpipeError, OSError) as failure:
+            return str(failure), None
+        return "", placement
 
     def replaying(self, replay: RunDriver, old: RunResult) -> None:
         """``replay`` carries the interrupted run's prompt on (``old``: its
@@ -601,7 +697,7 @@ class Pipeline:
                 run_id=replay.plan.run_id,
                 interrupted=old.run_id,
                 stages=who,
-                how=how.split(" ", 1)[0] if how else "restarted",
+                how=how or "restarted",
                 at_token=len(old.tokens),
                 replayed=prompt_tokens + len(old.tokens),
                 lost_at=lost_at,

@@ -66,6 +66,13 @@ class AgentNotSetUp(TransportError):
         self.broken = broken
 
 
+class HostUnreachable(TransportError):
+    """The host does not answer: its SSH server cannot be reached (refused,
+    no route, the connection dropped during its handshake) or says nothing
+    within timeouts.connect. Recovery moves its lost stages to a spare host
+    (docs/recovery.md); a host that answers and refuses is not this."""
+
+
 class ListenRetry(TransportError):
     """A hand-started agent that may take this orchestrator on another try:
     it is busy, or it closed the connection before its handshake was done.

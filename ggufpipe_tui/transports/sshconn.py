@@ -24,7 +24,7 @@ from typing import Any
 import asyncssh
 
 from ggufpipe_tui.core.inventory import HostSpec
-from ggufpipe_tui.transports.link import TransportError
+from ggufpipe_tui.transports.link import HostUnreachable, TransportError
 
 log = logging.getLogger("ggufpipe.ssh")
 # asyncssh logs every channel open and close at INFO; under -v those lines
@@ -237,13 +237,15 @@ async def _connect(host: HostSpec, timeout: float, entry: PooledConnection) -> a
             f"{where}: cannot use the identity key ({error}); an encrypted key belongs in ssh-agent "
             "(ssh-add KEY), not in identity:"
         ) from None
+    except asyncssh.ConnectionLost as error:  # dropped before it said anything
+        raise HostUnreachable(f"{where}: SSH connection failed: {error.reason}") from None
     except asyncssh.Error as error:
         raise TransportError(f"{where}: SSH connection failed: {error.reason}") from None
     except (asyncio.TimeoutError, TimeoutError):  # before OSError: builtin TimeoutError is one
-        raise TransportError(f"{where}: no SSH answer within {timeout:g}s (timeouts.connect)") from None
+        raise HostUnreachable(f"{where}: no SSH answer within {timeout:g}s (timeouts.connect)") from None
     except OSError as error:
         reason = os.strerror(error.errno) if error.errno else str(error)
-        raise TransportError(f"{where}: cannot reach the SSH server: {reason}") from None
+        raise HostUnreachable(f"{where}: cannot reach the SSH server: {reason}") from None
 
 
 class _Client(asyncssh.SSHClient):

@@ -309,7 +309,8 @@ class ViewState:
 
     def _connected(self, event: AgentConnected, now: float) -> None:
         row = self.rows[event.stage]
-        row.connected, row.where = True, event.where
+        # A stage recovery moved to a spare host is on that host now.
+        row.connected, row.host, row.where = True, event.host, event.where
         row.device = fmt.device_name(event.hello)
         self.agent_pids[event.stage] = event.hello.pid
         self.note(event.stage, Text(fmt.agent_line(event), style="bold"))

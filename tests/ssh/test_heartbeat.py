@@ -37,6 +37,7 @@ def local_inventory(tmp_path: Path, model_path: Path, heartbeat: float, **timeou
         "  - {host: here, layers: [20, 30]}\n"
         "run: {context: 256, max_tokens: 4, ignore_eos: true, chat: false}\n"
         f"timeouts: {{{', '.join(f'{k}: {v}' for k, v in limits.items())}}}\n"
+        "recovery: {attempts: 0}\n"  # the fault the heartbeat finds (test_recovery.py recovers it)
     )
     return path
 
@@ -166,6 +167,7 @@ async def test_a_network_that_vanishes_without_a_reset(tmp_path, sshd: Sshd, cac
     path = write_inventory(tmp_path / "inventory.yaml", model_path, hosts, stages, max_tokens=4, ignore_eos=True)
     document = yaml.safe_load(path.read_text())
     document["timeouts"]["heartbeat"] = 3
+    document["recovery"] = {"attempts": 0}  # the fault itself
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     pipeline = Pipeline(load_inventory(path), lambda event: None)
     try:

@@ -354,7 +354,8 @@ async def test_missing_agent_says_how_to_install_it(tmp_path, sshd, cache_dir, m
     hosts = {"gpu": host_entry(sshd, cache_dir, agent="/opt/nowhere/bin/ggufpipe-agent")}
     message, _ = await start_failure(one_stage(tmp_path, model_path, hosts, [("gpu", [0, 30])]))
     assert "not available on gpu" in message and "exit status 127" in message, message
-    assert "pip install ggufpipe" in message and "Preparing a GPU host" in message
+    assert "give the agent's full path in the host's agent:" in message, message
+    assert "leave agent: out and ggufpipe sets one up there" in message and "Getting the agent onto a host" in message
 
 
 # ---------------------------------------------------- nothing outlives us
@@ -364,7 +365,9 @@ async def test_faulted_run_leaves_no_agent(tmp_path, sshd, cache_dir, model_path
     hosts = {"gpu": host_entry(sshd, cache_dir)}
     stages = [("gpu", layers) for layers in UNEVEN]
     inventory = load_inventory(
-        write_inventory(tmp_path / "inv.yaml", model_path, hosts, stages, max_tokens=400, ignore_eos=True)
+        write_inventory(
+            tmp_path / "inv.yaml", model_path, hosts, stages, recovery={"attempts": 0}, max_tokens=400, ignore_eos=True
+        )
     )
     streamed = asyncio.Event()
     count = 0

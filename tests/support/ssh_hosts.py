@@ -37,6 +37,7 @@ def write_inventory(
     stages: list[tuple[str, list[int]]],
     connect: float = 20,
     mode: str = "",
+    recovery: dict[str, Any] | None = None,
     **run: Any,
 ) -> Path:
     """``mode``: one of tests.conftest.DATA_MODES ("" leaves both to the defaults)."""
@@ -47,6 +48,8 @@ def write_inventory(
         "run": {"context": 512, "ubatch": 32, "chat": False, **run},
         "timeouts": {"connect": connect, "ready": 120, "step": 30, "teardown": 10},
     }
+    if recovery is not None:
+        document["recovery"] = recovery
     if mode:
         document["data"] = DATA_MODES[mode]["data"]
         document["run"]["feedback"] = DATA_MODES[mode]["feedback"]

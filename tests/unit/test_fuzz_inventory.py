@@ -99,6 +99,7 @@ def check_accepted(inventory: Inventory) -> None:
         _check_types(host, HostSpec)
     for stage in inventory.stages:
         assert stage.host in inventory.hosts
+        assert not inventory.hosts[stage.host].spare, "a stage on a spare host"
     layers = [stage.layers for stage in inventory.stages]
     assert all(r is None for r in layers) or all(r is not None and 0 <= r[0] < r[1] for r in layers)
     run = inventory.run
@@ -210,6 +211,7 @@ HOST_EXTRAS: dict[str, st.SearchStrategy[Any]] = {
     "data": mostly(st.sampled_from(DATA_MODES), st.sampled_from(["", "fast"])),
     "link_address": text,
     "share_process": mostly(st.booleans(), text),
+    "spare": mostly(st.booleans(), text),
 }
 assert set(HOST_EXTRAS) | {"local", "address"} == {f.name for f in fields(HostSpec)} - {"name", "line"}, (
     "a HostSpec field is not fuzzed"
