@@ -71,6 +71,9 @@ from ggufpipe_tui.transports.shared import ProcessSharing, SharedAgent
 
 log = logging.getLogger("ggufpipe.orchestrator")
 
+#: Runs of a conversation recovery replays at most (beyond: a cold replay).
+MAX_HISTORY = 64
+
 LinkFactory = Callable[[HostSpec, int, Callable[[str], None]], AgentLink]
 DataPlaneFactory = Callable[[Sequence[StageHandle], TaskOwner, DataPlaneEvents], DataPlane]
 __all__ = ["Pipeline", "PipelineError", "Prompt", "RunHandle"]
@@ -131,6 +134,8 @@ class Pipeline:
         self._plane = 0  # the data plane's generation: a replaced one's reports are ignored
         self._repairing: asyncio.Task[None] | None = None
         self._interrupted: dict[int, RunResult] = {}  # faulted runs that recovery replays
+        # The runs since the caches were last empty: (prompt, options, tokens).
+        self._history: list[tuple[list[int], RunOptions, tuple[int, ...]]] = []
         self._loss: tuple[str, float, int] = ("", 0.0, -1)  # who was lost first, when, at which token
         self._repair_times = (0.0, 0.0, 0.0, "")  # repair start, end, teardown done, how
         self._how = ""  # the last repair in a few words: "restarted", "moved to gpu-c"
@@ -346,8 +351,10 @@ class Pipeline:
         files: dict[int, StageFileRef] = {done.stage: done.ref for done in self.delivered}
         return with_stage_files(plan, files)
 
-    async def prepare_run(self, options: RunOptions | None = None) -> RunDriver:
-        """Plan, provision and load a run that waits for its prompt."""
+    async def prepare_run(self, options: RunOptions | None = None, quiet: bool = False) -> RunDriver:
+        """Plan, provision and load a run that waits for its prompt.
+        ``quiet``: its events go nowhere (a run of the history replayed by
+        recovery, :meth:`replay_history`)."""
         if self.recovery.active and not self.closing:
             await self.recover()  # a stage lost between runs: repaired first
         if self.closing or self.data is None:
@@ -365,17 +372,18 @@ class Pipeline:
             self.data,
             self.inventory.timeouts,
             self.tasks,
-            self._run_emitter(plan.run_id),
+            (lambda event: None) if quiet else self._run_emitter(plan.run_id),
             self.pieces,
             log_path=lambda: "" if self.runlog.disabled else str(self.runlog.path or ""),
             source=source,
         )
         self.driver = driver
-        try:
-            self.runlog.open(plan.run_id)
-        except OSError as error:
-            self.emit(Notice("warning", f"run log disabled: cannot write {self.runlog.path} ({error})"))
-        self.emit(PlanMade(plan, tuple(stage.host for stage in self.inventory.stages)))
+        if not quiet:
+            try:
+                self.runlog.open(plan.run_id)
+            except OSError as error:
+                self.emit(Notice("warning", f"run log disabled: cannot write {self.runlog.path} ({error})"))
+            self.emit(PlanMade(plan, tuple(stage.host for stage in self.inventory.stages)))
         self.data.bind(plan, driver.on_token)
         try:
             validate_plan(plan)
@@ -504,6 +512,40 @@ class Pipeline:
             self.queue.stop(str(error))
 
     # ------------------------------------------------------------ recovery
+
+    def remember(self, tokens: list[int], options: RunOptions, result: RunResult) -> None:
+        """A run that ended: the runs since the stages' caches were last empty
+        (each that kept a prefix built on the one before) are what recovery
+        replays before an interrupted run that kept a prefix, so that the new
+        stage's cache is computed in the same batches as the others' were."""
+        replayable = result.ok and result.stop_reason in ("max_tokens", "eos") and self.prefix_reuse
+        if not replayable or (result.prompt_reused and not self._history):
+            self._history = []  # a chain that cannot be replayed exactly
+            return
+        entry = (list(tokens), replace(options, max_tokens=len(result.tokens)), tuple(result.tokens))
+        self._history = [*self._history, entry] if result.prompt_reused else [entry]
+        if len(self._history) > MAX_HISTORY:
+            self._history = []
+
+    async def replay_history(self, old: RunResult) -> None:
+        """Before ``old`` (interrupted) is replayed: where it kept a prefix of
+        the run before, every run since the caches were last empty runs again,
+        quietly, each with its tokens, reply length and sampling, so that
+        every stage's cache is computed in the batches it was (a cold replay
+        of ``old`` would compute its prefix in other batches, which kernels
+        that are not batch-invariant compute in other bits). Each replayed
+        run's tokens are checked against the ones it gave."""
+        if not old.prompt_reused or not self._history:
+            return
+        for index, (tokens, options, recorded) in enumerate(list(self._history)):
+            driver = await self.prepare_run(options, quiet=True)
+            driver.replay = recorded
+            result = await self.run_prompt(driver, tokens, time.monotonic(), options.max_tokens)
+            if not result.ok or tuple(result.tokens) != recorded:
+                why = result.failure or "other tokens"
+                raise PipelineError(
+                    f"replaying turn {index + 1} of the conversation before the lost run: {why}"
+                )
 
     def take_interrupted(self, run_id: int) -> RunResult | None:
         """Run ``run_id``'s result when it faulted by a lost stage that

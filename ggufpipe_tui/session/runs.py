@@ -71,6 +71,10 @@ class QueuePipeline(Protocol):
 
     def give_up(self, old: RunResult, reason: str) -> RunResult: ...
 
+    def remember(self, tokens: list[int], options: RunOptions, result: RunResult) -> None: ...
+
+    async def replay_history(self, old: RunResult) -> None: ...
+
 
 #: What a prompt whose tokens and max_tokens do not fit the context gets.
 RUN_ANYWAY = "run"  # it runs; it may fault when the context fills (headless)
@@ -419,6 +423,7 @@ class RunQueue:
                     if handle.done:
                         raise PipelineError("the prompt was withdrawn")
                     await pipeline.recover()
+                    await pipeline.replay_history(old)
                     driver = await pipeline.prepare_run(options)
                 except GgufpipeError as error:
                     result = pipeline.give_up(old, str(error))
@@ -435,4 +440,5 @@ class RunQueue:
             handle.fail(error if isinstance(error, PipelineError) else PipelineError(str(error)))
             return driver.result
         handle.finish(result)
+        pipeline.remember(tokens, options, result)
         return result

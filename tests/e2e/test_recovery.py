@@ -172,3 +172,49 @@ async def test_a_stage_lost_between_runs_is_restarted_before_the_next(tmp_path, 
     assert second.tokens == first.tokens
     states = [e.state for e in events if isinstance(e, StageRecovery)]
     assert states == ["Lost", "Recovering", "Ready"]
+
+
+async def test_a_follow_up_turn_is_recovered_exactly_at_the_default_ubatch(tmp_path, model_path, no_agent_left):
+    """run.reuse: cache at ubatch 512, where llama.cpp's CPU kernels are not
+    batch-invariant: a stage lost during the third turn of a conversation is
+    restarted, the conversation's earlier turns are replayed (quietly) in the
+    batches they had, then the third turn, which goes on: every turn equals
+    one llama.cpp context that kept its cache (a cold replay of the third
+    turn alone would compute its prefix in other batches)."""
+    from tests.support.common import whole_model_turns
+    from tests.support.local import tokenize
+
+    path = tmp_path / "inventory.yaml"
+    stages = "".join(f"  - {{host: here, layers: [{a}, {b}]}}\n" for a, b in [(0, 7), (7, 23), (23, 30)])
+    path.write_text(
+        f"model: {{path: {model_path}}}\nhosts:\n  here: {{local: true}}\nstages:\n{stages}"
+        "run: {context: 1024, max_tokens: 24, ignore_eos: true, chat: false}\n"
+        "timeouts: {connect: 30, ready: 60, step: 30, teardown: 5}\n"
+    )
+    saboteur = Saboteur(lambda e: False, signal_agent(1, signal.SIGKILL))
+    pipeline = Pipeline(load_inventory(path), saboteur)
+    saboteur.pipeline = pipeline
+    results = []
+    try:
+        await pipeline.start()
+        prompt = tokenize(model_path, "The history of the Roman empire is long.", bos=True)
+        for index, words in enumerate(("", " Name the first emperor.", " And the second?")):
+            if results:
+                prompt = prompt + list(results[-1].tokens) + tokenize(model_path, words, bos=False)
+            if index == 2:  # the kill lands in the third turn's decode
+                saboteur.when = on_token(6)
+            results.append(await pipeline.generate_tokens(prompt))
+    finally:
+        await pipeline.close()
+    assert saboteur.fired
+    for result in results:
+        assert result.outcome == "completed", result.failure
+    assert results[2].prompt_reused > 0, "the third turn kept the conversation so far"
+    oracle = whole_model_turns(model_path, [list(r.prompt_tokens) for r in results], 24, n_ctx=1024, n_ubatch=512)
+    assert [list(r.tokens) for r in results] == oracle
+    assert len(of(saboteur, RunRecovered)) == 1
+    third = [e for e in saboteur.events if isinstance(e, TokenStreamed) and e.run_id != results[0].run_id]
+    assert len([e for e in of(saboteur, TokenStreamed) if e.sequence >= 0]) == 3 * 24, (
+        "every turn's tokens streamed once; the replayed turns streamed nothing",
+        len(third),
+    )

@@ -85,6 +85,12 @@ class FakePipeline:
     def give_up(self, old: RunResult, reason: str) -> RunResult:
         raise AssertionError("no replay in these tests")
 
+    def remember(self, tokens: list[int], options: RunOptions, result: RunResult) -> None:
+        pass
+
+    async def replay_history(self, old: RunResult) -> None:
+        raise AssertionError("no replay in these tests")
+
 
 async def served(pipeline: FakePipeline) -> asyncio.Task[None]:
     return asyncio.ensure_future(pipeline.queue.serve())
