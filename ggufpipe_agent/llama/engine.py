@@ -236,8 +236,9 @@ class StageEngine:
         # Positions per token of a batch of embeddings: 4 where the model uses
         # M-RoPE (llama.cpp reads them section-major, pos[j * n_tokens + i]),
         # more than llama_batch_init allocates; the batch then points at ours.
-        self._positions = 1 if shape.first else _positions_per_token(path)
         mrope = llama_cpp.llama_model_rope_type(self.model) in _MROPE_TYPES
+        # Only an M-RoPE model's stage file is read again (its header says how many).
+        self._positions = _positions_per_token(path) if mrope and not shape.first else 1
         if mrope and not shape.first and self._positions == 1:
             self.close()  # llama.cpp would read 4 positions per embedding, past the buffer
             raise EngineError(f"{path}: llama.cpp reads 4 positions per token, the stage file says 1")

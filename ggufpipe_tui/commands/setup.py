@@ -99,7 +99,7 @@ async def _report_ssh(host: HostSpec, timeout: float, set_up: bool, log: IO[str]
                 report.unfit = True
             return report
         if problem:
-            report.verdict, report.unfit = problem.split(": ", 1)[1], True
+            report.verdict, report.unfit = problem, True
             return report
         report.agent = OUR_AGENT if probed.ready else ""
         if probed.ready:
@@ -114,7 +114,7 @@ async def _report_ssh(host: HostSpec, timeout: float, set_up: bool, log: IO[str]
             def progress(line: str) -> None:
                 print(f"ggufpipe: {host.name}: {line}", file=log, flush=True)
 
-            result = await provision.set_up_once(host, connection, progress, lambda line: None)
+            result = await provision.set_up_once(host, connection, progress, lambda line: None, probed=probed)
             report.how, report.seconds = result.how, time.monotonic() - began
             report.agent = OUR_AGENT
             report.verdict = f"ready: agent {result.how} in {format_seconds(report.seconds)}"

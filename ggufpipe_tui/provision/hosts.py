@@ -147,10 +147,11 @@ async def probe(
 
 
 def python_problem(host: HostSpec, probed: Probed) -> str:
+    """Why the host's Python cannot run an agent ("" when it can)."""
     version = tuple(int(part) for part in probed.python.split(".")[:2] if part.isdigit())
     if probed.too_old or version < MIN_PYTHON:
         return (
-            f"{_where(host)}: its {host.python} is Python {probed.python}, too old: ggufpipe needs "
+            f"its {host.python} is Python {probed.python}, too old: ggufpipe needs "
             f"{'.'.join(map(str, MIN_PYTHON))} or newer (install one, and name it with python: in the "
             "host's entry)"
         )
@@ -219,15 +220,18 @@ async def set_up_once(
     progress: Progress,
     log: Progress,
     redo: bool = False,
+    probed: Probed | None = None,
 ) -> SetupResult:
     """:func:`set_up`, one at a time per host and agents folder in this
-    process: the stages of one host wait for the first to set it up."""
+    process: the stages of one host wait for the first to set it up.
+    ``probed``: what a probe just said of the host (else it is probed)."""
     locks = _LOCKS.setdefault(asyncio.get_running_loop(), {})
     lock = locks.setdefault((host.where, agents_dir(host)), asyncio.Lock())
     # A stage that waited for another's set-up of the host does not redo it.
     waited = lock.locked()
     async with lock:
-        return await set_up(host, connection, progress, log, redo=redo and not waited)
+        fresh = None if waited else probed  # another stage's set-up changed what a probe said
+        return await set_up(host, connection, progress, log, fresh, redo=redo and not waited)
 
 
 async def set_up(
@@ -244,7 +248,7 @@ async def set_up(
     probed = probed or await probe(host, connection)
     problem = python_problem(host, probed)
     if problem:
-        raise SetupError(problem)
+        raise SetupError(f"{_where(host)}: {problem}")
     if probed.ready and not redo:
         return SetupResult(host.name, "ready", seconds=time.monotonic() - began)
     mode, why = choose(host, probed)

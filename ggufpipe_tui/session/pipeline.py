@@ -163,10 +163,13 @@ class Pipeline:
             except Exception:  # noqa: BLE001 - a view's bug must not break the run
                 log.exception("event consumer failed")
 
-    def _run_emitter(self, run_id: int) -> Emit:
+    def _run_emitter(self, run_id: int, final: bool = False) -> Emit:
+        """``final``: a RunFinished ends the run even while recovering (give_up)."""
+
         def emit(event: Event) -> None:
             if (
-                isinstance(event, RunFinished)
+                not final
+                and isinstance(event, RunFinished)
                 and event.result.outcome == "faulted"
                 and self.recovery.phase is rec.Phase.RECOVERING
                 and not self.closing
@@ -518,7 +521,12 @@ class Pipeline:
         (each that kept a prefix built on the one before) are what recovery
         replays before an interrupted run that kept a prefix, so that the new
         stage's cache is computed in the same batches as the others' were."""
-        replayable = result.ok and result.stop_reason in ("max_tokens", "eos") and self.prefix_reuse
+        replayable = (
+            result.ok
+            and result.stop_reason in ("max_tokens", "eos")
+            and self.prefix_reuse
+            and self.policy.attempts > 0  # else nothing is ever replayed: keep nothing
+        )
         if not replayable or (result.prompt_reused and not self._history):
             self._history = []  # a chain that cannot be replayed exactly
             return
@@ -758,7 +766,7 @@ class Pipeline:
         """An interrupted run that recovery could not carry on (``old``: its
         result): it ends now, faulted with ``reason``."""
         result = replace(old, failure=reason)
-        self._run_emitter(old.run_id)(RunFinished(result))
+        self._run_emitter(old.run_id, final=True)(RunFinished(result))
         return result
 
     def _edge_fault(self, reason: str) -> None:

@@ -17,7 +17,7 @@ import random
 import re
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ggufpipe_agent import PROTOCOL_VERSION, __version__
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
@@ -34,7 +34,9 @@ from ggufpipe_agent.wire.protocol import (
     Refused,
 )
 from ggufpipe_tui.core.inventory import HostSpec
-from ggufpipe_tui.provision.hosts import SetupResult
+
+if TYPE_CHECKING:  # provision.hosts loads asyncssh: not for a local-only run
+    from ggufpipe_tui.provision.hosts import SetupResult
 
 log = logging.getLogger("ggufpipe.transport")
 

@@ -435,7 +435,7 @@ class ViewState:
 
     def _replaying(self, event: RunReplaying, now: float) -> None:
         """The replay carries the interrupted run's exchange on."""
-        view = self.exchanges.get(event.interrupted)
+        view = self.exchanges.pop(event.interrupted, None)
         if view is not None:
             view.run_id = event.run_id
             self.exchanges[event.run_id] = view

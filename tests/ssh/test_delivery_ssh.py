@@ -24,6 +24,7 @@ import yaml
 import ggufpipe_tui.session.delivery as delivery
 from ggufpipe_tui.core.events import StageDelivery
 from ggufpipe_tui.core.inventory import load_inventory
+from ggufpipe_tui.provision import wheels
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.session.stages import PipelineError
 from tests.support.common import REPO, whole_model_greedy
@@ -33,7 +34,6 @@ from tests.support.hostaccount import (
     install_agent,
     make_account,
     remove_account,
-    wheelhouse,
 )
 from tests.support.splitset import write_split_set
 from tests.support.sshd import Sshd, sshd_missing
@@ -333,7 +333,7 @@ def test_a_host_lacking_a_package_is_named_before_any_stage_loads(tmp_path, serv
     imports only when it reads a stage file): the run fails at once, naming
     the host and the module, and no stage file is sent."""
     venv = account.home / "venv-without-gguf"
-    install_agent(account, venv, wheelhouse(), skip="gguf")
+    install_agent(account, venv, wheels.wheelhouse(), skip="gguf")
     lacking = f"{venv}/bin/python -m ggufpipe_agent"
     hosts = {"gpu-a": host(server, account, "~/lacking/a", agent=lacking), "gpu-b": host(server, account, "~/lacking/b")}
     path = inventory(tmp_path / "inv.yaml", private_model, hosts, [{"host": "gpu-a"}, {"host": "gpu-b"}], send=True)

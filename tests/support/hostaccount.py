@@ -14,6 +14,7 @@ the same way in its own home.
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import json
 import os
@@ -60,11 +61,6 @@ class HostAccount:
 
     def can_read(self, path: Path) -> bool:
         return self.run("test", "-r", str(path), check=False).returncode == 0
-
-
-def wheelhouse() -> wheels.Wheelhouse:
-    """The wheels ggufpipe pushes to a host (made here once per build)."""
-    return wheels.wheelhouse()
 
 
 def install_agent(account: HostAccount, venv: Path, house: wheels.Wheelhouse, skip: str) -> None:
@@ -154,7 +150,7 @@ def set_up_agent(server: Sshd, account: HostAccount, folder: Path) -> HostAccoun
         raise RuntimeError(f"ggufpipe-tui setup failed for {account.name}: {done.stderr.strip()[-3000:]}")
     report = json.loads(done.stdout)["hosts"][0]
     python = f"{report['agents_dir']}/{wheels.this_build().name}/bin/python"
-    made = HostAccount(account.name, account.home, python, account.how, account.created)
+    made = dataclasses.replace(account, python=python)
     check = made.run(python, "-m", "ggufpipe_agent", "--check", check=False)
     if check.returncode != 0:
         raise RuntimeError(f"the account's agent cannot run: {check.stderr.strip()}")
