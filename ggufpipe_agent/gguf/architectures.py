@@ -134,11 +134,9 @@ def check_split(arch: str, get: Metadata, start: int, end: int, where: str) -> N
         support.check(get, block_count, start, end, where)
 
 
-def check_plan(facts: Any, ranges: list[tuple[int, int]], where: str) -> None:
-    """:func:`check_split` for every range of a plan, from the model facts the
-    orchestrator has (``ggufpipe_agent.wire.protocol.ModelFacts``), so a split
-    that no stage file can make exact is refused before any agent prepares.
-    The agents check again from the file itself when they write stage files."""
+def plan_metadata(facts: Any) -> Metadata:
+    """The metadata the orchestrator knows of a model from its facts
+    (``ggufpipe_agent.wire.protocol.ModelFacts``): what plan-time checks read."""
     arch = facts.architecture
     known = {
         f"{arch}.block_count": facts.block_count,
@@ -146,8 +144,16 @@ def check_plan(facts: Any, ranges: list[tuple[int, int]], where: str) -> None:
         f"{arch}.attention.head_count": facts.head_count,
         f"{arch}.attention.key_length": facts.key_length,
     }
+    return known.get
+
+
+def check_plan(facts: Any, ranges: list[tuple[int, int]], where: str) -> None:
+    """:func:`check_split` for every range of a plan, from the model facts the
+    orchestrator has, so a split that no stage file can make exact is refused
+    before any agent prepares. The agents check again from the file itself
+    when they write stage files."""
     for start, end in ranges:
-        check_split(arch, known.get, start, end, where)
+        check_split(facts.architecture, plan_metadata(facts), start, end, where)
 
 
 def stage_metadata_overrides(arch: str, get: Metadata, start: int, end: int) -> Overrides:

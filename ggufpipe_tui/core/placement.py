@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.gguf.architectures import cut_multiple
+from ggufpipe_agent.gguf.architectures import cut_multiple, plan_metadata
 from ggufpipe_agent.gguf.memory import (
     GIB,
     MIB,
@@ -405,15 +405,8 @@ def evaluate(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | N
 
 def _cut_multiple(facts: ModelFacts) -> int:
     """Where the model's architecture lets a stage start (every block: 1),
-    from what the orchestrator knows of it (the keys ``check_plan`` passes)."""
-    arch = facts.architecture
-    known = {
-        f"{arch}.block_count": facts.block_count,
-        f"{arch}.embedding_length": facts.hidden_dim,
-        f"{arch}.attention.head_count": facts.head_count,
-        f"{arch}.attention.key_length": facts.key_length,
-    }
-    return cut_multiple(arch, known.get)
+    from what the orchestrator knows of it (the keys ``check_plan`` reads)."""
+    return cut_multiple(facts.architecture, plan_metadata(facts))
 
 
 def _last_start(blocks: int, multiple: int) -> int:
