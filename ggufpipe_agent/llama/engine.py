@@ -10,7 +10,10 @@ context; :meth:`StageEngine.step` runs one sequence:
 * the last stage returns the token sampled by llama.cpp's sampler chain.
 
 Sequence 0 is the prefill over the prompt; each later sequence is one token
-at the next position. :meth:`StageEngine.reset` starts a new run with the
+at the next position. A context holds ``EngineOptions.parallel`` slots (llama.cpp
+sequence ids, each its own KV stream of ``n_ctx`` positions): :meth:`StageEngine.use`
+picks the slot the next calls work on, so several runs step through one stage
+each in its own cache (issue 29, docs/worker.md "Slots"). :meth:`StageEngine.reset` starts a new run with the
 loaded weights, and either empties the KV cache or keeps it for
 :meth:`StageEngine.keep`, which trims it to a prefix the new run shares with
 the previous one (prefix reuse, docs/worker.md).
@@ -134,6 +137,15 @@ class StageShape:
     hidden: int
 
 
+@dataclass(slots=True)
+class _Slot:
+    """What one sequence id of the context holds."""
+
+    n_past: int = 0  # positions in its KV stream: 0 .. n_past-1
+    exact_end: int = 0  # positions [0, this) were computed as a cold run computes them
+    sampler: Any = None  # its run's sampler chain (the last stage)
+
+
 class StageEngine:
     """One llama.cpp model and context running a stage file. Not thread-safe:
     the agent calls it from one worker thread."""
@@ -152,10 +164,13 @@ class StageEngine:
         self.path = path
         self.shape = shape
         self.options = options
-        self._n_past = 0
-        self._abort = threading.Event()
+        self.parallel = max(1, options.parallel)
+        self._slots = [_Slot() for _ in range(self.parallel)]
+        self._seq = 0  # the slot (llama.cpp sequence id) the calls work on: use()
+        self._batch_seq = 0  # the sequence id the batch's rows carry
+        self._running = -1  # the slot whose step is running
+        self._aborting: set[int] = set()  # slots whose steps stop at the next graph node
         self._closed = False
-        self._sampler: ctypes.c_void_p | None = None
         self._capture_name = f"l_out-{shape.block_count - 1}".encode()
         self._capture: np.ndarray | None = None
         self._capture_row = 0
@@ -198,10 +213,13 @@ class StageEngine:
             raise EngineError(f"{path}: hidden size {n_embd}, the plan says {shape.hidden}")
         threads = options.threads or os.cpu_count() or 1
         context_params = llama_cpp.llama_context_default_params()
-        context_params.n_ctx = options.n_ctx
+        # Each slot its own KV stream of n_ctx positions (not one cache shared
+        # by all): a sequence's cells are laid out as when it is alone.
+        context_params.n_ctx = options.n_ctx * self.parallel
         context_params.n_batch = options.n_batch
         context_params.n_ubatch = options.n_ubatch
-        context_params.n_seq_max = 1
+        context_params.n_seq_max = self.parallel
+        context_params.kv_unified = False
         context_params.n_threads = threads
         context_params.n_threads_batch = threads
         context_params.no_perf = True
@@ -213,19 +231,18 @@ class StageEngine:
             self._eval_thunk = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
             context_params.cb_eval = self._eval_thunk
             context_params.cb_eval_user_data = None
-        self._abort_thunk = llama_cpp.ggml_abort_callback(lambda _data: self._abort.is_set())
+        self._abort_thunk = llama_cpp.ggml_abort_callback(lambda _data: self._running in self._aborting)
         self.context = llama_cpp.llama_init_from_model(self.model, context_params)
         if not self.context:
             self.close()
             raise EngineError(f"llama.cpp could not create a context of {options.n_ctx} positions for {path}")
         # llama.cpp may round the context up; the plan's size is the limit.
-        self.n_ctx = min(options.n_ctx, llama_cpp.llama_n_ctx(self.context))
+        self.n_ctx = min(options.n_ctx, llama_cpp.llama_n_ctx(self.context) // self.parallel)
         self.n_batch = min(options.n_batch, self.n_ctx)
         self.n_ubatch = min(options.n_ubatch, self.n_batch)
         # A cold run computes its prompt in ubatches that start at multiples of
         # this (prefill chunks are aligned to absolute positions, see step()).
         self.granularity = self.n_ubatch if self.n_batch % self.n_ubatch == 0 else self.n_batch
-        self._exact_end = 0  # positions [0, this) were computed as a cold run computes them
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0 if shape.first else n_embd, 1)
         self._tokens = (
             np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,)) if shape.first else None
@@ -268,8 +285,52 @@ class StageEngine:
 
     @property
     def n_past(self) -> int:
-        """Positions in the KV cache: 0 .. n_past-1."""
+        """Positions in the slot's KV cache: 0 .. n_past-1."""
         return self._n_past
+
+    # The slot's own state, read and written through the slot use() picked.
+    @property
+    def _n_past(self) -> int:
+        return self._slots[self._seq].n_past
+
+    @_n_past.setter
+    def _n_past(self, value: int) -> None:
+        self._slots[self._seq].n_past = value
+
+    @property
+    def _exact_end(self) -> int:
+        return self._slots[self._seq].exact_end
+
+    @_exact_end.setter
+    def _exact_end(self, value: int) -> None:
+        self._slots[self._seq].exact_end = value
+
+    @property
+    def _sampler(self) -> Any:
+        return self._slots[self._seq].sampler
+
+    @_sampler.setter
+    def _sampler(self, value: Any) -> None:
+        self._slots[self._seq].sampler = value
+
+    @property
+    def slot(self) -> int:
+        return self._seq
+
+    def use(self, slot: int) -> None:
+        """Work on slot ``slot`` (a llama.cpp sequence id) from now on."""
+        if not 0 <= slot < self.parallel:
+            raise EngineError(f"slot {slot} does not exist: the stage has {self.parallel}")
+        self._seq = slot
+
+    def _clear(self) -> None:
+        """Empty the slot's KV cache (the others keep theirs)."""
+        lib = self._lib
+        memory = lib.llama_get_memory(self.context)
+        if self.parallel == 1:
+            lib.llama_memory_clear(memory, True)
+        elif not lib.llama_memory_seq_rm(memory, self._seq, -1, -1):
+            raise EngineError(f"llama.cpp could not empty slot {self._seq} of the KV cache")
 
     def reset(self, sampling: SamplingParams, keep: bool = False) -> None:
         """Start a new run: a fresh sampler chain and an empty KV cache, or
@@ -277,10 +338,10 @@ class StageEngine:
         :meth:`keep` when the new run's prompt says where it starts."""
         lib = self._lib
         if not keep:
-            lib.llama_memory_clear(lib.llama_get_memory(self.context), True)
+            self._clear()
             self._n_past = 0
             self._exact_end = 0
-        self._abort.clear()
+        self._aborting.discard(self._seq)
         if not self.shape.last:
             return
         if self._sampler is not None:
@@ -315,7 +376,7 @@ class StageEngine:
                 f"its recurrent state keeps all {self._n_past} positions or none, and only the "
                 f"first {self._exact_end} were computed in whole ubatches as a cold run computes them"
             )
-        lowest = lib.llama_memory_seq_pos_min(lib.llama_get_memory(self.context), 0)
+        lowest = lib.llama_memory_seq_pos_min(lib.llama_get_memory(self.context), self._seq)
         if lowest > 0:
             # Not with swa_full; kept as a guard should llama.cpp ever evict.
             return 0, f"its sliding-window cache dropped the positions before {lowest}"
@@ -357,15 +418,17 @@ class StageEngine:
             )
         memory = lib.llama_get_memory(self.context)
         if positions == 0:
-            lib.llama_memory_clear(memory, True)
-        elif positions < self._n_past and not lib.llama_memory_seq_rm(memory, 0, positions, -1):
+            self._clear()
+        elif positions < self._n_past and not lib.llama_memory_seq_rm(memory, self._seq, positions, -1):
             raise EngineError(f"llama.cpp could not drop positions {positions}.. of the KV cache")
         self._n_past = positions
         self._exact_end = min(self._exact_end, positions)
 
-    def abort(self) -> None:
-        """Make a running prefill stop at its next graph node (StopRun)."""
-        self._abort.set()
+    def abort(self, slot: int = -1) -> None:
+        """Make slot ``slot``'s long steps stop at their next graph node until
+        its next :meth:`reset` (StopRun); -1: every slot's. Another slot's
+        step goes on. Called from any thread."""
+        self._aborting.update(range(self.parallel) if slot < 0 else (slot,))
 
     def step(self, inputs: np.ndarray | list[int], position: int | None = None) -> np.ndarray | int:
         """Run one sequence. ``inputs`` is token ids (stage 0) or float32
@@ -407,6 +470,12 @@ class StageEngine:
             self._capture = np.empty((n, self.shape.hidden), dtype=np.float32)
             self._capture_row = 0
         start = self._n_past
+        seq = self._seq
+        if seq != self._batch_seq:
+            for index in range(self.n_batch):
+                self._batch.seq_id[index][0] = seq
+            self._batch_seq = seq
+        self._running = seq
         try:
             begin = 0
             while begin < n:
@@ -441,7 +510,7 @@ class StageEngine:
                 self._batch.n_tokens = count
                 status = lib.llama_decode(self.context, self._batch)
                 if status != 0:
-                    if status == 2 or self._abort.is_set():
+                    if status == 2 or seq in self._aborting:
                         raise EngineError("step aborted")
                     if status == 1:
                         raise ContextOverflow(
@@ -452,6 +521,7 @@ class StageEngine:
                 self._n_past += count
                 begin += count
         finally:
+            self._running = -1
             if long_step:
                 lib.llama_set_abort_callback(self.context, lib.ggml_abort_callback(), None)  # NULL: none
         if start == self._exact_end and start % self.granularity == 0:
@@ -567,16 +637,16 @@ class StageEngine:
     def _sequence_state(self) -> bytes:
         """The KV cache of the sequence, as llama.cpp serializes it."""
         lib = self._lib
-        size = lib.llama_state_seq_get_size(self.context, 0)
+        size = lib.llama_state_seq_get_size(self.context, self._seq)
         buffer = (ctypes.c_uint8 * size)()
-        written = lib.llama_state_seq_get_data(self.context, buffer, size, 0)
+        written = lib.llama_state_seq_get_data(self.context, buffer, size, self._seq)
         return ctypes.string_at(buffer, written)  # one copy (the KV cache may be large)
 
     def _restore_sequence(self, state: bytes, positions: int) -> None:
         lib = self._lib
-        lib.llama_memory_clear(lib.llama_get_memory(self.context), True)
+        self._clear()
         buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if lib.llama_state_seq_set_data(self.context, buffer, len(state), 0) != len(state):
+        if lib.llama_state_seq_set_data(self.context, buffer, len(state), self._seq) != len(state):
             raise EngineError("llama.cpp could not restore a KV cache it saved")
         self._n_past = positions
 
@@ -587,9 +657,10 @@ class StageEngine:
             return
         self._closed = True
         lib = self._lib
-        if self._sampler is not None:
-            lib.llama_sampler_free(self._sampler)
-            self._sampler = None
+        for slot in getattr(self, "_slots", ()):
+            if slot.sampler is not None:
+                lib.llama_sampler_free(slot.sampler)
+                slot.sampler = None
         if getattr(self, "_batch", None) is not None:
             original = getattr(self, "_batch_pos", None)
             if original is not None:  # llama_batch_init's, not our position buffer

@@ -6,17 +6,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ggufpipe_agent.errors import EngineError
 from ggufpipe_agent.llama.engine import StageEngine, StageShape
 from ggufpipe_agent.wire.protocol import PrefixHeld, PrefixOffer
 
 
 class EngineSlot:
     """The loaded engine, kept across runs so a new prompt reloads nothing,
-    and which run's positions its KV cache holds (prefix reuse).
+    and which run's positions each of its slots' KV caches holds (prefix
+    reuse, per slot: a run keeps what its slot's previous run left).
 
-    One slot per agent: a host runs one stage, and a different range evicts
-    the old engine (its memory is freed before the new one loads). Used from
-    the worker thread only.
+    One engine per agent: a host runs one stage, and a different range evicts
+    the old engine (its memory is freed before the new one loads), never
+    while another run uses a slot of it. Used from the worker thread, but
+    :meth:`claim` and :meth:`release`, which the event loop calls.
     """
 
     def __init__(self, build: Callable[..., StageEngine] = StageEngine) -> None:
@@ -25,35 +28,76 @@ class EngineSlot:
         self.build = build
         self.key: tuple[Any, ...] | None = None
         self.engine: StageEngine | None = None
-        self.written_by = 0  # the run whose positions the KV cache holds; 0: none to trust
-        self.unheld = "its cache holds no earlier run"  # why, when written_by is 0
+        self.written: dict[int, int] = {}  # slot -> the run whose positions it holds (absent: none to trust)
+        self.unheld: dict[int, str] = {}  # slot -> why it holds none
+        self.users: dict[int, int] = {}  # slot -> the live run on it
+        self.default_unheld = "its cache holds no earlier run"  # why a slot never written holds none
+
+    def claim(self, slot: int, run_id: int) -> str:
+        """Run ``run_id`` takes ``slot``; '' or why it cannot (another live run has it)."""
+        holder = self.users.get(slot)
+        if holder is not None and holder != run_id:
+            return f"slot {slot} is busy with run {holder:016x}"
+        self.users[slot] = run_id
+        return ""
+
+    def release(self, slot: int, run_id: int) -> None:
+        if self.users.get(slot) == run_id:
+            del self.users[slot]
 
     def get(
-        self, path: Path, shape: StageShape, options: Any, progress: Callable[[float], None]
+        self,
+        path: Path,
+        shape: StageShape,
+        options: Any,
+        progress: Callable[[float], None],
+        run_id: int = 0,
     ) -> tuple[StageEngine, bool]:
-        """The engine, and whether it was (re)loaded now."""
+        """The engine, and whether it was (re)loaded now. An engine that
+        another live run (not ``run_id``) uses is never replaced."""
         key = (str(path), shape, options)
         if self.key == key and self.engine is not None:
             return self.engine, False  # loaded by an earlier run: nothing to load, nothing to report
+        others = sorted(run for run in self.users.values() if run != run_id)
+        if self.engine is not None and others:
+            raise EngineError(
+                f"the stage's engine is in use by run {others[0]:016x} with other options "
+                "(a run with another range, context or slots must wait for it)"
+            )
         self.close()
         self.engine = self.build(str(path), shape, options, progress)
         self.key = key
         return self.engine, True
 
-    def forget(self, why: str) -> None:
-        """The KV cache holds nothing a later run may keep."""
-        self.written_by = 0
-        self.unheld = why
+    def written_by(self, slot: int = 0) -> int:
+        return self.written.get(slot, 0)
 
-    def held(self, engine: StageEngine, offer: PrefixOffer, loaded: bool) -> PrefixHeld:
-        """What this engine can keep of the run ``offer`` names."""
+    def wrote(self, slot: int, run_id: int) -> None:
+        """``run_id``'s positions are what slot ``slot`` holds now (0: it is changing)."""
+        self.written[slot] = run_id
+
+    def forget(self, why: str, slot: int = -1) -> None:
+        """The slot's KV cache (-1: every slot's) holds nothing a later run may keep."""
+        if slot < 0:
+            self.written.clear()
+            self.unheld.clear()
+            self.default_unheld = why
+        else:
+            self.written.pop(slot, None)
+            self.unheld[slot] = why
+
+    def held(self, engine: StageEngine, offer: PrefixOffer, loaded: bool, slot: int = 0) -> PrefixHeld:
+        """What slot ``slot`` of this engine can keep of the run ``offer`` names."""
         if not offer.run_id:
             return PrefixHeld()
         if loaded:
             return PrefixHeld(offer.run_id, reason="its engine was loaded for this run")
-        if self.written_by != offer.run_id:
-            why = f"its cache holds run {self.written_by:016x}" if self.written_by else self.unheld
+        written = self.written_by(slot)
+        if written != offer.run_id:
+            unheld = self.unheld.get(slot, self.default_unheld)
+            why = f"its cache holds run {written:016x}" if written else unheld
             return PrefixHeld(offer.run_id, reason=why)
+        engine.use(slot)
         positions, why = engine.keepable()
         if positions > offer.positions:
             if getattr(engine, "whole_state_only", False):

@@ -147,7 +147,10 @@ class Session:
         self.seen_runs = SeenRuns() if guest else agent.seen_runs
         self.reader = FrameReader(reader, "control stream")
         self.writer = FrameWriter(writer, what="control stream")
-        self.run: StageRun | None = None
+        # The stage's runs, by run id: up to engine.parallel in flight at once,
+        # each on its own slot (issue 29); a stopped run stays until its slot
+        # is taken again, so a retried StopRun is answered.
+        self.runs: dict[int, StageRun] = {}
         self.closing = False
         self.tasks = TaskOwner(self._task_failed, "agent session")
         # Every message to the orchestrator goes through one outbox, in the
@@ -159,7 +162,7 @@ class Session:
             self.post,
             self.serve_data,
             self.tasks.spawn,
-            lambda: self.run,
+            self.runs.get,
             self.inbound_object,
         )
         self.silence = Silence(DEFAULT_SILENCE_S)
@@ -176,8 +179,12 @@ class Session:
     def _task_failed(self, name: str, error: BaseException) -> None:
         """A session task that fails (answering a request) is a fault of the
         active run, if any: the orchestrator hears of it, never silence."""
-        if self.run is not None:
-            self.run.internal_fault(f"internal error in the agent ({name}): {type(error).__name__}: {error}")
+        for run in self.live_runs():
+            run.internal_fault(f"internal error in the agent ({name}): {type(error).__name__}: {error}")
+
+    def live_runs(self) -> list[StageRun]:
+        """The runs not stopped yet."""
+        return [run for run in self.runs.values() if run.fsm.state is not StageState.STOPPED]
 
     def post(self, message: Message) -> None:
         """Queue a message to the orchestrator (sent in posting order)."""
@@ -336,12 +343,16 @@ class Session:
         self.post(reply)
 
     async def provision(self, message: ProvisionStage) -> None:
-        run = self.run
-        if run is not None and run.fsm.state is not StageState.STOPPED:
-            if run.run_id == message.run_id:
-                reason = f"run {message.run_id:016x} is already provisioned (StopRun it first)"
-            else:
-                reason = f"stage is busy with run {run.run_id:016x} (one run at a time)"
+        live = self.live_runs()
+        mine = self.runs.get(message.run_id)
+        if mine is not None and mine.fsm.state is not StageState.STOPPED:
+            reason = f"run {message.run_id:016x} is already provisioned (StopRun it first)"
+            self.refuse("ProvisionStage", reason, message.run_id)
+            return
+        busy = next((run for run in live if run.slot == message.slot), None)
+        if busy is not None:
+            slots = message.engine.parallel
+            reason = f"stage is busy with run {busy.run_id:016x} on slot {message.slot} (of {slots})"
             self.refuse("ProvisionStage", reason, message.run_id)
             return
         problem = validate_provision(message)
@@ -360,7 +371,10 @@ class Session:
             return
         self.seen_runs.add(message.run_id)
         run = StageRun(message, self.post, self.agent.worker, self.engines, self.agent.cache_dir)
-        self.run = run
+        for old in [old for old in self.runs.values() if old.slot == message.slot]:
+            del self.runs[old.run_id]  # stopped: the slot is the new run's
+        self.runs[run.run_id] = run
+        self.engines.claim(run.slot, run.run_id)
         ring = message.ring
         run.apply(
             Provision(
@@ -373,8 +387,8 @@ class Session:
         )
 
     async def stop_run(self, message: StopRun) -> None:
-        run = self.run
-        if run is None or run.run_id != message.run_id:
+        run = self.runs.get(message.run_id)
+        if run is None:
             if message.run_id in self.seen_runs:
                 # An older run than the current one. (A retried StopRun of the
                 # current, stopped run is answered with StageStopped again.)
@@ -385,12 +399,12 @@ class Session:
         run.apply(StopRunEvent(message.reason))
 
     async def stop_all(self, reason: str) -> None:
-        run = self.run
-        if run is None or run.fsm.state is StageState.STOPPED:
-            return
-        run.apply(StopRunEvent(reason))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(run.stopped.wait(), timeout=30)
+        live = self.live_runs()
+        for run in live:
+            run.apply(StopRunEvent(reason))
+        if live:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(run.stopped.wait() for run in live)), timeout=30)
 
     # --------------------------------------------------------------- data
 
@@ -403,8 +417,9 @@ class Session:
         frames = FrameReader(reader, what)
         outbound = FrameWriter(writer, what="outbound edge")
         while True:
-            run = self.run
-            limit = run.provision.inbound.object_spec.max_extent if run else objects.ABSOLUTE_MAX_PAYLOAD
+            live = self.live_runs()
+            extents = {run.provision.inbound.object_spec.max_extent for run in live}
+            limit = extents.pop() if len(extents) == 1 else objects.ABSOLUTE_MAX_PAYLOAD
             payload = b""
             try:
                 frame = await frames.frame(limit)
@@ -441,26 +456,22 @@ class Session:
                 await self.inbound_object(frame, payload)
 
     async def _data_fault(self, reason: str, peer: int = -1) -> None:
-        """A frame that cannot be parsed: the stream is lost, and with it the run."""
-        self.refuse("data frame", reason)
-        run = self.run
-        if run is not None and run.fsm.state in (
-            StageState.READY,
-            StageState.EXECUTING,
-            StageState.PREPARING,
-        ):
-            from ggufpipe_agent.stage.fsm import InboundFault
+        """A frame that cannot be parsed: the stream is lost, and with it
+        every run whose objects it carries."""
+        from ggufpipe_agent.stage.fsm import InboundFault
 
-            run.fault_peer = peer
-            run.apply(InboundFault(f"malformed frame on the inbound edge: {reason}"))
+        self.refuse("data frame", reason)
+        for run in self.live_runs():
+            if run.fsm.state in (StageState.READY, StageState.EXECUTING, StageState.PREPARING):
+                run.fault_peer = peer
+                run.apply(InboundFault(f"malformed frame on the inbound edge: {reason}"))
 
     async def open_edge(self, message: OpenEdge, writer: Any, from_link: bool = False) -> None:
-        run = self.run
         problem = self._run_problem(message.run_id)
         if problem:
             self.refuse("OpenEdge", problem, message.run_id)
             return
-        assert run is not None
+        run = self.runs[message.run_id]
         expected = run.edge_ids(from_link).get(message.role)
         if expected is None or expected != message.edge_id:
             self.refuse(
@@ -484,12 +495,11 @@ class Session:
 
     async def link_edge(self, message: LinkEdge) -> None:
         """This run's outbound (or ring-out) end on the stage's link."""
-        run = self.run
         problem = self._run_problem(message.run_id)
         if problem:
             self.refuse("LinkEdge", problem, message.run_id)
             return
-        assert run is not None
+        run = self.runs[message.run_id]
         await self.links.edge(run, message, self.refuse, self.inbound_object)
 
     def _object_problem(self, header: objects.ObjectHeader) -> str:
@@ -497,8 +507,7 @@ class Session:
         problem = self._run_problem(header.run_id)
         if problem:
             return problem
-        run = self.run
-        assert run is not None
+        run = self.runs[header.run_id]
         ring = run.provision.ring
         ring_edge = ring.edge_id if ring is not None and ring.consume else None
         if header.edge_id not in (run.provision.inbound.edge_id, ring_edge):
@@ -510,12 +519,11 @@ class Session:
         if problem:
             self.refuse("object", f"{header.describe()}: {problem}")
             return
-        assert self.run is not None
-        await self.run.deliver(header, payload)
+        await self.runs[header.run_id].deliver(header, payload)
 
     def _run_problem(self, run_id: int) -> str:
-        run = self.run
-        if run is not None and run.run_id == run_id and run.fsm.state is not StageState.STOPPED:
+        run = self.runs.get(run_id)
+        if run is not None and run.fsm.state is not StageState.STOPPED:
             return ""
         if run_id in self.seen_runs:
             return f"stale run id {run_id:016x}"

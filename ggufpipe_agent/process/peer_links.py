@@ -175,7 +175,7 @@ class Links:
         self.post = post
         self.serve = serve
         self.spawn = spawn
-        # This session's stage run and its delivery, for a producer in this process.
+        # This session's stage runs (by run id) and their delivery, for a producer in this process.
         self.current_run = current_run
         self.deliver = deliver
         self._listening: list[str] = []

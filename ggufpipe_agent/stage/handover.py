@@ -40,8 +40,8 @@ from typing import Any, Protocol
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.protocol import ProvisionStage
 
-#: Finds the consumer stage's current run in this process (or None).
-ConsumerRun = Callable[[], "ChainedRun | None"]
+#: Finds the consumer stage's run of a run id in this process (or None).
+ConsumerRun = Callable[[int], "ChainedRun | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ def chain_next(run: ChainedRun, header: objects.ObjectHeader, result: Any) -> No
     find = run.local_next
     if find is None or run.last or header.rows != 1:
         return
-    consumer = find()
+    consumer = find(run.run_id)
     if (
         consumer is None
         or consumer is run

@@ -125,6 +125,7 @@ class StageRun:
         self.run_id = provision.run_id
         self.index = provision.stage_index
         self.first = provision.stage_index == 0
+        self.slot = provision.slot  # the engine's slot (sequence id) this run's KV cache is in
         self.last = provision.stage_index == provision.stage_count - 1
         self._post = post
         self._worker = worker
@@ -220,6 +221,7 @@ class StageRun:
         elif isinstance(effect, StopLocal):
             self._spawn(self._stop_local())
         elif isinstance(effect, EmitStopped):
+            self._engines.release(self.slot, self.run_id)
             self.stopped.set()
             self._post(StageStopped(self.run_id, self.index, p.node_id, self.counters.snapshot()))
 
@@ -279,11 +281,13 @@ class StageRun:
             progress = self._load_progress(loop, "loading into llama.cpp")
 
             def load() -> tuple[StageEngine, PrefixHeld]:
-                engine, loaded = self._engines.get(stage_path, shape, p.engine, progress)
-                held = self._engines.held(engine, p.reuse, loaded)
+                slots = self._engines
+                engine, loaded = slots.get(stage_path, shape, p.engine, progress, self.run_id)
+                held = slots.held(engine, p.reuse, loaded, self.slot)
+                engine.use(self.slot)
                 engine.reset(p.sampling, keep=held.positions > 0)
                 if not held.positions:
-                    self._engines.forget(f"its cache was emptied for run {self.run_id:016x}")
+                    slots.forget(f"its cache was emptied for run {self.run_id:016x}", self.slot)
                 return engine, held
 
             self.engine, self.held = await loop.run_in_executor(self._worker, load)
@@ -489,9 +493,10 @@ class StageRun:
         slot then records that this run wrote the cache; a step that fails
         leaves nothing a later run may keep."""
         slots = self._engines
+        engine.use(self.slot)
         try:
             if sequence == 0:
-                slots.written_by = 0  # the cache changes now
+                slots.wrote(self.slot, 0)  # the cache changes now
                 held, start = self.held, header.position
                 if start and (start > held.positions or start % held.granularity):
                     raise ProtocolError(
@@ -509,16 +514,16 @@ class StageRun:
                 )
             result = engine.step(inputs, header.position)
         except BaseException:
-            slots.forget(f"a step of run {self.run_id:016x} failed or was aborted")
+            slots.forget(f"a step of run {self.run_id:016x} failed or was aborted", self.slot)
             raise
-        slots.written_by = self.run_id
+        slots.wrote(self.slot, self.run_id)
         return result
 
     async def _stop_local(self) -> None:
         """Stop local edges, let a running step end, then report stopped."""
         if self._step_task is not None and not self._step_task.done():
             if self.engine is not None:
-                self.engine.abort()
+                self.engine.abort(self.slot)
             await asyncio.wait({self._step_task})
         if self._pump_task is not None:
             self._pump_task.cancel()

@@ -16,6 +16,8 @@ from ggufpipe_agent.wire.records import sampling_problem
 #: below what would overflow a wire field or exhaust memory.
 MAX_STAGES = 1024
 MAX_CONTEXT = 1 << 24
+#: Slots a stage may hold (llama.cpp's LLAMA_MAX_SEQ is 256).
+MAX_SLOTS = 256
 MAX_LAYERS = 1 << 16
 MAX_RING_SLOTS = 64
 MAX_THREADS = 4096
@@ -68,6 +70,12 @@ def _field_problem(p: ProvisionStage) -> str:
         return f"threads {engine.threads} outside 0..{MAX_THREADS}"
     if not -1 <= engine.gpu_layers < 1 << 31:
         return f"gpu_layers {engine.gpu_layers} is out of range"
+    if not 1 <= engine.parallel <= MAX_SLOTS:
+        return f"parallel {engine.parallel} outside 1..{MAX_SLOTS}"
+    if not 0 <= p.slot < engine.parallel:
+        return f"slot {p.slot} outside 0..{engine.parallel - 1} (parallel {engine.parallel})"
+    if engine.n_ctx * engine.parallel > MAX_CONTEXT:
+        return f"{engine.parallel} slots of {engine.n_ctx} positions exceed {MAX_CONTEXT}"
     sampling = p.sampling
     field, problem = sampling_problem(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
     if field:

@@ -241,7 +241,8 @@ class ProvisionStage(Message):
     # Set when the orchestrator sent the stage file (model send: true): the
     # stage loads that cache entry and never reads gguf_source.
     stage_file: StageFileRef | None = None
-    reuse: PrefixOffer = PrefixOffer()  # what the stage may keep of the previous run
+    reuse: PrefixOffer = PrefixOffer()  # what the stage may keep of the slot's previous run
+    slot: int = 0  # the engine's slot (sequence id) this run uses: 0 .. engine.parallel - 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,6 +108,10 @@ class EngineOptions:
     #: follow-up is token-identical to a cold run; prefill batches are aligned
     #: to absolute positions, and a probe decides whether rows are batch-invariant.
     exact_reuse: bool = False
+    #: Slots: sequences the stage holds at once, each its own KV cache of
+    #: ``n_ctx`` positions (llama.cpp sequence ids). A run's provision names
+    #: its slot; runs on different slots are in flight together (issue 29).
+    parallel: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,8 +93,20 @@ class FakeEngine:
         self.shape = shape
         self.options = options
         self.calls: list[tuple[Any, ...]] = []
-        self.n_past = 0
+        self.slot = 0
+        self.past: dict[int, int] = {}  # positions each slot holds
         self.closed = False
+
+    @property
+    def n_past(self) -> int:
+        return self.past.get(self.slot, 0)
+
+    @n_past.setter
+    def n_past(self, value: int) -> None:
+        self.past[self.slot] = value
+
+    def use(self, slot: int) -> None:
+        self.slot = slot
 
     def reset(self, sampling: SamplingParams, keep: bool = False) -> None:
         self.calls.append(("reset", keep))
@@ -109,7 +121,7 @@ class FakeEngine:
         assert 0 <= positions <= self.n_past, (positions, self.n_past)
         self.n_past = positions
 
-    def abort(self) -> None:
+    def abort(self, slot: int = -1) -> None:
         self.calls.append(("abort",))
 
     def step(self, inputs: Any, position: int | None = None) -> Any:

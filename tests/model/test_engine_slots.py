@@ -1,0 +1,94 @@
+"""Slots (issue 29): a stage engine with ``parallel`` sequences, each its own
+KV cache. Runs interleaved step by step on different slots give, token for
+token, what each gives alone, and what one llama.cpp context gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from ggufpipe_agent.errors import EngineError
+from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
+from tests.support.common import LONG_PROMPT, whole_model_greedy
+from tests.support.stage_chain import Chain
+
+pytestmark = pytest.mark.model
+
+STEPS = 24
+SPLITS = [(0, 13), (13, 30)]
+
+
+def options(parallel: int) -> EngineOptions:
+    return EngineOptions(n_ctx=512, n_batch=512, n_ubatch=512, parallel=parallel)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_path: Path) -> list[list[int]]:
+    llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
+    texts = [LONG_PROMPT, "The capital of France is", LONG_PROMPT + " Say it again.", "1, 2, 3, 4,"]
+    tokens = [llm.tokenize(text.encode(), add_bos=True) for text in texts]
+    llm.close()
+    return tokens
+
+
+def interleaved(chain: Chain, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Every prompt on its own slot, one step of each in turn."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for slot in range(len(prompts)):
+        for engine in chain.engines:
+            engine.use(slot)
+        chain.reset()
+    for step in range(steps):
+        for slot, prompt in enumerate(prompts):
+            for engine in chain.engines:
+                engine.use(slot)
+            out = outputs[slot]
+            out.append(chain.step(step, prompt if step == 0 else [out[-1]]))
+    return outputs
+
+
+def test_interleaved_slots_match_each_alone(model_path, prompts):
+    alone = [whole_model_greedy(model_path, prompt, STEPS, n_ctx=512, n_ubatch=512) for prompt in prompts]
+    chain = Chain(model_path, SPLITS, options(len(prompts)))
+    try:
+        together = interleaved(chain, prompts, STEPS)
+    finally:
+        chain.close()
+    assert together == alone
+    assert len({tuple(out) for out in alone}) == len(prompts)
+
+
+def test_a_slot_keeps_its_cache_while_another_is_emptied(model_path, prompts):
+    chain = Chain(model_path, SPLITS, options(2))
+    try:
+        first = interleaved(chain, prompts[:2], 4)
+        for engine in chain.engines:
+            engine.use(1)
+        chain.reset()  # slot 1 only
+        for engine in chain.engines:
+            engine.use(0)
+            assert engine.n_past == len(prompts[0]) + 3
+            engine.use(1)
+            assert engine.n_past == 0
+        # slot 0 goes on where it was, as if alone
+        for engine in chain.engines:
+            engine.use(0)
+        more = [first[0][-1]]
+        for step in range(4, 8):
+            more.append(chain.step(step, [more[-1]]))
+    finally:
+        chain.close()
+    alone = whole_model_greedy(model_path, prompts[0], 8, n_ctx=512, n_ubatch=512)
+    assert first[0] + more[1:] == alone
+
+
+def test_a_slot_outside_the_engine_is_refused(model_path):
+    chain = Chain(model_path, SPLITS, options(2))
+    try:
+        with pytest.raises(EngineError, match="slot 2 does not exist"):
+            chain.engines[0].use(2)
+        chain.engines[0].reset(SamplingParams())
+    finally:
+        chain.close()
