@@ -269,12 +269,13 @@ def kv_cells(n_ctx: int) -> int:
 
 
 def kv_block_bytes(memory: MemoryFacts, block: int, options: EngineOptions, swa_full: bool = True) -> int:
-    """KV cache bytes of one block (f16 K and V)."""
+    """KV cache bytes of one block (f16 K and V), for every slot (each its
+    own KV stream of n_ctx cells)."""
     cells = kv_cells(options.n_ctx)
     if memory.swa_blocks[block] and not swa_full:
         # llama_kv_cache_iswa: GGML_PAD(min(size, n_swa + n_ubatch), 256)
         cells = min(cells, kv_cells(memory.sliding_window + options.n_ubatch))
-    return cells * memory.kv_widths[block] * KV_ELEMENT_BYTES
+    return cells * memory.kv_widths[block] * KV_ELEMENT_BYTES * max(1, options.parallel)
 
 
 def compute_phases(memory: MemoryFacts, start: int, end: int, options: EngineOptions) -> tuple[int, int, int]:

@@ -38,6 +38,8 @@ DEFAULT_AGENT = "ggufpipe-agent"
 #: always there; "ram" always in host RAM (llama.cpp's --cpu-moe).
 EXPERT_MODES = ("auto", "gpu", "ram")
 
+#: Runs in flight at most (``run.parallel``; a stage's slots: the agent takes 256).
+MAX_PARALLEL = 64
 #: What a follow-up turn keeps of the stages' KV caches (``run.reuse``).
 REUSE_MODES = ("cache", "exact")
 
@@ -117,6 +119,10 @@ class RunOptions:
     # everything they hold (one llama.cpp context keeping its cache, as
     # llama-server does); "exact" only what a cold run computes alike.
     reuse: str = "cache"
+    # Slots: runs in flight at once on the chain, each stage holding each
+    # run's KV cache in its own slot (issue 29; the server's --parallel).
+    # 0: auto (--serve: one per stage, so every stage is busy; else 1).
+    parallel: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,6 +505,8 @@ def check_run_options(run: RunOptions, fail: Callable[[str, str], Exception]) ->
         raise fail("feedback", f"must be one of {', '.join(FEEDBACK_MODES)}")
     if run.reuse not in REUSE_MODES:
         raise fail("reuse", f"must be one of {', '.join(REUSE_MODES)}")
+    if not 0 <= run.parallel <= MAX_PARALLEL:
+        raise fail("parallel", f"must be 1 to {MAX_PARALLEL} runs in flight at once, or 0 (auto)")
 
 
 def load_inventory(path: str | os.PathLike[str]) -> Inventory:

@@ -134,7 +134,9 @@ class RunPlan:
     engine: EngineOptions
     sampling: SamplingParams
     ring: EdgePlan | None = None  # the token ring; None: the orchestrator feeds tokens back
-    reuse: PrefixOffer = PrefixOffer()  # what the stages may keep of the previous run
+    reuse: PrefixOffer = PrefixOffer()  # what the stages may keep of the slot's previous run
+    slot: int = 0  # each stage's slot (0 .. engine.parallel - 1) the run's KV cache is in
+    ignore_eos: bool = False  # the model's end-of-generation tokens do not stop it
 
     def edge(self, edge_id: int) -> EdgePlan:
         for edge in self.edges:  # the ring has its own field, looked up there
@@ -156,6 +158,7 @@ def engine_options(run: RunOptions, facts: ModelFacts) -> EngineOptions:
         n_batch=min(length, 2048),
         n_ubatch=min(run.ubatch, length),
         exact_reuse=run.reuse == "exact",
+        parallel=max(1, run.parallel),
     )
 
 
@@ -273,7 +276,17 @@ def build_plan(
         token_ring = EdgePlan(
             run_id, base + n + 1, "TokenRing", producer, consumer, one_token, ring(one_token)
         )
-    return RunPlan(run_id, model, stages, tuple(edges), options.max_tokens, engine, sampling, token_ring)
+    return RunPlan(
+        run_id,
+        model,
+        stages,
+        tuple(edges),
+        options.max_tokens,
+        engine,
+        sampling,
+        token_ring,
+        ignore_eos=options.ignore_eos,
+    )
 
 
 def validate_plan(plan: RunPlan) -> None:
@@ -393,6 +406,7 @@ def provision_message(plan: RunPlan, index: int) -> ProvisionStage:
         ring=_ring_provision(plan, index),
         stage_file=stage.stage_file,
         reuse=plan.reuse,
+        slot=plan.slot,
     )
 
 

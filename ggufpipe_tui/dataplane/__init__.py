@@ -3,8 +3,8 @@
 A :class:`DataPlane` owns the run's edges. The session opens it once (after
 the agents started), binds each run to it, asks it to set up a stage's edge
 ends when the stage has taken its provision, and writes the token-in edge
-through it. Whatever it consumes of the token-out edge goes to the bound
-run's :class:`TokenSink`; a stream that breaks or carries garbage is reported
+through it. Whatever it consumes of the token-out edge goes to the
+:class:`TokenSink` of the bound run it belongs to; a stream that breaks or carries garbage is reported
 through :class:`DataPlaneEvents`, never raised into the run.
 
 Implementations: :class:`~ggufpipe_tui.dataplane.relay.RelayPlane` (every
@@ -77,9 +77,12 @@ class DataPlane(Protocol):
     async def open(self, timeout: float) -> None:
         """Open the data streams of every stage and start moving objects."""
 
-    def bind(self, plan: RunPlan | None, sink: TokenSink | None) -> None:
-        """The run whose objects are checked and routed (None between runs:
-        late objects of an old run are dropped)."""
+    def bind(self, plan: RunPlan, sink: TokenSink) -> None:
+        """A run whose objects are checked and routed, beside the others bound
+        (runs in flight at once); objects of no bound run are dropped."""
+
+    def unbind(self, run_id: int) -> None:
+        """The run has ended: its late objects are dropped."""
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None:
         """Set up stage ``stage``'s edge ends for ``plan`` (it has taken its

@@ -81,9 +81,8 @@ class DirectPlane(RelayPlane):
         super().__init__(stages, tasks, events)
         self.paths: dict[int, DataPath] = {}  # by producer: its link to (producer + 1) % n
         self._authority: object | None = None
-        self._acked_run = 0
-        self._acked: set[int] = set()
-        self._linked: set[int] = set()  # producers whose LinkEdge this run has been sent
+        self._acked: dict[int, set[int]] = {}  # by run: stages that have taken its provision
+        self._linked: dict[int, set[int]] = {}  # by run: producers whose LinkEdge has been sent
         self._down: set[int] = set()
 
     # ---------------------------------------------------------- the links
@@ -176,18 +175,18 @@ class DirectPlane(RelayPlane):
         return self.direct(n - 1)  # ring-in, ring-out: the last stage's link to stage 0
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None:
-        if plan.run_id != self._acked_run:
-            self._acked_run, self._acked, self._linked = plan.run_id, set(), set()
+        acked = self._acked.setdefault(plan.run_id, set())
+        linked = self._linked.setdefault(plan.run_id, set())
         ends = [end for end in self.edge_ends(plan, stage) if not self._linked_end(plan, stage, end)]
         if ends:
             await self._stream(stage).writer.write(*(encode_message(end) for end in ends))
-        self._acked.add(stage)
+        acked.add(stage)
         n = len(plan.stages)
         # Each link whose two stages have now both taken their provision.
         for producer in {stage, (stage - 1) % n}:
             consumer = (producer + 1) % n
-            both = {producer, consumer} <= self._acked
-            if producer in self._linked or not both or not self.direct(producer):
+            both = {producer, consumer} <= acked
+            if producer in linked or not both or not self.direct(producer):
                 continue
             if producer < n - 1:
                 message = LinkEdge(plan.run_id, plan.stages[producer].outbound_edge, "outbound")
@@ -197,8 +196,13 @@ class DirectPlane(RelayPlane):
                 continue  # the orchestrator feeds tokens back: the ring's link idles
             # Once: the setups of both stages of a pair run at once, and each
             # may find the pair complete while the other awaits its send.
-            self._linked.add(producer)
+            linked.add(producer)
             await self.stages[producer].send(message)
+
+    def unbind(self, run_id: int) -> None:
+        super().unbind(run_id)
+        self._acked.pop(run_id, None)
+        self._linked.pop(run_id, None)
 
     # ------------------------------------------------------- a link down
 

@@ -4,7 +4,8 @@ Stage i's outbound objects are read here, their header checked against the
 bound run's edge, and forwarded to stage i+1 with the payload untouched and
 streamed in chunks (memory bounded, backpressure kept: nothing more is read
 until the consumer has drained). The last stage's token objects are decoded
-and handed to the bound run; in a token-ring run its ring objects (the next
+and handed to the bound run they belong to (several may be in flight, each
+with its own run id); in a token-ring run its ring objects (the next
 input of stage 0) are forwarded to stage 0. The token-in edge is stage 0's
 data stream.
 
@@ -32,8 +33,8 @@ class RelayPlane:
         self.stages = stages
         self.tasks = tasks
         self.events = events
-        self.plan: RunPlan | None = None
-        self.sink: TokenSink | None = None
+        # The runs bound now (several in flight with run.parallel), by run id.
+        self.bound: dict[int, tuple[RunPlan, TokenSink]] = {}
 
     def _stream(self, index: int) -> DataStream:
         data = self.stages[index].data
@@ -47,8 +48,11 @@ class RelayPlane:
             self.tasks.spawn(self._relay(index), f"relay {index}->{index + 1}")
         self.tasks.spawn(self._token_out(), "token-out reader")
 
-    def bind(self, plan: RunPlan | None, sink: TokenSink | None) -> None:
-        self.plan, self.sink = plan, sink
+    def bind(self, plan: RunPlan, sink: TokenSink) -> None:
+        self.bound[plan.run_id] = (plan, sink)
+
+    def unbind(self, run_id: int) -> None:
+        self.bound.pop(run_id, None)
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None:
         ends = self.edge_ends(plan, stage)
@@ -84,20 +88,15 @@ class RelayPlane:
 
     # ------------------------------------------------------------- moving
 
-    def _edge(self, index: int) -> EdgePlan | None:
-        plan = self.plan
-        return None if plan is None else plan.edge(plan.stages[index].outbound_edge)
-
     def _check(self, index: int, header: objects.ObjectHeader) -> EdgePlan | None:
         """The edge an object stage ``index`` produced belongs to; None when it
-        belongs to an old run and is to be dropped."""
-        edge = self._edge(index)
-        plan = self.plan
-        if edge is None or plan is None:
-            return None
-        if header.run_id != plan.run_id:
+        belongs to no bound run (an old one) and is to be dropped."""
+        bound = self.bound.get(header.run_id)
+        if bound is None:
             self.events.log(index, f"dropped {header.describe()} of an old run")
             return None
+        plan = bound[0]
+        edge = plan.edge(plan.stages[index].outbound_edge)
         ring = plan.ring
         if ring is not None and index == len(plan.stages) - 1 and header.edge_id == ring.edge_id:
             edge = ring
@@ -107,8 +106,10 @@ class RelayPlane:
         return edge
 
     def _limit(self, index: int) -> int:
-        edge = self._edge(index)
-        return edge.object_spec.max_extent if edge is not None else objects.ABSOLUTE_MAX_PAYLOAD
+        """The largest object stage ``index`` may send for any bound run."""
+        edges = (plan.edge(plan.stages[index].outbound_edge) for plan, _ in self.bound.values())
+        extents = {edge.object_spec.max_extent for edge in edges}
+        return max(extents) if extents else objects.ABSOLUTE_MAX_PAYLOAD
 
     async def _relay(self, index: int) -> None:
         source = self._stream(index).reader
@@ -183,8 +184,8 @@ class RelayPlane:
             except (ConnectionError, OSError) as error:
                 self.events.lost(index, f"data stream broke ({error})")
                 return
-            sink = self.sink
-            if edge is None or sink is None:
+            bound = self.bound.get(header.run_id)
+            if edge is None or bound is None:
                 continue
             if edge.kind == "TokenRing":  # the ring, relayed: stage 0's next input
                 try:
@@ -194,5 +195,5 @@ class RelayPlane:
                     return
                 continue
             tokens = objects.decode_tokens(header, payload)
-            sink(header.sequence, tokens[0])
+            bound[1](header.sequence, tokens[0])
 

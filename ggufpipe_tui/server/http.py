@@ -4,13 +4,16 @@ server on the warm pipeline (aiohttp).
 ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (streamed as server-sent events or whole; shapes in
 :mod:`ggufpipe_tui.server.openai_api`) and ``GET /health``. Each request is a
-prompt submitted to the pipeline's queue, so requests run one at a time, in
-the order they came; a chat request's prompt is its whole conversation. The
+prompt submitted to the pipeline's queue, which runs up to ``--parallel``
+of them at once (each in its own slot of every stage, so with as many in
+flight as stages every stage is busy; ggufpipe_tui/session/parallel.py), in
+the order they came; a chat request's prompt is its whole conversation, and
+it goes to the slot whose cache holds the longest prefix of it. The
 session policy does the rest: per-request sampling gets a run provisioned
 with it, and a reply that cannot fit the context is refused before it runs
 (an explicit ``max_tokens``) or shortened to the room left (none given).
 
-Bounds: at most ``queue`` requests wait behind the running one (a 503 past
+Bounds: at most ``queue`` requests wait behind the running ones (a 503 past
 that, never a hang); a client that goes away stops its run or withdraws its
 prompt (aiohttp cancels its handler); a connection that sends no whole
 request head for :data:`IDLE_SECONDS` is closed, a body that takes more than
@@ -187,11 +190,12 @@ class Server:
     async def health(self, request: web.Request) -> web.Response:
         if self.ready and not self.pipeline.queue.stopped and not self.closing:
             # requests: being answered or waiting (a load balancer's measure
-            # of how busy this pipeline is); past queue + 1 the next is a 503.
+            # of how busy this pipeline is); past queue + slots the next is a 503.
             # "recovering": a stage was lost and is being started again; the
             # requests wait (docs/recovery.md).
             status = "recovering" if self.pipeline.recovering else "ok"
             body = {"status": status, "requests": self.admitted, "queue": self.queue}
+            body |= {"slots": self.pipeline.parallel}
             return web.json_response(body | {"recoveries": len(self.pipeline.recoveries)})
         status = "loading" if not self.ready else "unavailable"
         return web.json_response(api.error_body(f"the pipeline is {status}", "unavailable_error"), status=503)
@@ -226,7 +230,7 @@ class Server:
     async def _complete(self, request: web.Request, parsed: api.Request) -> web.StreamResponse:
         if self.closing or self.pipeline.queue.stopped:
             raise api.ApiError(503, "the server is shutting down", "unavailable_error")
-        if self.admitted > self.queue:
+        if self.admitted >= self.queue + self.pipeline.parallel:
             if self.pipeline.recovering:
                 # The pipeline is rebuilding a lost stage: come back when it may be done.
                 retry = str(RECOVERY_RETRY_AFTER)
@@ -251,6 +255,7 @@ class Server:
             # An explicit max_tokens that cannot fit is an error, as OpenAI says;
             # without one, the reply takes the room the context has left.
             overflow=REFUSE if parsed.options.max_tokens is not None else SHORTEN,
+            cache_prompt=parsed.cache_prompt,
         )
         handle = self.pipeline.submit(prompt, stream=True)
         self.admitted += 1

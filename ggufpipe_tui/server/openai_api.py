@@ -10,7 +10,9 @@ Accepted: ``model`` (any string; the answer names the one model served),
 or a list of text parts) or ``prompt`` (a string, one string in a list, or
 token ids), ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
 ``top_p``, ``top_k`` (as llama.cpp), ``seed``, ``stop``, ``stream``,
-``stream_options.include_usage``, ``n`` = 1, and fields that change nothing
+``stream_options.include_usage``, ``n`` = 1, llama-server's ``ignore_eos``
+(generate ``max_tokens`` past the end of text) and ``cache_prompt`` (false:
+compute the whole prompt, keeping nothing of earlier requests), and fields that change nothing
 at their default (``user``, ``presence_penalty`` 0, ...). Refused by name,
 with a 400: anything this server cannot honour (tools, logprobs, n > 1, ...).
 """
@@ -94,6 +96,7 @@ class Request:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    cache_prompt: bool = True  # llama-server's: False keeps nothing the stages hold
 
     @property
     def shown(self) -> str:
@@ -278,8 +281,20 @@ def _request(
         top_k=_integer(fields, "top_k", 0, TOP_K_MAX),
         top_p=_number(fields, "top_p", 0.0, 1.0, low_open=True),
         seed=_integer(fields, "seed", SEED_MIN, SEED_MAX),
+        ignore_eos=_boolean(fields, "ignore_eos"),
     )
-    return Request(chat, messages, prompt, tokens, options, _stops(fields.get("stop")), stream, include_usage)
+    cache_prompt = _boolean(fields, "cache_prompt")
+    stops = _stops(fields.get("stop"))
+    return Request(
+        chat, messages, prompt, tokens, options, stops, stream, include_usage, cache_prompt is not False
+    )
+
+
+def _boolean(fields: Mapping[str, Any], name: str) -> bool | None:
+    value = fields.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise bad(name, f"true or false is required, not {value!r}")
+    return value
 
 
 # ---------------------------------------------------------------- answers

@@ -56,13 +56,14 @@ from ggufpipe_tui.core.events import (
 )
 from ggufpipe_tui.core.inventory import HostSpec, Inventory, RunOptions
 from ggufpipe_tui.core.placement import Placement, place_stages
-from ggufpipe_tui.core.plan import PlanError, RunPlan, build_plan, new_run_id, validate_plan
+from ggufpipe_tui.core.plan import GgufModelPlan, PlanError, RunPlan, build_plan, new_run_id, validate_plan
 from ggufpipe_tui.core.spares import moved_inventory, spare_candidates, spare_placement, spare_problem
 from ggufpipe_tui.dataplane import DataPlane, DataPlaneEvents
 from ggufpipe_tui.dataplane.direct import DirectPlane
 from ggufpipe_tui.session.delivery import Delivered, deliver_stages, with_stage_files
 from ggufpipe_tui.session.driver import RunDriver
 from ggufpipe_tui.session.modelsource import LocalModel, ModelSource, model_source
+from ggufpipe_tui.session.parallel import ParallelQueue
 from ggufpipe_tui.session.runlog import RunLog
 from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
 from ggufpipe_tui.session.stages import PipelineError, StageHandle
@@ -114,13 +115,24 @@ class Pipeline:
         self.model: ModelSource | None = None  # where the model is read and prompts tokenized
         self.delivered: list[Delivered] = []  # model send: true: each stage's file, sent or found
         self.deliver = deliver  # False (--plan): send no stage file, even with send: true
-        self.driver: RunDriver | None = None
+        self.driver: RunDriver | None = None  # the newest run
+        # Runs in flight at once (run.parallel, --serve's --parallel): each
+        # on its own slot of every stage; the runs not done yet, by run id,
+        # and the last run of each slot (what its caches hold).
+        self.parallel = max(1, inventory.run.parallel)
+        self.drivers: dict[int, RunDriver] = {}
+        self.on_slot: list[RunDriver | None] = [None] * self.parallel
+        self._model_plan: GgufModelPlan | None = None
         self.broken = ""  # why the pipeline cannot carry another run
         self.closing = False
         self.serving = False  # start() has finished: the queue serves runs
         self.runlog = RunLog(log_dir)
         self.tasks = TaskOwner(self._task_failed, "pipeline")
-        self.queue = RunQueue(self, prepare_ahead)
+        self.queue: RunQueue = (
+            RunQueue(self, prepare_ahead)
+            if self.parallel == 1
+            else ParallelQueue(self, self.parallel, prepare_ahead)
+        )
         # Each stage keeps its KV cache between runs; a run keeps the prefix
         # it shares with the one before (core/reuse.py). False: every run
         # starts from an empty cache (a cold run, for comparisons).
@@ -192,7 +204,7 @@ class Pipeline:
             if handle is not None:
                 handle.push(event)
             if isinstance(event, RunFinished):
-                self.runlog.close()
+                self.runlog.close(run_id)
                 self._handles.pop(run_id, None)
 
         return emit
@@ -354,19 +366,32 @@ class Pipeline:
         files: dict[int, StageFileRef] = {done.stage: done.ref for done in self.delivered}
         return with_stage_files(plan, files)
 
-    async def prepare_run(self, options: RunOptions | None = None, quiet: bool = False) -> RunDriver:
-        """Plan, provision and load a run that waits for its prompt.
+    def model_plan(self) -> GgufModelPlan:
+        """The model as every run's plan has it (vocabulary, context)."""
+        if self._model_plan is None:
+            self._model_plan = self.make_plan().model
+        return self._model_plan
+
+    async def prepare_run(
+        self, options: RunOptions | None = None, quiet: bool = False, *, slot: int = 0, reuse: bool = True
+    ) -> RunDriver:
+        """Plan, provision and load a run that waits for its prompt, on
+        ``slot`` of every stage (it offers what the slot's last run left
+        there, unless ``reuse`` is False: llama-server's cache_prompt).
         ``quiet``: its events go nowhere (a run of the history replayed by
         recovery, :meth:`replay_history`)."""
         if self.recovery.active and not self.closing:
             await self.recover()  # a stage lost between runs: repaired first
         if self.closing or self.data is None:
             raise PipelineError("the pipeline is not running")
-        if self.driver is not None and not self.driver.done.is_set():
-            raise PipelineError("a run is already active")
-        previous = self.driver
-        source = previous.next_source() if previous is not None and self.prefix_reuse else None
-        plan = self.make_plan(options)
+        if not 0 <= slot < self.parallel:
+            raise PipelineError(f"slot {slot} does not exist: the stages have {self.parallel}")
+        previous = self.on_slot[slot]
+        if previous is not None and not previous.done.is_set():
+            raise PipelineError(f"a run is already active on slot {slot}")
+        use = previous is not None and self.prefix_reuse and reuse
+        source = previous.next_source() if use and previous is not None else None
+        plan = replace(self.make_plan(options), slot=slot)
         if source is not None:
             plan = replace(plan, reuse=source.offer())
         driver = RunDriver(
@@ -377,10 +402,10 @@ class Pipeline:
             self.tasks,
             (lambda event: None) if quiet else self._run_emitter(plan.run_id),
             self.pieces,
-            log_path=lambda: "" if self.runlog.disabled else str(self.runlog.path or ""),
+            log_path=lambda: "" if self.runlog.disabled else str(self.runlog.path_of(plan.run_id) or ""),
             source=source,
         )
-        self.driver = driver
+        self.driver = self.on_slot[slot] = self.drivers[plan.run_id] = driver
         if not quiet:
             try:
                 self.runlog.open(plan.run_id)
@@ -393,8 +418,20 @@ class Pipeline:
             problem = f"the pipeline is broken: {self.broken}" if self.broken else ""
         except PlanError as error:
             problem = str(error)
-        self.tasks.spawn(driver.drive(problem), f"run {plan.run_id:016x}")
+        self.tasks.spawn(self._drive(driver, problem), f"run {plan.run_id:016x}")
         return driver
+
+    async def _drive(self, driver: RunDriver, problem: str) -> None:
+        try:
+            await driver.drive(problem)
+        finally:
+            self.drivers.pop(driver.plan.run_id, None)
+            if self.data is not None:
+                self.data.unbind(driver.plan.run_id)
+
+    def live_drivers(self) -> list[RunDriver]:
+        """The runs in flight (not done)."""
+        return [driver for driver in self.drivers.values() if not driver.done.is_set()]
 
     def route(self, driver: RunDriver, handle: RunHandle) -> None:
         """From now on the run's events also go to ``handle``."""
@@ -423,7 +460,7 @@ class Pipeline:
     def _on_message(self, stage: StageHandle, message: Message) -> None:
         if self.stages[stage.index] is not stage:
             return  # an agent replaced by recovery
-        driver = self.driver
+        driver = self.drivers.get(getattr(message, "run_id", 0) or 0)
         if self.data is not None and self.data.on_message(stage.index, message):
             return
         if isinstance(message, Refused):
@@ -445,8 +482,7 @@ class Pipeline:
                 else:
                     driver.feed(fsm.StageFaultEvent(stage.index, reason))
             return
-        run_id = getattr(message, "run_id", None)
-        if driver is None or run_id != driver.plan.run_id:
+        if driver is None:
             self.emit(AgentLog(stage.index, stage.host.name, f"ignored {message.tag} for an old run"))
             return
         driver.on_stage_message(stage.index, message)
@@ -473,9 +509,9 @@ class Pipeline:
         if not repeated:
             self.emit(Notice("error", reason))
         stage.fail_requests(reason)
-        driver = self.driver
-        running = driver is not None and not driver.done.is_set()
-        at_token = len(driver.tokens) if driver is not None and running else -1
+        live = self.live_drivers()
+        running = bool(live)
+        at_token = len(live[0].tokens) if live else -1
         now = time.perf_counter()
         before = self.recovery
         if not self.serving:
@@ -498,8 +534,8 @@ class Pipeline:
                 self.emit(StageRecovery(stage.index, stage.host.name, "Lost", reason, at_token))
                 self.emit(StageRecovery(stage.index, stage.host.name, "Recovering", "", at_token))
         if running:
-            assert driver is not None
-            driver.feed(fsm.StageLost(stage.index, failure))
+            for driver in live:  # every run in flight needs the stage
+                driver.feed(fsm.StageLost(stage.index, failure))
         elif self.recovery.phase is rec.Phase.BROKEN:
             # Between runs (no run to fault): the session can serve no more.
             self.queue.stop(failure)
@@ -772,19 +808,21 @@ class Pipeline:
     def _edge_fault(self, reason: str) -> None:
         if not self.broken:
             self.broken = reason
-        if self.driver is not None:
-            self.driver.feed(fsm.EdgeFault(reason))
+        for driver in self.live_drivers():
+            driver.feed(fsm.EdgeFault(reason))
 
     # ------------------------------------------------------------ closing
 
     async def close(self) -> None:
         """Tear down the active run, then end every agent and every task."""
         self.queue.stop("the pipeline closed")
-        driver = self.driver
-        if driver is not None and not driver.done.is_set():
+        live = self.live_drivers()
+        for driver in live:
             driver.stop("the orchestrator is closing")
+        if live:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(driver.done.wait(), self.inventory.timeouts.teardown + 5)
+                done = asyncio.gather(*(driver.done.wait() for driver in live))
+                await asyncio.wait_for(done, self.inventory.timeouts.teardown + 5)
         self.closing = True
         for stage in self.stages:
             if stage.link.control is not None and stage.alive():

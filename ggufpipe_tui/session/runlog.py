@@ -20,7 +20,7 @@ from typing import IO
 from ggufpipe_agent.errors import CacheError
 from ggufpipe_agent.stagefiles.private_files import private_directory
 from ggufpipe_agent.wire.protocol import to_plain
-from ggufpipe_tui.core.events import AgentConnected, Event, StageStats, TokenStreamed
+from ggufpipe_tui.core.events import AgentConnected, Event, RunFinished, StageStats, TokenStreamed
 
 
 def default_log_dir() -> Path:
@@ -58,19 +58,26 @@ class RunLog:
         self.directory = Path(directory) if directory else default_log_dir()
         self.keep = max(1, keep)
         self.keep_bytes = keep_bytes
-        self.path: Path | None = None
-        self._file: IO[str] | None = None
+        self.path: Path | None = None  # the newest run's log
+        self._files: dict[int, tuple[Path, IO[str]]] = {}  # the runs in flight: their logs
         self._session: list[str] = []
         self._opened = False
         self.disabled = ""
 
+    def path_of(self, run_id: int) -> Path | None:
+        """Run ``run_id``'s log while it is open."""
+        opened = self._files.get(run_id)
+        return opened[0] if opened is not None else None
+
     def open(self, run_id: int) -> None:
-        self.close()
+        """Run ``run_id``'s log: its own events go there; events of no run in
+        flight (a notice, an agent's log line) go to every open log."""
+        self.close(run_id)
         if self.disabled:
             return
         self._opened = True
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.path = self.directory / f"{stamp}-{run_id:016x}.jsonl"
+        self.path = path = self.directory / f"{stamp}-{run_id:016x}.jsonl"
         try:
             # Held to the stage cache's rules: this user's, written by no one else.
             private_directory(self.directory, "run-log directory", "--log-dir or $GGUFPIPE_LOG_DIR")
@@ -79,10 +86,11 @@ class RunLog:
             raise OSError(str(error)) from None
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-            self._file = os.fdopen(os.open(self.path, flags, 0o600), "w", encoding="utf-8")
+            file = os.fdopen(os.open(path, flags, 0o600), "w", encoding="utf-8")
+            self._files[run_id] = (path, file)
             for line in self._session:
-                self._file.write(line)
-            self._file.flush()
+                file.write(line)
+            file.flush()
         except OSError as error:
             self.disable(str(error))
             raise
@@ -91,17 +99,19 @@ class RunLog:
     def _rotate(self) -> None:
         """Remove the oldest run logs past the directory's bounds."""
         logs = []
+        current = {path.name for path, _ in self._files.values()}
         with contextlib.suppress(OSError):
             for entry in os.scandir(self.directory):
                 if _NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
-                    if self.path is not None and entry.name == self.path.name:
+                    if entry.name in current:
                         continue
                     info = entry.stat(follow_symlinks=False)
                     logs.append((info.st_mtime_ns, entry.name, info.st_size))
         logs.sort()  # oldest first
         count, total = len(logs), sum(size for _, _, size in logs)
         for _, name, size in logs:
-            if count < self.keep and total <= self.keep_bytes:  # with the current one: at most keep
+            # With the open ones: at most keep.
+            if count + len(current) <= self.keep and total <= self.keep_bytes:
                 break
             with contextlib.suppress(OSError):
                 (self.directory / name).unlink()
@@ -110,10 +120,10 @@ class RunLog:
     def disable(self, reason: str) -> None:
         """Stop logging (a full disk, an unwritable directory); runs go on."""
         self.disabled = reason
-        if self._file is not None:
+        for _, file in self._files.values():
             with contextlib.suppress(OSError):
-                self._file.close()
-            self._file = None
+                file.close()
+        self._files.clear()
 
     def write(self, event: Event) -> None:
         fields = to_plain(event, text_bytes=True)
@@ -121,19 +131,27 @@ class RunLog:
         if isinstance(event, AgentConnected):
             record["hello"].pop("data_token", None)  # a capability, not for logs
         line = json.dumps(record, ensure_ascii=False, default=str) + "\n"
-        if self._file is None:
+        if not self._files:
             # Before the first run (agents connecting, the model): kept for the
             # top of every run's log. Between runs: not part of any run.
             if not self._opened and len(self._session) < 10_000:
                 self._session.append(line)
             return
-        self._file.write(line)
-        if not isinstance(event, TokenStreamed | StageStats):
-            # Per-token events wait for the next flush: a syscall per token
-            # is on the per-token path; everything else is flushed at once.
-            self._file.flush()
+        run_id = getattr(event, "run_id", None)
+        if run_id is None and isinstance(event, RunFinished):
+            run_id = event.result.run_id
+        own = self._files.get(run_id) if isinstance(run_id, int) else None
+        for _, file in [own] if own is not None else list(self._files.values()):
+            file.write(line)
+            if not isinstance(event, TokenStreamed | StageStats):
+                # Per-token events wait for the next flush: a syscall per token
+                # is on the per-token path; everything else is flushed at once.
+                file.flush()
 
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+    def close(self, run_id: int | None = None) -> None:
+        """Close run ``run_id``'s log (None: every open one)."""
+        runs = list(self._files) if run_id is None else [run_id]
+        for run in runs:
+            opened = self._files.pop(run, None)
+            if opened is not None:
+                opened[1].close()

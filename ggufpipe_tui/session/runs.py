@@ -35,7 +35,7 @@ from ggufpipe_agent.wire.codec import MAX_PROMPT_BYTES, MAX_PROMPT_TURNS, text_p
 from ggufpipe_agent.wire.protocol import ChatMessage, SamplingParams
 from ggufpipe_tui.core.events import Event, PromptAssigned, RunResult
 from ggufpipe_tui.core.inventory import Inventory, RunOptions, check_run_options
-from ggufpipe_tui.core.plan import RunPlan
+from ggufpipe_tui.core.plan import GgufModelPlan, RunPlan
 from ggufpipe_tui.session.driver import RunDriver
 from ggufpipe_tui.session.stages import PipelineError
 
@@ -50,11 +50,17 @@ class QueuePipeline(Protocol):
     @property
     def broken(self) -> str: ...
 
-    async def prepare_run(self, options: RunOptions | None = None) -> RunDriver: ...
+    async def prepare_run(
+        self, options: RunOptions | None = None, *, slot: int = 0, reuse: bool = True
+    ) -> RunDriver: ...
 
     async def tokenize(
         self, text: str, chat: bool, messages: Sequence[ChatMessage] = ()
     ) -> tuple[list[int], str]: ...
+
+    def model_plan(self) -> GgufModelPlan:
+        """The model as every run's plan has it (vocabulary, context)."""
+        ...
 
     def route(self, driver: RunDriver, handle: RunHandle) -> None: ...
 
@@ -93,6 +99,7 @@ class RunOverrides:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    ignore_eos: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +115,8 @@ class Prompt:
     messages: tuple[ChatMessage, ...] = ()
     options: RunOverrides = field(default_factory=RunOverrides)
     overflow: str = RUN_ANYWAY  # one of OVERFLOW_POLICIES
+    # False: the run keeps nothing the stages hold (llama-server's cache_prompt).
+    cache_prompt: bool = True
     submitted: float = field(default_factory=time.perf_counter)  # for the time to first token
 
 
@@ -144,9 +153,11 @@ def run_options(base: RunOptions, overrides: RunOverrides) -> RunOptions:
 
 
 def serves(plan: RunPlan, options: RunOptions) -> bool:
-    """Whether a run prepared with ``plan`` samples as ``options`` ask. Greedy
-    is greedy whatever the other sampling parameters say."""
+    """Whether a run prepared with ``plan`` samples (and stops) as ``options``
+    ask. Greedy is greedy whatever the other sampling parameters say."""
     wanted = SamplingParams(options.temperature, options.top_k, options.top_p, options.seed)
+    if plan.ignore_eos != options.ignore_eos:
+        return False
     return plan.sampling == wanted or (plan.sampling.temperature <= 0 and wanted.temperature <= 0)
 
 
@@ -312,7 +323,7 @@ class RunQueue:
                         break
                 driver, prepared = prepared or await pipeline.prepare_run(options), None
                 try:
-                    tokens, limit = await self._tokens(handle.prompt, options, driver.plan)
+                    tokens, limit = await self._tokens(handle.prompt, options, driver.plan.model)
                 except GgufpipeError as error:
                     # Not run (tokenizing failed, too long for the context): the
                     # prompt fails alone and the prepared run waits for the next.
@@ -376,11 +387,13 @@ class RunQueue:
                 return None
         return None
 
-    async def _tokens(self, prompt: Prompt, options: RunOptions, plan: RunPlan) -> tuple[list[int], int]:
+    async def _tokens(
+        self, prompt: Prompt, options: RunOptions, model: GgufModelPlan
+    ) -> tuple[list[int], int]:
         """The prompt's tokens and the most its reply may take; raises when it cannot run."""
         if prompt.tokens is not None:
             tokens = list(prompt.tokens)
-            vocabulary = plan.model.vocab_size
+            vocabulary = model.vocab_size
             wrong = next((token for token in tokens if not 0 <= token < vocabulary), None)
             if wrong is not None:
                 last = vocabulary - 1
@@ -402,10 +415,16 @@ class RunQueue:
                 raise PipelineError(f"not run: the prompt is {size} bytes of text, at most {limit}")
             chat = self.pipeline.inventory.run.chat if prompt.chat is None else prompt.chat
             tokens, _ = await self.pipeline.tokenize(prompt.text, chat, prompt.messages)
-        return tokens, reply_limit(prompt, len(tokens), options, plan.model.max_seq_len)
+        return tokens, reply_limit(prompt, len(tokens), options, model.max_seq_len)
 
     async def _run(
-        self, handle: RunHandle, driver: RunDriver, tokens: list[int], limit: int, options: RunOptions
+        self,
+        handle: RunHandle,
+        driver: RunDriver,
+        tokens: list[int],
+        limit: int,
+        options: RunOptions,
+        slot: int = 0,
     ) -> RunResult:
         pipeline = self.pipeline
         prompt = handle.prompt
@@ -424,7 +443,7 @@ class RunQueue:
                         raise PipelineError("the prompt was withdrawn")
                     await pipeline.recover()
                     await pipeline.replay_history(old)
-                    driver = await pipeline.prepare_run(options)
+                    driver = await pipeline.prepare_run(options, slot=slot)
                 except GgufpipeError as error:
                     result = pipeline.give_up(old, str(error))
                     break

@@ -73,7 +73,7 @@ def test_models_and_health(server: Served) -> None:
     models = server.client().models.list()
     assert [model.id for model in models.data] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
     assert models.data[0].owned_by == "ggufpipe"
-    health = (200, {"status": "ok", "requests": 0, "queue": 2, "recoveries": 0})
+    health = (200, {"status": "ok", "requests": 0, "queue": 2, "slots": 3, "recoveries": 0})
     assert raw(server, "GET", "/health", key=None) == health, (
         "health needs no key"
     )
@@ -247,14 +247,22 @@ def test_a_client_that_goes_away_stops_its_run(server: Served) -> None:
     server.wait_line(lambda line: " 499 " in line and run in line, 10, "the request's log line")
 
 
-def test_concurrent_requests_are_served_one_at_a_time_in_order(server: Served) -> None:
+def test_concurrent_requests_are_in_flight_together_and_each_equals_it_alone(server: Served) -> None:
+    """Three stages, three slots by default (issue 29): three requests run at
+    once, and each greedy answer is the one the same request gets alone (both
+    cold: cache_prompt false, so both compute the same batches)."""
+    prompts = ["Name a colour.", "Name a fruit.", "Name an animal."]
+
     async def main() -> list[tuple[float, float, str]]:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
-        async def one(delay: float, prompt: str) -> tuple[float, float, str]:
-            await asyncio.sleep(delay)
+        async def one(prompt: str) -> tuple[float, float, str]:
             stream = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": prompt}], max_tokens=16, stream=True
+                model="m",
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=16,
+                stream=True,
+                extra_body={"cache_prompt": False},  # cold, as the lone requests below
             )
             first = last = 0.0
             text = ""
@@ -265,16 +273,22 @@ def test_concurrent_requests_are_served_one_at_a_time_in_order(server: Served) -
                     text += chunk.choices[0].delta.content
             return first, last, text
 
-        prompts = ["Name a colour.", "Name a fruit.", "Name an animal."]
         try:
-            return await asyncio.gather(*(one(0.3 * i, p) for i, p in enumerate(prompts)))
+            return await asyncio.gather(*(one(prompt) for prompt in prompts))
         finally:
             await client.close()
 
     served = asyncio.run(main())
-    assert all(text for _, _, text in served)
-    for before, after in zip(served, served[1:], strict=False):
-        assert after[0] > before[1], "a request streamed before the one before it had finished"
+    assert max(first for first, _, _ in served) < min(last for _, last, _ in served), "they overlapped"
+    client = server.client()
+    for prompt, (_, _, text) in zip(prompts, served, strict=True):
+        alone = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=16,
+            extra_body={"cache_prompt": False},
+        )
+        assert alone.choices[0].message.content == text, prompt
 
 
 def test_a_full_queue_is_refused_not_left_hanging(server: Served) -> None:
@@ -286,17 +300,19 @@ def test_a_full_queue_is_refused_not_left_hanging(server: Served) -> None:
 
     async def main() -> tuple[int, dict[str, object]]:
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as http:
-            async with http.post(url, json=long) as running:
-                async for line in running.content:
+            running = [await http.post(url, json=long) for _ in range(3)]  # every slot (3) busy
+            for response in running:
+                async for line in response.content:
                     if line.startswith(b"data: {"):
-                        break  # running: the queue (2) fills behind it
+                        break  # running: the queue (2) fills behind them
+            try:
                 waiting = [asyncio.ensure_future(http.post(url, json=short)) for _ in range(2)]
-                # Until both wait, admitted behind the running one (on a busy
+                # Until both wait, admitted behind the running ones (on a busy
                 # machine the server's loop may take a while to take them).
                 deadline = time.monotonic() + 30
                 while True:
                     async with http.get(f"{server.url}/health") as health:
-                        if (await health.json())["requests"] == 3:
+                        if (await health.json())["requests"] == 5:
                             break
                     assert time.monotonic() < deadline, "the two requests never reached the queue"
                     await asyncio.sleep(0.05)
@@ -307,6 +323,9 @@ def test_a_full_queue_is_refused_not_left_hanging(server: Served) -> None:
                 for task in waiting:
                     task.cancel()  # they go away: withdrawn from the queue
                 await asyncio.gather(*waiting, return_exceptions=True)
+            finally:
+                for response in running:
+                    response.close()  # they go away: their runs stop
             return answer
 
     status, body = asyncio.run(main())

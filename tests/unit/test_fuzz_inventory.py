@@ -239,6 +239,7 @@ RUN_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "ignore_eos": mostly(st.booleans(), st.sampled_from(["no", 0])),
     "feedback": mostly(st.sampled_from(["ring", "orchestrator"]), st.sampled_from(["none", ""])),
     "reuse": mostly(st.sampled_from(["cache", "exact"]), st.sampled_from(["none", "", "warm"])),
+    "parallel": mostly(st.integers(0, 64), st.integers(-2, -1) | huge),
 }
 assert set(RUN_FIELDS) == {f.name for f in fields(RunOptions)}, "a RunOptions field is not fuzzed"
 TIMEOUT_FIELDS = {

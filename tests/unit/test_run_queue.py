@@ -23,7 +23,7 @@ from ggufpipe_tui.session.runs import (
     RunQueue,
 )
 from ggufpipe_tui.session.stages import PipelineError
-from tests.support.fakes import Autopilot, Rig, inventory
+from tests.support.fakes import Autopilot, Rig, inventory, plan_for
 
 
 class FakePipeline:
@@ -40,7 +40,12 @@ class FakePipeline:
         self.queue = RunQueue(self, prepare_ahead)
         self.handles: dict[int, RunHandle] = {}
 
-    async def prepare_run(self, options: RunOptions | None = None) -> RunDriver:
+    def model_plan(self):
+        return plan_for(self.inventory, 1).model
+
+    async def prepare_run(
+        self, options: RunOptions | None = None, *, slot: int = 0, reuse: bool = True
+    ) -> RunDriver:
         number = len(self.rigs)
         run_id = 0x100 + number + 1
 
