@@ -167,7 +167,8 @@ class StageEngine:
         self.parallel = max(1, options.parallel)
         self._slots = [_Slot() for _ in range(self.parallel)]
         self._seq = 0  # the slot (llama.cpp sequence id) the calls work on: use()
-        self._batch_seq = 0  # the sequence id the batch's rows carry
+        self._batch_seq = 0  # the sequence id the batch's first _batch_rows rows carry
+        self._batch_rows = 0
         self._running = -1  # the slot whose step is running
         self._aborting: set[int] = set()  # slots whose steps stop at the next graph node
         self._closed = False
@@ -471,10 +472,13 @@ class StageEngine:
             self._capture_row = 0
         start = self._n_past
         seq = self._seq
-        if seq != self._batch_seq:
-            for index in range(self.n_batch):
+        if seq != self._batch_seq or n > self._batch_rows:
+            # The rows a step uses carry its slot's sequence id: a decode step
+            # sets one (slots alternate step by step), a prefill its rows.
+            tagged = min(n, self.n_batch)
+            for index in range(tagged):
                 self._batch.seq_id[index][0] = seq
-            self._batch_seq = seq
+            self._batch_seq, self._batch_rows = seq, tagged
         self._running = seq
         try:
             begin = 0

@@ -1,0 +1,47 @@
+"""Runs in flight at once on local agents (issue 29): two stages on two
+local hosts (an agent process each), eight slots; 2, 4 and 8 requests at
+once, prefixes shared and not, each equal to the same request alone; and
+conversations interleaved on the slots, each keeping its own cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from ggufpipe_tui.core.inventory import load_inventory
+from ggufpipe_tui.session.pipeline import Pipeline
+from tests.support.parallel_checks import concurrent_equal_alone, conversations_keep_their_caches
+
+# One pipeline for the module: its tests share the module's event loop.
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+CONTEXT, UBATCH, STEPS = 512, 32, 12
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pipeline(tmp_path_factory: pytest.TempPathFactory, model_path: Path):
+    path = tmp_path_factory.mktemp("parallel") / "inventory.yaml"
+    path.write_text(
+        f"model: {{path: {model_path}}}\n"
+        "hosts:\n  a: {local: true, threads: 1}\n  b: {local: true, threads: 1}\n"
+        "stages:\n  - {host: a, layers: [0, 13]}\n  - {host: b, layers: [13, 30]}\n"
+        f"run: {{context: {CONTEXT}, ubatch: {UBATCH}, parallel: 8, chat: false}}\n"
+        "timeouts: {connect: 30, ready: 120, step: 30, teardown: 10}\n"
+    )
+    running = Pipeline(load_inventory(path), lambda event: None)
+    await running.start()
+    try:
+        yield running
+    finally:
+        await running.close()
+
+
+@pytest.mark.parametrize("count", [2, 4, 8])
+async def test_requests_in_flight_each_equal_it_alone(pipeline: Pipeline, model_path: Path, count: int) -> None:
+    await concurrent_equal_alone(pipeline, model_path, count, STEPS, CONTEXT, UBATCH)
+
+
+async def test_interleaved_conversations_each_keep_their_cache(pipeline: Pipeline, model_path: Path) -> None:
+    await conversations_keep_their_caches(pipeline, model_path, 3, 3, STEPS, CONTEXT, UBATCH)
