@@ -27,6 +27,7 @@ from ggufpipe_agent.llama.slot import EngineSlot
 from ggufpipe_agent.process.heartbeat import Silence
 from ggufpipe_agent.process.peer_links import Links
 from ggufpipe_agent.process.requests import answer_request
+from ggufpipe_agent.stage import slots
 from ggufpipe_agent.stage.fsm import EdgeEstablished, Provision, StageState, StopRunEvent
 from ggufpipe_agent.stage.run import StageRun
 from ggufpipe_agent.stage.validation import fits_bits, validate_provision
@@ -181,6 +182,11 @@ class Session:
         active run, if any: the orchestrator hears of it, never silence."""
         for run in self.live_runs():
             run.internal_fault(f"internal error in the agent ({name}): {type(error).__name__}: {error}")
+
+    def held(self) -> list[slots.Held]:
+        """The runs the stage knows, as the slot rules see them."""
+        stopped = StageState.STOPPED
+        return [slots.Held(run.run_id, run.slot, run.fsm.state is stopped) for run in self.runs.values()]
 
     def live_runs(self) -> list[StageRun]:
         """The runs not stopped yet."""
@@ -343,16 +349,9 @@ class Session:
         self.post(reply)
 
     async def provision(self, message: ProvisionStage) -> None:
-        live = self.live_runs()
-        mine = self.runs.get(message.run_id)
-        if mine is not None and mine.fsm.state is not StageState.STOPPED:
-            reason = f"run {message.run_id:016x} is already provisioned (StopRun it first)"
-            self.refuse("ProvisionStage", reason, message.run_id)
-            return
-        busy = next((run for run in live if run.slot == message.slot), None)
-        if busy is not None:
-            slots = message.engine.parallel
-            reason = f"stage is busy with run {busy.run_id:016x} on slot {message.slot} (of {slots})"
+        held = self.held()
+        reason = slots.refusal(held, message.run_id, message.slot, message.engine.parallel)
+        if reason:
             self.refuse("ProvisionStage", reason, message.run_id)
             return
         problem = validate_provision(message)
@@ -371,8 +370,8 @@ class Session:
             return
         self.seen_runs.add(message.run_id)
         run = StageRun(message, self.post, self.agent.worker, self.engines, self.agent.cache_dir)
-        for old in [old for old in self.runs.values() if old.slot == message.slot]:
-            del self.runs[old.run_id]  # stopped: the slot is the new run's
+        for old in slots.replaced(held, message.slot):
+            del self.runs[old]  # stopped: the slot is the new run's
         self.runs[run.run_id] = run
         self.engines.claim(run.slot, run.run_id)
         ring = message.ring

@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 
+from ggufpipe_agent.stage.slots import Held, refusal, replaced
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.framing import FrameReader
 from ggufpipe_agent.wire.protocol import Refused, StageReady, StageStopped, StopRun
@@ -102,3 +103,28 @@ async def test_a_run_with_other_engine_options_waits_for_the_engine(agent, tiny_
     fault = await agent.expect_state("Faulted")
     assert "in use by run 0000000000000083 with other options" in fault.detail
     assert len(agent.engines.loaded) == 1
+
+
+# --------------------------------------------------- the slot rules, as a table
+
+SLOT_TABLE = [
+    # (held, run id, slot, parallel) -> refusal
+    ((), 1, 0, 1, ""),
+    ((Held(1, 0),), 2, 1, 2, ""),
+    ((Held(1, 0),), 2, 0, 2, "stage is busy with run 0000000000000001 on slot 0 (of 2)"),
+    ((Held(1, 0),), 1, 1, 2, "run 0000000000000001 is already provisioned"),
+    ((Held(1, 0, stopped=True),), 2, 0, 2, ""),
+    ((Held(1, 0, stopped=True), Held(2, 1)), 3, 0, 2, ""),
+]
+
+
+@pytest.mark.parametrize(("held", "run_id", "slot", "parallel", "expected"), SLOT_TABLE)
+def test_which_runs_a_stage_takes(held, run_id, slot, parallel, expected):
+    got = refusal(held, run_id, slot, parallel)
+    assert got.startswith(expected) and (expected or not got)
+
+
+def test_a_new_run_on_a_slot_forgets_the_stopped_run_there():
+    held = [Held(1, 0, stopped=True), Held(2, 1, stopped=True), Held(3, 0)]
+    assert replaced(held, 0) == [1]
+    assert replaced(held, 1) == [2]
