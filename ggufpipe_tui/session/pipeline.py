@@ -4,8 +4,10 @@ A :class:`Pipeline` starts an agent per stage (in parallel), reads the model's
 facts and vocabulary from where the model lives, opens the data plane and then
 serves prompts: :meth:`Pipeline.submit` queues a :class:`~.runs.Prompt` and
 returns its :class:`~.runs.RunHandle`; the :class:`~.runs.RunQueue` turns
-prompts into runs one at a time, each with its own run id and plan, driven by
-a :class:`~.driver.RunDriver`. Agents keep their loaded stage between runs, so
+prompts into runs one at a time (with ``run.parallel`` K > 1, the
+:class:`~.parallel.ParallelQueue` up to K at once, each on its own slot of
+every stage), each with its own run id and plan, driven by a
+:class:`~.driver.RunDriver`. Agents keep their loaded stage between runs, so
 a second prompt reloads nothing. Every event goes to the run log and to the
 subscribers (the views); a run's events also go to its handle.
 

@@ -1,4 +1,5 @@
-"""The session policy every view shares: prompts become runs, one at a time.
+"""The session policy every view shares: prompts become runs, one at a time
+(session/parallel.py keeps several in flight, each on its own slot).
 
 A view calls :meth:`Pipeline.submit <ggufpipe_tui.session.pipeline.Pipeline.submit>`
 with a :class:`Prompt` and gets a :class:`RunHandle`: it can stop the run (or
