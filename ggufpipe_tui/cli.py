@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="K",
         help="requests in flight at once, each in its own slot of every stage (default: the "
-        "inventory's run.parallel, else one per stage so every stage is busy)",
+        "inventory's run.parallel, else one per stage so every stage is busy); with --plan: "
+        "plan the memory of K slots",
     )
     group = parser.add_argument_group("run options (override the inventory's run: section)")
     group.add_argument("--max-tokens", type=int, metavar="N", help="stop after N generated tokens")
@@ -203,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.queue < 0:
         parser.error("--queue: must not be negative")
-    if args.parallel is not None and args.serve is None:
-        parser.error("--parallel: only with --serve (a conversation runs one turn at a time)")
+    if args.parallel is not None and args.serve is None and not args.plan:
+        parser.error("--parallel: only with --serve or --plan (a conversation runs one turn at a time)")
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, stream=sys.stderr)
     from ggufpipe_tui.core.inventory import load_inventory, with_data_mode, with_run_options
 
@@ -227,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.serve is not None:
             # As many runs in flight as stages, by default: each stage busy.
             parallel = args.parallel or inventory.run.parallel or len(inventory.stages)
+        elif args.plan:  # the memory of that many slots
+            parallel = args.parallel or inventory.run.parallel or 1
         else:
             parallel = 1  # one prompt, or a conversation's turns, one at a time
         inventory = with_run_options(inventory, parallel=parallel)

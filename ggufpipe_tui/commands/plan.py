@@ -110,7 +110,9 @@ def placement_text(placement: Placement, inventory: Inventory, facts: ModelFacts
     lines = [
         f"model {facts.stem}: {facts.architecture}, {facts.block_count} blocks, {facts.file_type}, "
         f"{format_size(facts.file_size)}",
-        f"context {engine.n_ctx}, batch {engine.n_batch}, ubatch {engine.n_ubatch}; {how}",
+        f"context {engine.n_ctx}, batch {engine.n_batch}, ubatch {engine.n_ubatch}"
+        + (f", {engine.parallel} slots (a KV cache each)" if engine.parallel > 1 else "")
+        + f"; {how}",
         "",
         f"{'stage':>5}  {'host':<16} {'layers':<10} {'where':<12} {'needed':>10} {'available':>10}",
     ]
