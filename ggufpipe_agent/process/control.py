@@ -1,4 +1,4 @@
-"""One orchestrator session of the agent: its control stream, the stage run
+"""One orchestrator session of the agent: its control stream, the stage runs
 it drives, its edges and links (:class:`Session`), and the runs it has seen.
 
 :mod:`ggufpipe_agent.process.runtime` holds the process around it (the data socket,
@@ -179,7 +179,7 @@ class Session:
 
     def _task_failed(self, name: str, error: BaseException) -> None:
         """A session task that fails (answering a request) is a fault of the
-        active run, if any: the orchestrator hears of it, never silence."""
+        runs in flight, if any: the orchestrator hears of it, never silence."""
         for run in self.live_runs():
             run.internal_fault(f"internal error in the agent ({name}): {type(error).__name__}: {error}")
 
@@ -411,7 +411,7 @@ class Session:
         """Edge streams: OpenEdge frames and inbound object records, from the
         orchestrator or (``peer`` >= 0) over the link from stage ``peer``. A
         frame that cannot be parsed loses the stream (it cannot be
-        resynchronised), and with it the active run. Returns why it ended."""
+        resynchronised), and with it every run it carries. Returns why it ended."""
         what = "data connection" if peer < 0 else f"link from stage {peer}"
         frames = FrameReader(reader, what)
         outbound = FrameWriter(writer, what="outbound edge")
@@ -502,7 +502,7 @@ class Session:
         await self.links.edge(run, message, self.refuse, self.inbound_object)
 
     def _object_problem(self, header: objects.ObjectHeader) -> str:
-        """Why an inbound object is refused ('' when the active run takes it)."""
+        """Why an inbound object is refused ('' when the run it names takes it)."""
         problem = self._run_problem(header.run_id)
         if problem:
             return problem

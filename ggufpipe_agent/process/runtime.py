@@ -1,5 +1,5 @@
 """The agent runtime: the process around its orchestrator sessions (each a
-:class:`~ggufpipe_agent.process.control.Session`: a control stream and the stage run it
+:class:`~ggufpipe_agent.process.control.Session`: a control stream and the stage runs it
 drives), the data socket for edge streams, and the one worker thread every
 stage of the process steps on.
 

@@ -26,6 +26,7 @@ from ggufpipe_tui.core.events import (
 from ggufpipe_tui.core.inventory import load_inventory
 from ggufpipe_tui.core.recovery import recovery_line
 from ggufpipe_tui.session.pipeline import Pipeline
+from ggufpipe_tui.session.runs import Prompt
 from tests.support.common import MODES, mode_yaml, whole_model_greedy
 from tests.support.sabotage import Saboteur, on_token, run_with, signal_agent
 
@@ -218,3 +219,35 @@ async def test_a_follow_up_turn_is_recovered_exactly_at_the_default_ubatch(tmp_p
         "every turn's tokens streamed once; the replayed turns streamed nothing",
         len(third),
     )
+
+
+async def test_every_run_in_flight_is_replayed_on_its_slot(tmp_path, model_path, no_agent_left):
+    """Two runs in flight (run.parallel 2, issue 29) when stage 1's agent is
+    killed: both are interrupted, replayed on their slots and complete with
+    their unbroken tokens."""
+    path = inventory_file(tmp_path, model_path)
+    path.write_text(path.read_text().replace("chat: false,", "chat: false, parallel: 2,"))
+    both_streaming = {"seen": set()}
+
+    def when(event: Any) -> bool:
+        if isinstance(event, TokenStreamed) and event.sequence >= 0:
+            both_streaming["seen"].add(event.run_id)
+            return len(both_streaming["seen"]) == 2 and event.sequence >= 6
+        return False
+
+    saboteur = Saboteur(when, signal_agent(1, signal.SIGKILL))
+    pipeline = Pipeline(load_inventory(path), saboteur)
+    saboteur.pipeline = pipeline
+    try:
+        await pipeline.start()
+        first = pipeline.submit(Prompt(text="The history of the Roman empire"))
+        second = pipeline.submit(Prompt(text="Once upon a time, in a land far away"))
+        results = [await first.result(), await second.result()]
+    finally:
+        await pipeline.close()
+    assert saboteur.fired
+    for result in results:
+        assert result.outcome == "completed", result.failure
+        assert list(result.tokens) == unbroken(model_path, result)
+    assert len(of(saboteur, RunInterrupted)) == 2, "both runs in flight were interrupted"
+    assert len(of(saboteur, RunRecovered)) == 2, "and both replayed"
