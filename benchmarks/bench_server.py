@@ -12,8 +12,9 @@ Measures, on this machine, with SmolLM2-135M, greedy, a reply of at most
     client, streamed chat completions): the client's time to first token and
     the whole request, one request at a time; the server's own time to first
     token of each run (its log line), so the rest is HTTP, JSON and queueing;
-  * throughput with 4 clients at once (requests are served one at a time, in
-    order: the same tokens/s as one client, the latency is the queue's);
+  * throughput with 4 clients at once (the server's default --parallel: its
+    stages share this machine's cores, so one request in flight, the rest
+    queue: docs/bench-parallel.md measures runs in flight, a core per stage);
   * one conversation of 10 turns over the API: each turn's prompt is the whole
     conversation; the stages keep the prefix it shares with the last request
     (run.reuse: cache, the default: every position they hold), and each turn
@@ -194,6 +195,8 @@ async def ask(http: aiohttp.ClientSession, url: str, messages: list[dict[str, st
 async def measure(server: Server, requests: int, max_tokens: int) -> dict[str, Any]:
     async with aiohttp.ClientSession() as http:
         await ask(http, server.url, [{"role": "user", "content": "Hi"}], 4)  # warm
+        async with http.get(server.url.removesuffix("/v1") + "/health") as health:
+            slots = int((await health.json())["slots"])
         sequential = []
         for index in range(requests):
             question = QUESTIONS[index % len(QUESTIONS)]
@@ -223,6 +226,7 @@ async def measure(server: Server, requests: int, max_tokens: int) -> dict[str, A
                        "latency_ms": median([a["total_ms"] for a in concurrent])},
         "turns": turns,
         "sent": sent,
+        "slots": slots,
     }
 
 
@@ -258,7 +262,9 @@ def report(base: dict[str, float], served: dict[str, Any], args: argparse.Namesp
         "",
         f"Four clients at once ({conc['requests']} requests): {conc['requests'] / conc['wall_s']:.2f} requests/s, "
         f"{conc['tokens'] / conc['wall_s']:.1f} generated tokens/s, median latency {conc['latency_ms']:.0f} ms "
-        "(served one at a time, in order: the latency is the queue's).",
+        f"(the server's default --parallel here: {served['slots']} in flight at once, the rest queued; "
+        "its stages share this machine's cores, one machine: docs/bench-parallel.md measures runs in "
+        "flight with a core per stage).",
         "",
         "One conversation over the API, each turn's prompt the whole conversation so far",
         "(the stages keep what they can of the last request's prefix: the reused column):",

@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="K",
         help="requests in flight at once, each in its own slot of every stage (default: the "
-        "inventory's run.parallel, else one per stage so every stage is busy); with --plan: "
-        "plan the memory of K slots",
+        "inventory's run.parallel, else one per machine the stages run on, and one per stage "
+        "on this machine where each has threads: of its own); with --plan: the memory of K slots",
     )
     group = parser.add_argument_group("run options (override the inventory's run: section)")
     group.add_argument("--max-tokens", type=int, metavar="N", help="stop after N generated tokens")
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel is not None and args.serve is None and not args.plan:
         parser.error("--parallel: only with --serve or --plan (a conversation runs one turn at a time)")
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, stream=sys.stderr)
-    from ggufpipe_tui.core.inventory import load_inventory, with_data_mode, with_run_options
+    from ggufpipe_tui.core.inventory import default_parallel, load_inventory, with_data_mode, with_run_options
 
     try:
         inventory = load_inventory(args.inventory)
@@ -226,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         inventory = with_data_mode(inventory, args.data)
         if args.serve is not None:
-            # As many runs in flight as stages, by default: each stage busy.
-            parallel = args.parallel or inventory.run.parallel or len(inventory.stages)
+            # By default one run in flight per machine: each machine busy.
+            cores = os.cpu_count() or 1
+            parallel = args.parallel or inventory.run.parallel or default_parallel(inventory, cores)
         elif args.plan:  # the memory of that many slots
             parallel = args.parallel or inventory.run.parallel or 1
         else:

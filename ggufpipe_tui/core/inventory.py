@@ -121,7 +121,7 @@ class RunOptions:
     reuse: str = "cache"
     # Slots: runs in flight at once on the chain, each stage holding each
     # run's KV cache in its own slot (issue 29; the server's --parallel).
-    # 0: auto (--serve: one per stage, so every stage is busy; else 1).
+    # 0: auto (--serve: one per machine, default_parallel; else 1).
     parallel: int = 0
 
 
@@ -507,6 +507,34 @@ def check_run_options(run: RunOptions, fail: Callable[[str, str], Exception]) ->
         raise fail("reuse", f"must be one of {', '.join(REUSE_MODES)}")
     if not 0 <= run.parallel <= MAX_PARALLEL:
         raise fail("parallel", f"must be 1 to {MAX_PARALLEL} runs in flight at once, or 0 (auto)")
+
+
+def default_parallel(inventory: Inventory, cores: int) -> int:
+    """The server's runs in flight when neither ``--parallel`` nor
+    ``run.parallel`` says: one per machine the stages run on, so every machine
+    is busy. Stages that share a machine share its cores: each one's steps
+    use them all (``threads: 0``), and runs in flight on the same cores make
+    llama.cpp's thread teams wait for each other (3 local stages with 3 runs
+    in flight served 0.36x the requests/s of one at a time, docs/bench-server.md).
+    So a machine's stages count one each only where they cannot collide:
+    this machine (``local``), not one shared process, each stage's
+    ``threads`` given and together at most ``cores``. Say ``--parallel``
+    for anything else (an SSH host whose stages have cores of their own)."""
+    machines: dict[tuple[object, ...], list[HostSpec]] = {}
+    for stage in inventory.stages:
+        host = inventory.hosts[stage.host]
+        key: tuple[object, ...] = ("local",) if host.local else ("ssh", host.address, host.port)
+        machines.setdefault(key, []).append(host)
+    total = 0
+    for key, hosts in machines.items():
+        apart = (
+            key == ("local",)
+            and not any(host.share_process for host in hosts)
+            and all(host.threads > 0 for host in hosts)
+            and sum(host.threads for host in hosts) <= cores
+        )
+        total += len(hosts) if apart else 1
+    return max(1, total)
 
 
 def load_inventory(path: str | os.PathLike[str]) -> Inventory:

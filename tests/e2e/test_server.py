@@ -38,7 +38,7 @@ COUNT = "Count from one to one hundred, one number per line."
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[Served]:
     before = agent_pids()
-    served = start_server(tmp_path_factory.mktemp("server"), model_path, "--queue", "2")
+    served = start_server(tmp_path_factory.mktemp("server"), model_path, "--queue", "2", "--parallel", "3")
     try:
         yield served
     finally:
@@ -248,7 +248,7 @@ def test_a_client_that_goes_away_stops_its_run(server: Served) -> None:
 
 
 def test_concurrent_requests_are_in_flight_together_and_each_equals_it_alone(server: Served) -> None:
-    """Three stages, three slots by default (issue 29): three requests run at
+    """Three stages, --parallel 3 (issue 29): three requests run at
     once, and each greedy answer is the one the same request gets alone (both
     cold: cache_prompt false, so both compute the same batches)."""
     prompts = ["Name a colour.", "Name a fruit.", "Name an animal."]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ggufpipe_tui.core.inventory import InventoryError, parse_inventory
+from ggufpipe_tui.core.inventory import InventoryError, default_parallel, parse_inventory
 
 
 def test_listen_key_needs_listen(tmp_path):
@@ -77,3 +77,27 @@ def test_recovery_keys(tmp_path):
 def test_recovery_keys_are_checked(tmp_path, entry, message):
     with pytest.raises(InventoryError, match=message):
         _recovery(tmp_path, entry)
+
+
+PARALLEL_CASES = {
+    # hosts, the stages' hosts, cores -> runs in flight by default
+    "two SSH machines": ("a: {address: h1}\n  b: {address: h2}", ["a", "b"], 2, 2),
+    "two stages on one SSH machine": ("a: {address: h1}", ["a", "a"], 2, 1),
+    "one machine named twice": ("a: {address: h1}\n  b: {address: h1}", ["a", "b"], 2, 1),
+    "local stages on every core": ("a: {local: true}\n  b: {local: true}", ["a", "b"], 2, 1),
+    "local stages a core each": ("a: {local: true, threads: 1}\n  b: {local: true, threads: 1}", ["a", "b"], 2, 2),
+    "more threads than cores": ("a: {local: true, threads: 2}\n  b: {local: true, threads: 1}", ["a", "b"], 2, 1),
+    "one shared process": ("a: {local: true, threads: 1, share_process: true}", ["a", "a"], 4, 1),
+    "local and SSH": ("a: {local: true}\n  b: {address: h2}\n  c: {address: h3}", ["a", "b", "c"], 2, 3),
+}
+
+
+@pytest.mark.parametrize(("hosts", "stages", "cores", "expected"), PARALLEL_CASES.values(), ids=PARALLEL_CASES)
+def test_the_servers_default_runs_in_flight_count_machines(tmp_path, hosts, stages, cores, expected):
+    """One run in flight per machine; on this machine one per stage where
+    each stage has threads of its own that fit its cores (issue 29)."""
+    layers = [(30 * i // len(stages), 30 * (i + 1) // len(stages)) for i in range(len(stages))]
+    pairs = zip(stages, layers, strict=True)
+    listed = "".join(f"  - {{host: {host}, layers: [{a}, {b}]}}\n" for host, (a, b) in pairs)
+    text = f"model: {{path: m.gguf}}\nhosts:\n  {hosts}\nstages:\n{listed}"
+    assert default_parallel(parse_inventory(text, tmp_path / "inv.yaml"), cores) == expected
