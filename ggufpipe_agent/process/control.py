@@ -368,12 +368,15 @@ class Session:
         if message.run_id in self.seen_runs:
             self.refuse("ProvisionStage", f"stale run id {message.run_id:016x}", message.run_id)
             return
+        taken = self.engines.claim(message.slot, message.run_id)
+        if taken:  # a run of an earlier session that has not stopped yet
+            self.refuse("ProvisionStage", f"stage {taken}", message.run_id)
+            return
         self.seen_runs.add(message.run_id)
         run = StageRun(message, self.post, self.agent.worker, self.engines, self.agent.cache_dir)
         for old in slots.replaced(held, message.slot):
             del self.runs[old]  # stopped: the slot is the new run's
         self.runs[run.run_id] = run
-        self.engines.claim(run.slot, run.run_id)
         ring = message.ring
         run.apply(
             Provision(

@@ -459,6 +459,23 @@ def _largest_context(inventory: Inventory, facts: ModelFacts, hellos: Sequence[H
     return best
 
 
+def _most_slots(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None]) -> int:
+    """The most runs in flight (slots) below the inventory's at which the plan fits; 0 if none."""
+    low, high, best = 1, max(1, inventory.run.parallel) - 1, 0
+    while low <= high:
+        middle = (low + high) // 2
+        trial = replace(inventory, run=replace(inventory.run, parallel=middle))
+        try:
+            fits = evaluate(trial, facts, hellos).fits
+        except InventoryError:
+            fits = False
+        if fits:
+            best, low = middle, middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
 def _most_layers(
     placement: Placement, inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None], stage: int
 ) -> int:
@@ -521,6 +538,10 @@ def refusal(
             f"{pool.host} has {format_size(pool.usable)} there for the plan ({why})"
         )
     advice = []
+    slots = placement.engine.parallel
+    fewer = _most_slots(inventory, facts, hellos) if slots > 1 else 0
+    if fewer:  # each slot (a run in flight) holds a KV cache of the whole context
+        advice.append(f"fewer runs in flight (--parallel {fewer}; now {slots}, a KV cache each)")
     context = _largest_context(inventory, facts, hellos)
     current = placement.engine.n_ctx
     if context:

@@ -175,6 +175,8 @@ class DirectPlane(RelayPlane):
         return self.direct(n - 1)  # ring-in, ring-out: the last stage's link to stage 0
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None:
+        if plan.run_id not in self.bound:
+            return  # the run ended (faulted while its stages set up): nothing to link
         acked = self._acked.setdefault(plan.run_id, set())
         linked = self._linked.setdefault(plan.run_id, set())
         ends = [end for end in self.edge_ends(plan, stage) if not self._linked_end(plan, stage, end)]

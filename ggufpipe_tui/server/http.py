@@ -23,10 +23,10 @@ sampling ranges of :mod:`ggufpipe_agent.wire.records`, text that UTF-8 can
 carry), a prompt too long for any context is refused by the stage that
 tokenizes it, and a bug in a handler is a 500 for that request alone; ``stop`` strings are applied here as
 the text streams, and the run is stopped at the first one. SIGTERM or SIGINT:
-stop listening, answer what waits with a 503, give the running request
-:data:`SHUTDOWN_GRACE` seconds to finish, stop it, tear every stage down,
-exit 0. A lost stage is recovered (docs/recovery.md): the running request is
-replayed and goes on, the requests that arrive meanwhile wait (past the queue
+stop listening, answer what waits with a 503, give the running requests
+:data:`SHUTDOWN_GRACE` seconds to finish, stop them, tear every stage down,
+exit 0. A lost stage is recovered (docs/recovery.md): the running requests are
+replayed and go on, the requests that arrive meanwhile wait (past the queue
 a 503 with Retry-After) and ``/health`` says "recovering"; only a pipeline
 that cannot be rebuilt ends the server (exit 1): run it under a supervisor
 that starts it again.
@@ -61,7 +61,7 @@ from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.session.runs import REFUSE, SHORTEN, ContextOverflow, Prompt, RunHandle
 from ggufpipe_tui.session.stages import PipelineError
 
-#: Seconds the running request may take to finish once SIGTERM came.
+#: Seconds the running requests may take to finish once SIGTERM came.
 SHUTDOWN_GRACE = 10.0
 #: The largest request body (a long conversation is a few hundred KiB).
 MAX_BODY = 8 * 1024 * 1024
@@ -113,7 +113,7 @@ class Server:
         self.err = err
         self.model = Path(inventory.model_path).name
         self.created = int(time.time())
-        self.admitted = 0  # requests submitted and not answered (the running one included)
+        self.admitted = 0  # requests submitted and not answered (the running ones included)
         self.handles: set[RunHandle] = set()
         self.closing = False
         self.ready = False
@@ -390,14 +390,15 @@ class Server:
     # ------------------------------------------------------------- shutdown
 
     async def drain(self) -> None:
-        """Answer what waits with a 503; give the running request its grace, then stop it."""
+        """Answer what waits with a 503; give the running requests their grace, then stop them."""
         self.closing = True
         for handle in list(self.handles):
             if not handle.started:
                 handle.stop("the server is shutting down")
         running = [handle for handle in self.handles if handle.started and not handle.done]
         if running:
-            self.log(f"finishing the running request (at most {SHUTDOWN_GRACE:g} s)")
+            what = "request" if len(running) == 1 else f"{len(running)} requests"
+            self.log(f"finishing the running {what} (at most {SHUTDOWN_GRACE:g} s)")
             waits = [asyncio.ensure_future(handle.result()) for handle in running]
             _, late = await asyncio.wait(waits, timeout=SHUTDOWN_GRACE)
             for handle in running:

@@ -137,6 +137,13 @@ class ParallelQueue(RunQueue):
                 driver = await self._driver_for(slot, handle, options, limit)
             except GgufpipeError as error:
                 handle.fail(error if isinstance(error, PipelineError) else PipelineError(str(error)))
+                if pipeline.broken:  # no run can be prepared: the session serves no more
+                    self._failure = pipeline.broken
+                    self.stop(pipeline.broken)
+                return
+            if handle.done:  # withdrawn while its run was prepared: the run waits for the next
+                if not driver.done.is_set():
+                    self.prepared[slot] = driver
                 return
             self.last_options = options
             result = await self._run(handle, driver, tokens, limit, options, slot)
@@ -154,6 +161,10 @@ class ParallelQueue(RunQueue):
                 self._prepare_ahead(slot)
 
     def _prepare_ahead(self, slot: int) -> None:
+        kept = self.prepared.get(slot)
+        if kept is not None and not kept.done.is_set():
+            return  # a prompt withdrawn in time left its run prepared
+
         async def prepare() -> None:
             try:
                 self.prepared[slot] = await self.pipeline.prepare_run(self.last_options, slot=slot)

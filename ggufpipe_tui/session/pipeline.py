@@ -194,6 +194,7 @@ class Pipeline:
                 self._repair_times = (0.0, 0.0, time.perf_counter(), "")
                 interrupted = RunInterrupted(run_id, event.result.failure, len(event.result.tokens))
                 self.emit(interrupted)
+                self.runlog.close(run_id)  # its replay has a log of its own
                 handle = self._handles.get(run_id)
                 if handle is not None:
                     handle.push(interrupted)
@@ -344,8 +345,9 @@ class Pipeline:
     # --------------------------------------------------------------- runs
 
     def submit(self, prompt: Prompt, stream: bool = False) -> RunHandle:
-        """Queue ``prompt``; runs go one at a time, in order. ``stream``: the
-        handle also yields the run's events (:meth:`RunHandle.events`)."""
+        """Queue ``prompt``; runs go in order, one at a time (up to
+        ``run.parallel`` at once with slots). ``stream``: the handle also
+        yields the run's events (:meth:`RunHandle.events`)."""
         return self.queue.submit(prompt, stream)
 
     async def generate(self, text: str, chat: bool | None = None) -> RunResult:
@@ -513,7 +515,8 @@ class Pipeline:
         stage.fail_requests(reason)
         live = self.live_drivers()
         running = bool(live)
-        at_token = len(live[0].tokens) if live else -1
+        prompted = [driver for driver in live if driver.prompt]  # not a run prepared ahead
+        at_token = len(prompted[0].tokens) if prompted else len(live[0].tokens) if live else -1
         now = time.perf_counter()
         before = self.recovery
         if not self.serving:
@@ -538,7 +541,12 @@ class Pipeline:
         if running:
             for driver in live:  # every run in flight needs the stage
                 driver.feed(fsm.StageLost(stage.index, failure))
-        elif self.recovery.phase is rec.Phase.BROKEN:
+            # A run with its prompt is repaired and replayed by its queue
+            # (RunQueue also repairs when its prepared run is lost); runs that
+            # slots only prepared ahead have no one waiting: repaired now.
+            if self.parallel == 1 or prompted:
+                return
+        if self.recovery.phase is rec.Phase.BROKEN:
             # Between runs (no run to fault): the session can serve no more.
             self.queue.stop(failure)
         elif self.recovery.phase is rec.Phase.RECOVERING and self._repairing is None:
@@ -564,6 +572,9 @@ class Pipeline:
             and result.stop_reason in ("max_tokens", "eos")
             and self.prefix_reuse
             and self.policy.attempts > 0  # else nothing is ever replayed: keep nothing
+            # With slots, each slot's runs interleave with the others': an
+            # interrupted run is replayed on its slot, cold (docs/recovery.md).
+            and self.parallel == 1
         )
         if not replayable or (result.prompt_reused and not self._history):
             self._history = []  # a chain that cannot be replayed exactly

@@ -20,7 +20,7 @@ from typing import IO
 from ggufpipe_agent.errors import CacheError
 from ggufpipe_agent.stagefiles.private_files import private_directory
 from ggufpipe_agent.wire.protocol import to_plain
-from ggufpipe_tui.core.events import AgentConnected, Event, RunFinished, StageStats, TokenStreamed
+from ggufpipe_tui.core.events import AgentConnected, Event, PlanMade, RunFinished, StageStats, TokenStreamed
 
 
 def default_log_dir() -> Path:
@@ -140,6 +140,8 @@ class RunLog:
         run_id = getattr(event, "run_id", None)
         if run_id is None and isinstance(event, RunFinished):
             run_id = event.result.run_id
+        elif run_id is None and isinstance(event, PlanMade):
+            run_id = event.plan.run_id
         own = self._files.get(run_id) if isinstance(run_id, int) else None
         for _, file in [own] if own is not None else list(self._files.values()):
             file.write(line)

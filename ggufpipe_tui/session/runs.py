@@ -315,14 +315,18 @@ class RunQueue:
                 except PipelineError as error:
                     handle.fail(error)
                     continue
-                if prepared is not None and not serves(prepared.plan, options):
-                    # Prepared with other sampling: the stages must be provisioned again.
-                    prepared.stop("the next prompt asks for other sampling")
+                keep = handle.prompt.cache_prompt
+                if prepared is not None and (
+                    not serves(prepared.plan, options) or (not keep and prepared.plan.reuse.run_id)
+                ):
+                    # Prepared with other sampling, or offering what the prompt
+                    # keeps nothing of: the stages must be provisioned again.
+                    prepared.stop("the next prompt asks for other options")
                     await prepared.done.wait()
                     prepared = None
                     if pipeline.broken:
                         break
-                driver, prepared = prepared or await pipeline.prepare_run(options), None
+                driver, prepared = prepared or await pipeline.prepare_run(options, reuse=keep), None
                 try:
                     tokens, limit = await self._tokens(handle.prompt, options, driver.plan.model)
                 except GgufpipeError as error:
@@ -343,7 +347,7 @@ class RunQueue:
                     await driver.done.wait()
                     if pipeline.broken:
                         break
-                    driver = await pipeline.prepare_run(replace(options, max_tokens=limit))
+                    driver = await pipeline.prepare_run(replace(options, max_tokens=limit), reuse=keep)
                 self.last_options = options
                 result = await self._run(handle, driver, tokens, limit, replace(options, max_tokens=limit))
                 if pipeline.broken or result.outcome == "faulted":

@@ -7,6 +7,7 @@ naming the first loss and what recovery tried. No agent is left behind."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from pathlib import Path
@@ -251,3 +252,30 @@ async def test_every_run_in_flight_is_replayed_on_its_slot(tmp_path, model_path,
         assert list(result.tokens) == unbroken(model_path, result)
     assert len(of(saboteur, RunInterrupted)) == 2, "both runs in flight were interrupted"
     assert len(of(saboteur, RunRecovered)) == 2, "and both replayed"
+
+
+async def test_with_slots_a_stage_lost_while_idle_is_repaired_at_once(tmp_path, model_path, no_agent_left):
+    """The server's way (runs prepared ahead on every slot, issue 29): a stage
+    lost while no request runs is repaired then, not when the next request
+    comes, and the next request runs."""
+    path = inventory_file(tmp_path, model_path)
+    path.write_text(path.read_text().replace("chat: false,", "chat: false, parallel: 2,"))
+    events: list[Any] = []
+    pipeline = Pipeline(load_inventory(path), events.append, prepare_ahead=True)
+    try:
+        await pipeline.start()
+        first = await pipeline.generate("Once upon a time")
+        hello = pipeline.links[2].hello
+        assert hello is not None
+        os.kill(hello.pid, signal.SIGKILL)
+        for _ in range(600):  # no prompt meanwhile
+            if [e.state for e in events if isinstance(e, StageRecovery)][-1:] == ["Ready"]:
+                break
+            await asyncio.sleep(0.05)
+        states = [e.state for e in events if isinstance(e, StageRecovery)]
+        assert states == ["Lost", "Recovering", "Ready"], states
+        second = await pipeline.generate("Once upon a time")
+    finally:
+        await pipeline.close()
+    assert first.ok and second.ok, second.failure
+    assert second.tokens == first.tokens

@@ -176,6 +176,7 @@ async def test_each_pair_gets_its_link_edge_once_when_the_stages_set_up_at_once(
     plane = DirectPlane([Stage(i) for i in range(3)], owner, DataPlaneEvents(ignore, ignore, ignore))  # type: ignore[list-item]
     for producer in range(3):
         plane.paths[producer] = DataPath(producer, (producer + 1) % 3, "direct", "unix")
+    plane.bind(plan, lambda sequence, token: None)  # as the pipeline binds each run first
     await asyncio.gather(*(plane.open_edges(plan, stage) for stage in range(3)))
     assert sorted((stage, message.role) for stage, message in sent) == [
         (0, "outbound"),

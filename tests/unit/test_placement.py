@@ -518,3 +518,18 @@ def test_records_without_the_expert_fields_decode_with_their_defaults():
         del memory[name]
     decoded = build(MemoryFacts, memory, "test")
     assert decoded == MEMORY and decoded.expert_bytes == () and not decoded.output_kept
+
+
+def test_too_many_slots_are_refused_with_as_many_as_fit():
+    """Each run in flight (issue 29) holds a KV cache of the whole context:
+    a plan of too many slots says how many fit, and that many do."""
+    hosts = "  a: {local: true, memory: 3GiB}\n  b: {local: true, memory: 4GiB}\n"
+    stages = "  - {host: a, layers: [0, 10]}\n  - {host: b, layers: [10, 20]}\n"
+    with pytest.raises(PlacementError) as refused:
+        place_stages(inventory(hosts, stages, "parallel: 32"), FACTS, [hello()] * 2)
+    found = re.search(r"fewer runs in flight \(--parallel (\d+); now 32, a KV cache each\)", str(refused.value))
+    assert found, str(refused.value)
+    most = int(found.group(1))
+    assert place_stages(inventory(hosts, stages, f"parallel: {most}"), FACTS, [hello()] * 2).fits
+    with pytest.raises(PlacementError):
+        place_stages(inventory(hosts, stages, f"parallel: {most + 1}"), FACTS, [hello()] * 2)

@@ -293,3 +293,21 @@ async def test_on_the_token_ring_a_prompt_with_another_reply_limit_gets_a_run_pr
     assert limits == [2, 5]
     pipeline.queue.stop("done")
     await asyncio.wait_for(serving, 2)
+
+
+async def test_cache_prompt_false_prepares_a_run_that_keeps_nothing():
+    """llama-server's cache_prompt: false (issue 29), one run at a time too."""
+    asked: list[bool] = []
+
+    class Recording(FakePipeline):
+        async def prepare_run(self, options=None, *, slot=0, reuse=True):
+            asked.append(reuse)
+            return await super().prepare_run(options, slot=slot, reuse=reuse)
+
+    pipeline = Recording()
+    serving = await served(pipeline)
+    assert (await asyncio.wait_for(pipeline.queue.submit(Prompt(text="a", cache_prompt=False)).result(), 5)).ok
+    assert (await asyncio.wait_for(pipeline.queue.submit(Prompt(text="b")).result(), 5)).ok
+    assert asked == [False, True]
+    pipeline.queue.stop("done")
+    await asyncio.wait_for(serving, 5)
