@@ -141,7 +141,7 @@ class FrameWriter:
         """Write ``parts`` as one frame, then drain."""
         async with self._lock:
             for part in parts:
-                self.stream.write(part)
+                self.put(part)
             await self.drain()
 
     @contextlib.asynccontextmanager
@@ -153,14 +153,21 @@ class FrameWriter:
 
     def put(self, part: bytes | bytearray | memoryview) -> None:
         """Inside :meth:`exclusive`: queue bytes without draining."""
-        self.stream.write(part)
+        try:
+            self.stream.write(part)
+        except RuntimeError as error:
+            # asyncio's closed transport ("the handler is closed"): a stream
+            # the peer or another writer's failure closed is a lost stream.
+            raise ConnectionError(f"the {self.what} is closed ({error})") from None
 
     async def drain(self) -> None:
-        if self.drain_timeout is None:
-            await self.stream.drain()
-            return
         try:
+            if self.drain_timeout is None:
+                await self.stream.drain()
+                return
             await asyncio.wait_for(self.stream.drain(), self.drain_timeout)
+        except RuntimeError as error:
+            raise ConnectionError(f"the {self.what} is closed ({error})") from None
         except asyncio.TimeoutError:
             raise StalledStream(
                 f"the {self.what}'s peer read nothing for {self.drain_timeout:g}s"

@@ -284,3 +284,21 @@ def test_a_long_conversation_is_one_tokenize():
     turns = tuple(ChatMessage("user" if i % 2 == 0 else "assistant", f"turn {i}") for i in range(5000))
     long_chat = Tokenize(7, "/m.gguf", "", True, turns)
     assert decode_message(encode_message(long_chat)) == long_chat
+
+
+async def test_a_write_on_a_closed_transport_is_a_lost_stream():
+    """asyncio raises RuntimeError ("the handler is closed") for a write on a
+    transport another writer's failure closed: the writer says
+    ConnectionError, which the stage takes as an output fault naming its
+    peer (a run in flight beside the one that found the peer dead)."""
+    from ggufpipe_agent.wire.framing import FrameWriter
+
+    class Closed:
+        def write(self, data: bytes) -> None:
+            raise RuntimeError("unable to perform operation on <UnixTransport closed=True>; the handler is closed")
+
+        async def drain(self) -> None:
+            raise AssertionError("not reached")
+
+    with pytest.raises(ConnectionError, match="the link to stage 1 is closed"):
+        await FrameWriter(Closed(), what="link to stage 1").write(b"frame")
