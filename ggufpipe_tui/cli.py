@@ -20,9 +20,10 @@ llama.cpp, and streams the generated text.
 
 Without --prompt it opens the terminal UI; with --prompt (or --prompt-file) it
 runs headless; with --serve HOST:PORT it serves the OpenAI API (chat
-completions and completions, streamed or not) until SIGTERM; with --plan it
-prints the plan (each stage's layers and the memory it needs and has on its
-host) and exits without loading anything.
+completions and completions, streamed or not; several requests in flight at
+once, each in its own slot of every stage: --parallel) until SIGTERM; with
+--plan it prints the plan (each stage's layers and the memory it needs and
+has on its host) and exits without loading anything.
 
 An SSH host whose entry names no agent: gets this orchestrator's agent on the
 first run (a venv of its own there, its wheels pushed over SSH or built there
