@@ -127,3 +127,15 @@ def test_a_tail_that_only_looks_like_a_stop_string_goes_out_in_the_end():
     loose = StopScanner(["END"])
     assert stream(loose, ["the E", "nd", " EN"]) == "the End EN" and not loose.stopped
     assert stream(StopScanner([]), ["a", "b"]) == "ab"
+
+
+def test_llama_servers_ignore_eos_and_cache_prompt():
+    """issue 29: generate past the end of text; keep nothing of earlier requests."""
+    plain = parse_completion({"prompt": "Hi"})
+    assert plain.options.ignore_eos is None and plain.cache_prompt is True
+    given = parse_completion({"prompt": "Hi", "ignore_eos": True, "cache_prompt": False})
+    assert given.options.ignore_eos is True and given.cache_prompt is False
+    for name in ("ignore_eos", "cache_prompt"):
+        with pytest.raises(ApiError, match=f"{name}: true or false is required, not 'yes'") as refused:
+            parse_chat({"messages": HELLO, name: "yes"})
+        assert refused.value.status == 400 and refused.value.param == name
