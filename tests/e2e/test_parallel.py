@@ -45,3 +45,24 @@ async def test_requests_in_flight_each_equal_it_alone(pipeline: Pipeline, model_
 
 async def test_interleaved_conversations_each_keep_their_cache(pipeline: Pipeline, model_path: Path) -> None:
     await conversations_keep_their_caches(pipeline, model_path, 3, 3, STEPS, CONTEXT, UBATCH)
+
+
+async def test_in_one_shared_agent_process_too(tmp_path: Path, model_path: Path) -> None:
+    """The example inventory's way (share_process: true, the stages of a host
+    in one agent process, one worker thread, decode steps handed over
+    in-process): runs in flight are each what they are alone there too."""
+    path = tmp_path / "inventory.yaml"
+    path.write_text(
+        f"model: {{path: {model_path}}}\n"
+        "hosts:\n  here: {local: true, share_process: true}\n"
+        "stages:\n  - {host: here, layers: [0, 8]}\n  - {host: here, layers: [8, 21]}\n"
+        "  - {host: here, layers: [21, 30]}\n"
+        f"run: {{context: {CONTEXT}, ubatch: {UBATCH}, parallel: 4, chat: false}}\n"
+        "timeouts: {connect: 30, ready: 120, step: 30, teardown: 10}\n"
+    )
+    shared = Pipeline(load_inventory(path), lambda event: None)
+    await shared.start()
+    try:
+        await concurrent_equal_alone(shared, model_path, 4, STEPS, CONTEXT, UBATCH)
+    finally:
+        await shared.close()
