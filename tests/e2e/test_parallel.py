@@ -20,17 +20,21 @@ pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.asyncio(loop_scop
 CONTEXT, UBATCH, STEPS = 512, 32, 12
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def pipeline(tmp_path_factory: pytest.TempPathFactory, model_path: Path):
-    path = tmp_path_factory.mktemp("parallel") / "inventory.yaml"
+def local_pipeline(folder: Path, model_path: Path, hosts: str, stages: str, parallel: int) -> Pipeline:
+    path = folder / "inventory.yaml"
     path.write_text(
-        f"model: {{path: {model_path}}}\n"
-        "hosts:\n  a: {local: true, threads: 1}\n  b: {local: true, threads: 1}\n"
-        "stages:\n  - {host: a, layers: [0, 13]}\n  - {host: b, layers: [13, 30]}\n"
-        f"run: {{context: {CONTEXT}, ubatch: {UBATCH}, parallel: 8, chat: false}}\n"
+        f"model: {{path: {model_path}}}\nhosts:\n{hosts}stages:\n{stages}"
+        f"run: {{context: {CONTEXT}, ubatch: {UBATCH}, parallel: {parallel}, chat: false}}\n"
         "timeouts: {connect: 30, ready: 120, step: 30, teardown: 10}\n"
     )
-    running = Pipeline(load_inventory(path), lambda event: None)
+    return Pipeline(load_inventory(path), lambda event: None)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pipeline(tmp_path_factory: pytest.TempPathFactory, model_path: Path):
+    hosts = "  a: {local: true, threads: 1}\n  b: {local: true, threads: 1}\n"
+    stages = "  - {host: a, layers: [0, 13]}\n  - {host: b, layers: [13, 30]}\n"
+    running = local_pipeline(tmp_path_factory.mktemp("parallel"), model_path, hosts, stages, 8)
     await running.start()
     try:
         yield running
@@ -51,16 +55,9 @@ async def test_in_one_shared_agent_process_too(tmp_path: Path, model_path: Path)
     """The example inventory's way (share_process: true, the stages of a host
     in one agent process, one worker thread, decode steps handed over
     in-process): runs in flight are each what they are alone there too."""
-    path = tmp_path / "inventory.yaml"
-    path.write_text(
-        f"model: {{path: {model_path}}}\n"
-        "hosts:\n  here: {local: true, share_process: true}\n"
-        "stages:\n  - {host: here, layers: [0, 8]}\n  - {host: here, layers: [8, 21]}\n"
-        "  - {host: here, layers: [21, 30]}\n"
-        f"run: {{context: {CONTEXT}, ubatch: {UBATCH}, parallel: 4, chat: false}}\n"
-        "timeouts: {connect: 30, ready: 120, step: 30, teardown: 10}\n"
-    )
-    shared = Pipeline(load_inventory(path), lambda event: None)
+    hosts = "  here: {local: true, share_process: true}\n"
+    stages = "".join(f"  - {{host: here, layers: [{a}, {b}]}}\n" for a, b in ((0, 8), (8, 21), (21, 30)))
+    shared = local_pipeline(tmp_path, model_path, hosts, stages, 4)
     await shared.start()
     try:
         await concurrent_equal_alone(shared, model_path, 4, STEPS, CONTEXT, UBATCH)

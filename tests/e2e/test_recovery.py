@@ -164,9 +164,7 @@ async def test_a_stage_lost_between_runs_is_restarted_before_the_next(tmp_path, 
     try:
         await pipeline.start()
         first = await pipeline.generate("Once upon a time")
-        hello = pipeline.links[2].hello
-        assert hello is not None
-        os.kill(hello.pid, signal.SIGKILL)
+        signal_agent(2, signal.SIGKILL)(pipeline)
         second = await pipeline.generate("Once upon a time")
     finally:
         await pipeline.close()
@@ -265,9 +263,7 @@ async def test_with_slots_a_stage_lost_while_idle_is_repaired_at_once(tmp_path, 
     try:
         await pipeline.start()
         first = await pipeline.generate("Once upon a time")
-        hello = pipeline.links[2].hello
-        assert hello is not None
-        os.kill(hello.pid, signal.SIGKILL)
+        signal_agent(2, signal.SIGKILL)(pipeline)
         for _ in range(600):  # no prompt meanwhile
             if [e.state for e in events if isinstance(e, StageRecovery)][-1:] == ["Ready"]:
                 break

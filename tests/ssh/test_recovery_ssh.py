@@ -17,17 +17,10 @@ from ggufpipe_tui.session.pipeline import Pipeline
 from tests.ssh.test_faults_ssh import HOSTS, RANGES, sshd_session_of, where
 from tests.support.common import whole_model_greedy
 from tests.support.sabotage import Saboteur, on_token, run_with, signal_agent
-from tests.support.ssh_hosts import host_entry, wait_no_session_agents, write_inventory
+from tests.support.ssh_hosts import host_entry, write_inventory
 from tests.support.sshd import Sshd
 
 pytestmark = [pytest.mark.ssh, pytest.mark.model]
-
-
-@pytest.fixture
-def none_left(sshd: Sshd):
-    yield
-    left = wait_no_session_agents(sshd, 10)
-    assert not left, f"agent or bridge processes left on the host: {left}"
 
 
 def inventory_file(tmp_path: Path, sshd: Sshd, cache: Path, model_path: Path) -> Path:

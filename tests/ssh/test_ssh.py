@@ -52,13 +52,6 @@ UNEVEN = [[0, 7], [7, 20], [20, 30]]
 
 
 
-@pytest.fixture
-def none_left(sshd: Sshd):
-    yield
-    left = wait_no_session_agents(sshd, 10)
-    assert not left, f"agent or bridge processes left on the host: {left}"
-
-
 def one_stage(tmp_path: Path, model_path: Path, hosts: dict[str, Any], stages: list[Any]) -> Path:
     return write_inventory(tmp_path / "inv.yaml", model_path, hosts, stages)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from ggufpipe_agent.llama.engine import StageShape
 from ggufpipe_agent.llama.slot import EngineSlot
@@ -76,6 +77,13 @@ def provision(
     return dataclasses.replace(
         message, inbound=narrowed(message.inbound), outbound=narrowed(message.outbound), model=model
     )
+
+
+def no_crash(caplog: pytest.LogCaptureFixture) -> None:
+    """What an agent process would print as a traceback on stderr: a logged
+    exception (a failed task, a handler that raised)."""
+    crashed = [record for record in caplog.records if record.exc_info]
+    assert not crashed, [caplog.handler.format(record) for record in crashed]
 
 
 class FakeEngine:

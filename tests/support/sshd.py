@@ -207,6 +207,16 @@ def sshd_forwarding(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
+@pytest.fixture
+def none_left(sshd: Sshd):
+    """Fails the test if an agent or bridge it started through sshd outlives it."""
+    from tests.support.ssh_hosts import wait_no_session_agents
+
+    yield
+    left = wait_no_session_agents(sshd, 10)
+    assert not left, f"agent or bridge processes left on the host: {left}"
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One stage-file cache for the module: the first run writes, later ones reuse."""

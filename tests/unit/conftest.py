@@ -60,3 +60,28 @@ def model_path() -> None:
 @pytest.fixture
 def gemma3_path() -> None:
     raise _refused("uses no real model")
+
+
+# ------------------------------------------- an agent in this process (fakes)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """The synthetic llama model's file (tests/support/inprocess_agent.py)."""
+    from tests.support.inprocess_agent import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+@pytest.fixture
+async def agent(tmp_path, caplog):
+    """The agent's own runtime and control session in this process, llama.cpp
+    replaced by a fake engine; it must end cleanly and log no traceback."""
+    from tests.support.inprocess_agent import InProcessAgent, no_crash
+
+    client = InProcessAgent(tmp_path / "stages")
+    await client.start()
+    await client.attach_data()
+    yield client
+    assert await client.close() == "the orchestrator closed the control stream"
+    no_crash(caplog)

@@ -14,7 +14,6 @@ import dataclasses
 import struct
 
 import numpy as np
-import pytest
 
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
@@ -46,34 +45,12 @@ from tests.support.inprocess_agent import (
     HIDDEN,
     FakeEngine,
     InProcessAgent,
+    no_crash,
     provision,
-    write_tiny_model,
 )
 
 #: The middle of the synthetic model: stage 1 of 2.
 SECOND_HALF = (3, BLOCKS)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
-
-
-def no_crash(caplog: pytest.LogCaptureFixture) -> None:
-    """What an agent process would print as a traceback on stderr: a logged
-    exception (a failed task, a handler that raised)."""
-    crashed = [record for record in caplog.records if record.exc_info]
-    assert not crashed, [caplog.handler.format(record) for record in crashed]
-
-
-@pytest.fixture
-async def agent(tmp_path, caplog):
-    client = InProcessAgent(tmp_path / "stages")
-    await client.start()
-    await client.attach_data()
-    yield client
-    assert await client.close() == "the orchestrator closed the control stream"
-    no_crash(caplog)
 
 
 async def ready_run(agent: InProcessAgent, model_path, run_id: int, **kwargs):

@@ -15,23 +15,7 @@ from ggufpipe_agent.stage.slots import Held, refusal, replaced
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.framing import FrameReader
 from ggufpipe_agent.wire.protocol import Refused, StageReady, StageStopped, StopRun
-from tests.support.inprocess_agent import FakeEngine, InProcessAgent, provision, write_tiny_model
-from tests.unit.test_stage_refusals import no_crash
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
-
-
-@pytest.fixture
-async def agent(tmp_path, caplog):
-    client = InProcessAgent(tmp_path / "stages")
-    await client.start()
-    await client.attach_data()
-    yield client
-    assert await client.close() == "the orchestrator closed the control stream"
-    no_crash(caplog)
+from tests.support.inprocess_agent import FakeEngine, InProcessAgent, provision
 
 
 def on_slot(run_id: int, model: str, slot: int, parallel: int = 2, edge_base: int = 100):
