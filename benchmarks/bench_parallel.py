@@ -48,14 +48,12 @@ import contextlib
 import json
 import os
 import platform
-import re
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -68,6 +66,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_server import Server  # noqa: E402
 from tests.support.common import smollm_path  # noqa: E402
 
 STAGES = 2
@@ -158,39 +157,9 @@ class Ggufpipe(Process):
             "stages:\n  - {host: a, layers: [0, 15]}\n  - {host: b, layers: [15, 30]}\n"
             f"run: {{context: {CONTEXT}, max_tokens: {max_tokens}, temperature: 0.0}}\n"
         )
-        command = [sys.executable, "-m", "ggufpipe_tui.cli", str(inventory), "--serve", "127.0.0.1:0"]
-        if parallel:
-            command += ["--parallel", str(parallel)]
-        self.lines: list[str] = []
-        self.process = subprocess.Popen(
-            [*command, "--log-dir", str(folder / "runs")],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-            start_new_session=True,
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-        listening = self.wait(lambda line: "listening on" in line)
-        self.url = re.search(r"http://[^ ]+/v1", listening).group(0)  # type: ignore[union-attr]
-        self.wait(lambda line: line.startswith("ggufpipe: ready:"))
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.lines.append(line)
-
-    def wait(self, predicate: Any, timeout: float = 300.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if predicate(line):
-                    return line
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.name} did not start:\n" + "".join(self.lines))
+        options = ["--parallel", str(parallel)] if parallel else []
+        server = Server(inventory, folder, *options, new_session=True)  # bench_server's
+        self.process, self.url = server.process, server.url
 
 
 class LlamaServer(Process):

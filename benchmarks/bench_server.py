@@ -113,21 +113,20 @@ def baseline_turns(path: Path, conversations: list[list[dict[str, str]]], max_to
 
 
 class Server:
-    def __init__(self, stages: int, workdir: Path) -> None:
-        inventory = workdir / "inventory.yaml"
-        split = "".join("  - {host: here}\n" for _ in range(stages))
-        inventory.write_text(
-            f"model: {{path: '{smollm_path()}'}}\nhosts: {{here: {{local: true}}}}\nstages:\n{split}"
-            "run: {context: 2048}\n"
-        )
+    """``ggufpipe-tui INVENTORY --serve`` started here (``args``: more of its
+    options; ``new_session``: its own process group, its agents with it),
+    ready once it says so; its stderr lines are kept."""
+
+    def __init__(self, inventory: Path, workdir: Path, *args: str, new_session: bool = False) -> None:
         command = [sys.executable, "-m", "ggufpipe_tui.cli", str(inventory), "--serve", "127.0.0.1:0"]
         self.process = subprocess.Popen(
-            [*command, "--log-dir", str(workdir / "runs")],
+            [*command, "--log-dir", str(workdir / "runs"), *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             cwd=REPO,
+            start_new_session=new_session,
         )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -150,6 +149,17 @@ class Server:
                 break
             time.sleep(0.05)
         raise RuntimeError("the server did not start:\n" + "".join(self.lines))
+
+    @classmethod
+    def local(cls, stages: int, workdir: Path) -> Server:
+        """``stages`` local stages of SmolLM2 on one host, split by the planner."""
+        inventory = workdir / "inventory.yaml"
+        split = "".join("  - {host: here}\n" for _ in range(stages))
+        inventory.write_text(
+            f"model: {{path: '{smollm_path()}'}}\nhosts: {{here: {{local: true}}}}\nstages:\n{split}"
+            "run: {context: 2048}\n"
+        )
+        return cls(inventory, workdir)
 
     def run_ttft(self, run: str) -> float:
         """The server's own time to first token of a run, from its log line."""
@@ -302,7 +312,7 @@ def main() -> None:
     path = smollm_path()
     base = baseline(path, args.max_tokens, args.requests)
     with tempfile.TemporaryDirectory() as workdir:
-        server = Server(args.stages, Path(workdir))
+        server = Server.local(args.stages, Path(workdir))
         try:
             served = asyncio.run(measure(server, args.requests, args.max_tokens))
         finally:
