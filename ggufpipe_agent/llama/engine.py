@@ -167,6 +167,7 @@ class StageEngine:
         self.parallel = max(1, options.parallel)
         self._slots = [_Slot() for _ in range(self.parallel)]
         self._seq = 0  # the slot (llama.cpp sequence id) the calls work on: use()
+        self._state = self._slots[0]  # what that slot holds
         self._batch_seq = 0  # the sequence id the batch's first _batch_rows rows carry
         self._batch_rows = 0
         self._running = -1  # the slot whose step is running
@@ -287,32 +288,7 @@ class StageEngine:
     @property
     def n_past(self) -> int:
         """Positions in the slot's KV cache: 0 .. n_past-1."""
-        return self._n_past
-
-    # The slot's own state, read and written through the slot use() picked.
-    @property
-    def _n_past(self) -> int:
-        return self._slots[self._seq].n_past
-
-    @_n_past.setter
-    def _n_past(self, value: int) -> None:
-        self._slots[self._seq].n_past = value
-
-    @property
-    def _exact_end(self) -> int:
-        return self._slots[self._seq].exact_end
-
-    @_exact_end.setter
-    def _exact_end(self, value: int) -> None:
-        self._slots[self._seq].exact_end = value
-
-    @property
-    def _sampler(self) -> Any:
-        return self._slots[self._seq].sampler
-
-    @_sampler.setter
-    def _sampler(self, value: Any) -> None:
-        self._slots[self._seq].sampler = value
+        return self._state.n_past
 
     @property
     def slot(self) -> int:
@@ -322,7 +298,7 @@ class StageEngine:
         """Work on slot ``slot`` (a llama.cpp sequence id) from now on."""
         if not 0 <= slot < self.parallel:
             raise EngineError(f"slot {slot} does not exist: the stage has {self.parallel}")
-        self._seq = slot
+        self._seq, self._state = slot, self._slots[slot]
 
     def _clear(self) -> None:
         """Empty the slot's KV cache (the others keep theirs)."""
@@ -340,13 +316,13 @@ class StageEngine:
         lib = self._lib
         if not keep:
             self._clear()
-            self._n_past = 0
-            self._exact_end = 0
+            self._state.n_past = 0
+            self._state.exact_end = 0
         self._aborting.discard(self._seq)
         if not self.shape.last:
             return
-        if self._sampler is not None:
-            lib.llama_sampler_free(self._sampler)
+        if self._state.sampler is not None:
+            lib.llama_sampler_free(self._state.sampler)
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         if sampling.temperature <= 0:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
@@ -357,7 +333,7 @@ class StageEngine:
                 lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(sampling.top_p, 1))
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(sampling.temperature))
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
-        self._sampler = chain
+        self._state.sampler = chain
 
     def keepable(self) -> tuple[int, str]:
         """How many leading positions of the cache a new run may keep, and why
@@ -366,16 +342,16 @@ class StageEngine:
         what a cold run of the same tokens computes. A new run keeps K of them
         only if K is a multiple of :attr:`keep_granularity`."""
         lib = self._lib
-        if self._n_past == 0:
+        if self._state.n_past == 0:
             return 0, "its cache is empty"
         if self.whole_state_only:
             # llama_memory_seq_pos_min of a recurrent state is its last position,
             # not a dropped prefix: the check below does not apply.
-            if self._exact_end == self._n_past or not self.options.exact_reuse:
-                return self._n_past, ""
+            if self._state.exact_end == self._state.n_past or not self.options.exact_reuse:
+                return self._state.n_past, ""
             return 0, (
-                f"its recurrent state keeps all {self._n_past} positions or none, and only the "
-                f"first {self._exact_end} were computed in whole ubatches as a cold run computes them"
+                f"its recurrent state keeps all {self._state.n_past} positions or none, and only the "
+                f"first {self._state.exact_end} were computed in whole ubatches as a cold run computes them"
             )
         lowest = lib.llama_memory_seq_pos_min(lib.llama_get_memory(self.context), self._seq)
         if lowest > 0:
@@ -383,16 +359,16 @@ class StageEngine:
             return 0, f"its sliding-window cache dropped the positions before {lowest}"
         if not self.options.exact_reuse:
             # One context keeping its cache: every position it holds (no probe).
-            return self._n_past, ""
+            return self._state.n_past, ""
         if self.batch_invariant is None:
             self._probe_keeping_the_cache()
-            if self._n_past == 0:
+            if self._state.n_past == 0:
                 return 0, f"its cache was lost to the batch-invariance probe ({self.probe_note})"
-        if self.batch_invariant or self._exact_end == self._n_past:
-            return self._n_past, ""
-        return self._exact_end, (
-            f"only the first {self._exact_end} of its {self._n_past} positions were computed in whole "
-            f"ubatches as a cold run computes them ({self.probe_note})"
+        if self.batch_invariant or self._state.exact_end == self._state.n_past:
+            return self._state.n_past, ""
+        return self._state.exact_end, (
+            f"only the first {self._state.exact_end} of its {self._state.n_past} positions were computed "
+            f"in whole ubatches as a cold run computes them ({self.probe_note})"
         )
 
     @property
@@ -402,7 +378,7 @@ class StageEngine:
         ends, so that the new run's ubatches are the cold run's."""
         if self.whole_state_only:
             # a kept prefix is a multiple of this and at most n_past: all or nothing
-            return max(1, self._n_past)
+            return max(1, self._state.n_past)
         if not self.options.exact_reuse:
             return 1
         return 1 if self.batch_invariant else self.granularity
@@ -411,19 +387,19 @@ class StageEngine:
         """Keep the first ``positions`` positions of the cache and drop the
         rest (``llama_memory_seq_rm``); the run's first step starts there."""
         lib = self._lib
-        if not 0 <= positions <= self._n_past:
-            raise EngineError(f"cannot keep {positions} positions: the cache holds {self._n_past}")
-        if self.whole_state_only and positions not in (0, self._n_past):
+        if not 0 <= positions <= self._state.n_past:
+            raise EngineError(f"cannot keep {positions} positions: the cache holds {self._state.n_past}")
+        if self.whole_state_only and positions not in (0, self._state.n_past):
             raise EngineError(
-                f"cannot keep {positions} positions: a recurrent state keeps all {self._n_past} or none"
+                f"cannot keep {positions} positions: a recurrent state keeps all {self._state.n_past} or none"
             )
         memory = lib.llama_get_memory(self.context)
         if positions == 0:
             self._clear()
-        elif positions < self._n_past and not lib.llama_memory_seq_rm(memory, self._seq, positions, -1):
+        elif positions < self._state.n_past and not lib.llama_memory_seq_rm(memory, self._seq, positions, -1):
             raise EngineError(f"llama.cpp could not drop positions {positions}.. of the KV cache")
-        self._n_past = positions
-        self._exact_end = min(self._exact_end, positions)
+        self._state.n_past = positions
+        self._state.exact_end = min(self._state.exact_end, positions)
 
     def abort(self, slot: int = -1) -> None:
         """Make slot ``slot``'s long steps stop at their next graph node until
@@ -439,9 +415,9 @@ class StageEngine:
         stage."""
         if self._closed:
             raise EngineError("the stage engine is closed")
-        if position is not None and position != self._n_past:
+        if position is not None and position != self._state.n_past:
             raise EngineError(
-                f"an object at position {position}, this stage is at position {self._n_past} "
+                f"an object at position {position}, this stage is at position {self._state.n_past} "
                 "(the stages disagree on positions)"
             )
         if self.shape.first:
@@ -456,9 +432,9 @@ class StageEngine:
             n = int(rows.shape[0])
         if n == 0:
             raise EngineError("a step needs at least one token")
-        if self._n_past + n > self.n_ctx:
+        if self._state.n_past + n > self.n_ctx:
             raise ContextOverflow(
-                f"context full: {self._n_past} positions used + {n} new > context size "
+                f"context full: {self._state.n_past} positions used + {n} new > context size "
                 f"{self.n_ctx} (raise run.context in the inventory or lower max_tokens)"
             )
         lib = self._lib
@@ -470,7 +446,7 @@ class StageEngine:
         if not self.shape.last:
             self._capture = np.empty((n, self.shape.hidden), dtype=np.float32)
             self._capture_row = 0
-        start = self._n_past
+        start = self._state.n_past
         seq = self._seq
         if seq != self._batch_seq or n > self._batch_rows:
             # The rows a step uses carry its slot's sequence id: a decode step
@@ -487,7 +463,7 @@ class StageEngine:
                 # prompt that starts after a kept prefix is cut where a cold
                 # run cuts it; llama.cpp cuts each chunk into ubatches.
                 if self.options.exact_reuse:
-                    count = min(n - begin, self.n_batch - self._n_past % self.n_batch)
+                    count = min(n - begin, self.n_batch - self._state.n_past % self.n_batch)
                 else:  # batches from the first new position, as one context is fed
                     count = min(n - begin, self.n_batch)
                 if self.shape.first:
@@ -497,12 +473,13 @@ class StageEngine:
                     assert self._embd is not None
                     self._embd[:count] = rows[begin : begin + count]
                 if self._positions == 1:
-                    self._pos[:count] = np.arange(self._n_past, self._n_past + count, dtype=np.int32)
+                    first = self._state.n_past
+                    self._pos[:count] = np.arange(first, first + count, dtype=np.int32)
                 else:
                     # Text positions as llama.cpp expands them for M-RoPE
                     # (llm_graph_input_pos::set_input): [p, p, p, 0] per token.
                     sections = self._pos[: self._positions * count].reshape(self._positions, count)
-                    sections[:] = np.arange(self._n_past, self._n_past + count, dtype=np.int32)
+                    sections[:] = np.arange(self._state.n_past, self._state.n_past + count, dtype=np.int32)
                     sections[3:] = 0
                 if self.shape.last:
                     self._outputs[:count] = 0
@@ -519,20 +496,20 @@ class StageEngine:
                     if status == 1:
                         raise ContextOverflow(
                             f"llama.cpp found no KV slot for {count} tokens at position "
-                            f"{self._n_past} (context size {self.n_ctx})"
+                            f"{self._state.n_past} (context size {self.n_ctx})"
                         )
                     raise EngineError(f"llama_decode failed with status {status}")
-                self._n_past += count
+                self._state.n_past += count
                 begin += count
         finally:
             self._running = -1
             if long_step:
                 lib.llama_set_abort_callback(self.context, lib.ggml_abort_callback(), None)  # NULL: none
-        if start == self._exact_end and start % self.granularity == 0:
+        if start == self._state.exact_end and start % self.granularity == 0:
             # Whole ubatches from an aligned start are what a cold run computes.
-            self._exact_end = start + (n // self.granularity) * self.granularity
+            self._state.exact_end = start + (n // self.granularity) * self.granularity
         if self.shape.last:
-            return int(lib.llama_sampler_sample(self._sampler, self.context, -1))
+            return int(lib.llama_sampler_sample(self._state.sampler, self.context, -1))
         captured, self._capture = self._capture, None
         assert captured is not None
         if self._capture_row != n:
@@ -563,7 +540,7 @@ class StageEngine:
 
     def _probe_keeping_the_cache(self) -> None:
         """Probe batch invariance once, with the cache saved and put back."""
-        saved, positions, exact_end = self._sequence_state(), self._n_past, self._exact_end
+        saved, positions, exact_end = self._sequence_state(), self._state.n_past, self._state.exact_end
         try:
             self.probe_note = self._probe_batch_invariance()
             self.batch_invariant = not self.probe_note
@@ -571,7 +548,7 @@ class StageEngine:
             self.batch_invariant, self.probe_note = False, f"the probe failed: {error}"
         try:
             self._restore_sequence(saved, positions)
-            self._exact_end = exact_end
+            self._state.exact_end = exact_end
         except GgufpipeError:
             self.reset(SamplingParams())  # nothing kept rather than something wrong
         log.info(
@@ -652,7 +629,7 @@ class StageEngine:
         buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
         if lib.llama_state_seq_set_data(self.context, buffer, len(state), self._seq) != len(state):
             raise EngineError("llama.cpp could not restore a KV cache it saved")
-        self._n_past = positions
+        self._state.n_past = positions
 
     # -------------------------------------------------------------- cleanup
 
