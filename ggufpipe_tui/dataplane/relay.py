@@ -35,6 +35,9 @@ class RelayPlane:
         self.events = events
         # The runs bound now (several in flight with run.parallel), by run id.
         self.bound: dict[int, tuple[RunPlan, TokenSink]] = {}
+        # By stage: the largest object it may send for any bound run (kept
+        # as runs are bound and unbound, not worked out per object).
+        self._limits: dict[int, int] = {}
 
     def _stream(self, index: int) -> DataStream:
         data = self.stages[index].data
@@ -50,9 +53,18 @@ class RelayPlane:
 
     def bind(self, plan: RunPlan, sink: TokenSink) -> None:
         self.bound[plan.run_id] = (plan, sink)
+        self._bound_changed()
 
     def unbind(self, run_id: int) -> None:
-        self.bound.pop(run_id, None)
+        if self.bound.pop(run_id, None) is not None:
+            self._bound_changed()
+
+    def _bound_changed(self) -> None:
+        self._limits = {}
+        for plan, _ in self.bound.values():
+            for stage in plan.stages:
+                extent = plan.edge(stage.outbound_edge).object_spec.max_extent
+                self._limits[stage.stage_index] = max(extent, self._limits.get(stage.stage_index, 0))
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None:
         ends = self.edge_ends(plan, stage)
@@ -107,9 +119,7 @@ class RelayPlane:
 
     def _limit(self, index: int) -> int:
         """The largest object stage ``index`` may send for any bound run."""
-        edges = (plan.edge(plan.stages[index].outbound_edge) for plan, _ in self.bound.values())
-        extents = {edge.object_spec.max_extent for edge in edges}
-        return max(extents) if extents else objects.ABSOLUTE_MAX_PAYLOAD
+        return self._limits.get(index, objects.ABSOLUTE_MAX_PAYLOAD)
 
     async def _relay(self, index: int) -> None:
         source = self._stream(index).reader

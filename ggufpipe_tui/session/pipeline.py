@@ -116,7 +116,6 @@ class Pipeline(Recovering):
         self.model: ModelSource | None = None  # where the model is read and prompts tokenized
         self.delivered: list[Delivered] = []  # model send: true: each stage's file, sent or found
         self.deliver = deliver  # False (--plan): send no stage file, even with send: true
-        self.driver: RunDriver | None = None  # the newest run
         # Runs in flight at once (run.parallel, --serve's --parallel): each
         # on its own slot of every stage; the runs not done yet, by run id,
         # and the last run of each slot (what its caches hold).
@@ -408,7 +407,7 @@ class Pipeline(Recovering):
             log_path=lambda: "" if self.runlog.disabled else str(self.runlog.path_of(plan.run_id) or ""),
             source=source,
         )
-        self.driver = self.on_slot[slot] = self.drivers[plan.run_id] = driver
+        self.on_slot[slot] = self.drivers[plan.run_id] = driver
         if not quiet:
             try:
                 self.runlog.open(plan.run_id)

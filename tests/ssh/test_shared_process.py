@@ -246,8 +246,9 @@ async def test_a_run_stopped_mid_decode_leaves_a_prefix_the_next_turn_keeps_exac
     pipeline = Pipeline(inventory, lambda event: None)
 
     def stop_at_token_8(event: Any) -> None:
-        if isinstance(event, TokenStreamed) and event.sequence == 8 and pipeline.driver is not None:
-            pipeline.driver.stop("esc")
+        if isinstance(event, TokenStreamed) and event.sequence == 8:
+            for driver in pipeline.live_drivers():
+                driver.stop("esc")
 
     unsubscribe = pipeline.subscribe(stop_at_token_8)
     try:
