@@ -69,9 +69,6 @@ class EngineSlot:
         self.key = key
         return self.engine, True
 
-    def written_by(self, slot: int = 0) -> int:
-        return self.written.get(slot, 0)
-
     def wrote(self, slot: int, run_id: int) -> None:
         """``run_id``'s positions are what slot ``slot`` holds now (0: it is changing)."""
         self.written[slot] = run_id
@@ -92,7 +89,7 @@ class EngineSlot:
             return PrefixHeld()
         if loaded:
             return PrefixHeld(offer.run_id, reason="its engine was loaded for this run")
-        written = self.written_by(slot)
+        written = self.written.get(slot, 0)
         if written != offer.run_id:
             unheld = self.unheld.get(slot, self.default_unheld)
             why = f"its cache holds run {written:016x}" if written else unheld

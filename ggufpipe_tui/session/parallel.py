@@ -59,10 +59,6 @@ class ParallelQueue(RunQueue):
         self.prepared: dict[int, RunDriver] = {}  # by slot: a run waiting for its prompt
         self.preparing: dict[int, asyncio.Task[None]] = {}
 
-    @property
-    def in_flight(self) -> int:
-        return len(self.busy)
-
     def _run_failed(self, name: str, error: BaseException) -> None:
         self.stop(f"internal error in the run queue ({name}): {type(error).__name__}: {error}")
 
