@@ -55,7 +55,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ggufpipe_agent.errors import ModelError
+from ggufpipe_agent.gguf.header import block_of
 from ggufpipe_agent.wire.protocol import EngineOptions, MemoryFacts, ModelFacts
 
 MIB = 1 << 20
@@ -70,7 +70,6 @@ AGENT_BASELINE = 128 * MIB
 #: Copies of the largest activation object a stage holds at once: the
 #: inbound payload, its decoded rows and the captured outbound rows.
 ACTIVATION_COPIES = 3
-_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
 #: The routed experts' tensors, as llama.cpp's ``--cpu-moe`` names them
 #: (``LLM_FFN_EXPS_REGEX``, common/common.h; matched with ``regex_search``):
 #: not the router (``ffn_gate_inp``) nor the shared experts (``*_shexp``).
@@ -142,16 +141,13 @@ def memory_facts(header: Any, tensors: Any = None) -> MemoryFacts:
     named = {"token_embd.weight": 0, "output_norm.weight": 0, "output.weight": 0}
     global_bytes = 0
     for tensor in header.tensors if tensors is None else tensors:
-        match = _BLOCK_TENSOR.match(tensor.name)
-        if match:
-            index = int(match.group(1))
-            if index >= blocks:
-                raise ModelError(f"{header.path}: tensor {tensor.name} beyond block_count {blocks}")
+        index = block_of(tensor.name, blocks, header.path)
+        if index is not None:
             block_bytes[index] += tensor.nbytes
             if _EXPERTS.search(tensor.name):
                 expert_bytes[index] += tensor.nbytes
                 expert_tensor[index] = max(expert_tensor[index], tensor.nbytes)
-            rest = tensor.name[match.end() :]
+            rest = tensor.name.split(".", 2)[2]  # after "blk.N."
             width = tensor.shape[1] if len(tensor.shape) > 1 else 0
             if rest == "ffn_up.weight":
                 dense_ff[index] = width

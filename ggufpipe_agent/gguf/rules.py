@@ -107,6 +107,34 @@ def refuse_nextn(arch: str, get: Metadata, start: int, end: int, where: str) -> 
         )
 
 
+def refuse_mtp_cuts(arch: str, get: Metadata, block_count: int, start: int, end: int, where: str) -> None:
+    """For an architecture whose stage files say how many multi-token-prediction
+    (MTP) blocks they hold: the model's last ``nextn_predict_layers`` blocks,
+    which llama.cpp's main pass never runs. They stay with the trunk's last
+    block in the last stage: a stage of MTP blocks only, or a cut between
+    them, is refused."""
+    key = f"{arch}.nextn_predict_layers"
+    nextn = int(get(key) or 0)
+    trunk = block_count - nextn
+    if not nextn:
+        return
+    blocks = f"blocks {trunk}..{block_count - 1}"
+    if start >= trunk:
+        raise UnsupportedArchitecture(
+            f"{where}: {span(arch, start, end)}: {blocks} are the model's multi-token-prediction "
+            f"blocks ({key} = {nextn}), which llama.cpp does not run in the main pass: a stage of only "
+            "those would run no block (llama.cpp aborts the process on a stage of MTP blocks only, "
+            f"with no block to run); end the previous stage at block {block_count} instead"
+        )
+    if trunk < end < block_count:
+        raise UnsupportedArchitecture(
+            f"{where}: {span(arch, start, end)}: the cut at {end} falls between the "
+            f"multi-token-prediction {blocks} ({key} = {nextn}): a stage would end inside the "
+            "multi-token-prediction blocks, and a cut between them leaves a stage whose last block "
+            f"llama.cpp does not run; end it at block {trunk} or {block_count}"
+        )
+
+
 def uniform_check(arch: str) -> SplitCheck:
     """The split check of an architecture that derives nothing from a block's
     index or the block count but reads :data:`LAYER0_KEYS` at layer 0 and the

@@ -123,21 +123,8 @@ def nextn_in(get: Metadata, start: int, end: int) -> int:
 def _check(get: Metadata, block_count: int, start: int, end: int, where: str) -> None:
     span = rules.span(ARCH, start, end)
     rules.refuse_non_uniform(ARCH, get, start, end, where)
+    rules.refuse_mtp_cuts(ARCH, get, block_count, start, end, where)
     nextn = _int(get, "nextn_predict_layers")
-    trunk = block_count - nextn
-    if nextn and end > trunk:
-        if start >= trunk:
-            raise UnsupportedArchitecture(
-                f"{where}: {span}: blocks {trunk}..{block_count - 1} are multi-token prediction "
-                f"(nextn_predict_layers = {nextn}) blocks that llama.cpp does not run; a stage of only "
-                f"those would run no block: end the previous stage at block {block_count} instead"
-            )
-        if end != block_count:
-            raise UnsupportedArchitecture(
-                f"{where}: {span}: blocks {trunk}..{block_count - 1} are multi-token prediction "
-                f"(nextn_predict_layers = {nextn}) blocks; a cut between them leaves a stage whose "
-                f"last block llama.cpp does not run: end this stage at block {block_count}"
-            )
     n_vocab = _n_vocab(get)
     stage_trunk = (end - start) - nextn_in(get, start, end)
     if is_lite(block_count - nextn, n_vocab) or not is_lite(stage_trunk, n_vocab):

@@ -21,7 +21,7 @@ does about it:
   block for an MTP block and skip it); the last stage keeps the original
   value and the MTP blocks, which it skips as the whole model does. A stage
   that holds MTP blocks but not the end of the model, or only MTP blocks, is
-  refused (:func:`_check`).
+  refused (:func:`ggufpipe_agent.gguf.rules.refuse_mtp_cuts`).
 * Embedding input (``graph::graph``: ``if (ubatch.embd && !use_mrope)
   GGML_ABORT``): llama.cpp aborts the process on a batch of embeddings unless
   the model has M-RoPE sections (``llama_hparams::use_mrope``: ``sections[0]
@@ -63,7 +63,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ggufpipe_agent.errors import UnsupportedArchitecture
 from ggufpipe_agent.gguf import rules
 from ggufpipe_agent.gguf.rules import Architecture, Metadata, Overrides
 
@@ -105,21 +104,8 @@ def text_sections(get: Metadata) -> list[int]:
 
 
 def _check(get: Metadata, block_count: int, start: int, end: int, where: str) -> None:
-    span = rules.span(NAME, start, end)
     rules.refuse_non_uniform(NAME, get, start, end, where)
-    nextn = int(get(NEXTN) or 0)
-    trunk = block_count - nextn
-    if nextn and start >= trunk:
-        raise UnsupportedArchitecture(
-            f"{where}: {span}: blocks {trunk}..{block_count - 1} are the model's multi-token-prediction "
-            f"blocks ({NEXTN} = {nextn}), which the whole model never computes; a stage of those alone has "
-            f"no block to run: end the previous stage at {block_count} instead"
-        )
-    if nextn and trunk < end < block_count:
-        raise UnsupportedArchitecture(
-            f"{where}: {span}: the stage would end inside the multi-token-prediction blocks "
-            f"{trunk}..{block_count - 1} ({NEXTN} = {nextn}); a stage ends at {trunk} or at {block_count}"
-        )
+    rules.refuse_mtp_cuts(NAME, get, block_count, start, end, where)
 
 
 def _overrides(get: Metadata, start: int, end: int) -> Overrides:

@@ -129,19 +129,8 @@ def _check(get: Metadata, block_count: int, start: int, end: int, where: str) ->
         interval = get(INTERVAL_KEY)
         if interval is not None and int(interval) <= 0:
             raise ModelError(f"{where}: {INTERVAL_KEY} is {interval}; llama.cpp divides by it")
-    nextn = _nextn(get)
-    n_layer = block_count - nextn
-    if nextn and start >= n_layer:
-        raise UnsupportedArchitecture(
-            f"{where}: {span}: blocks {n_layer}..{block_count - 1} are the multi-token-prediction "
-            f"(MTP) head, which llama.cpp does not run in the main pass; a stage of MTP blocks "
-            f"only would compute nothing. Give the last stage at least one block below {n_layer}"
-        )
-    if nextn and n_layer < end < block_count:
-        raise UnsupportedArchitecture(
-            f"{where}: {span}: the cut at {end} falls between the multi-token-prediction (MTP) "
-            f"blocks {n_layer}..{block_count - 1}; they stay together in the last stage"
-        )
+    rules.refuse_mtp_cuts(ARCH, get, block_count, start, end, where)
+    n_layer = block_count - _nextn(get)
     if get(f"{ARCH}.ssm.conv_kernel") is None:
         return  # only the model facts of a plan: the agents check again from the file
     flags = recurrent_flags(get, start, min(end, n_layer))
