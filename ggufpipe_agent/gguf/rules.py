@@ -77,14 +77,12 @@ def span(arch: str, start: int, end: int) -> str:
     return f"layers [{start}, {end}) of a {arch} model"
 
 
-def refuse_non_uniform(
-    arch: str, get: Metadata, start: int, end: int, where: str, keys: tuple[str, ...] = LAYER0_KEYS
-) -> None:
-    """Refuse a split of a model whose per-layer array of one of ``keys``
-    (``arch.``-less) is not uniform: the stage writer slices the array, so a
+def refuse_non_uniform(arch: str, get: Metadata, start: int, end: int, where: str) -> None:
+    """Refuse a split of a model whose per-layer array of one of
+    :data:`LAYER0_KEYS` is not uniform: the stage writer slices the array, so a
     stage's layer 0, another block of the original, would give every block of
     the stage that block's value."""
-    for key in keys:
+    for key in LAYER0_KEYS:
         value: Any = get(f"{arch}.{key}")
         if isinstance(value, list) and len({int(v) for v in value}) > 1:
             raise UnsupportedArchitecture(
