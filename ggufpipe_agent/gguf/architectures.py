@@ -14,27 +14,16 @@ architecture does (read from llama.cpp 0.3.36, ``src/models/<arch>.cpp``):
 * llama, qwen2, qwen3, mistral3, phi3: the block count only picks a model-type
   label (``LLM_TYPE_*``) that no computation reads; per-layer metadata arrays
   are sliced by the stage writer. Nothing to do.
-* gemma3: (1) a block is sliding-window or global by its index
-  (``is_swa(il) = il % period < period - 1``, period from
-  ``gemma3.attention.sliding_window_pattern`` or 6), which also picks its RoPE
-  base and scale; the stage file carries the original pattern's slice as a
-  per-layer bool array, which llama.cpp reads in preference to a period.
-  (2) The attention scale depends on the model type picked from the block
-  count: a 62-block model (27B) uses ``1/sqrt(n_embd / n_head)``, every other
-  count ``1/sqrt(head_dim)``; no GGUF key overrides it for gemma3, so a split
-  that would change it is refused (:func:`check_split`).
-  Embedding input is scaled by sqrt(n_embd) only for token input
-  (``ubatch.token ? sqrtf(n_embd) : 1``), so a stage fed activations gets them
-  unscaled, as it must; the final logit softcapping is a global key that only
-  the last stage uses.
+* every other architecture: one module of :mod:`ggufpipe_agent.gguf.families`
+  each, with its split rules as hooks (:class:`~ggufpipe_agent.gguf.rules.Architecture`)
+  and the rules several share in :mod:`ggufpipe_agent.gguf.rules`.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from ggufpipe_agent.errors import ModelError, UnsupportedArchitecture
+from ggufpipe_agent.errors import UnsupportedArchitecture
 from ggufpipe_agent.gguf.rules import Architecture, Metadata, Overrides
 
 ISSUES_URL = "https://github.com/ggufpipe/ggufpipe/issues"
@@ -59,17 +48,12 @@ SUPPORTED: dict[str, Architecture] = {
             "phi3",
             "synthetic GGUF (random weights, fused QKV, fused gate/up FFN, LongRoPE factors)",
         ),
-        Architecture(
-            "gemma3",
-            "Gemma 3 270M (real, 18 blocks) and a synthetic GGUF with a short sliding window; "
-            "splits anywhere, also off the sliding-window period; the 27B (62 blocks) is refused",
-        ),
     )
 }
 
 
 def _families() -> dict[str, Architecture]:
-    """The architectures of :mod:`ggufpipe_agent.gguf.families`: one module
+    """The architectures beyond the llama family, those of :mod:`ggufpipe_agent.gguf.families`: one module
     each, with its split rules and its own split-exactness test
     (tests/model/test_arch_<module>.py)."""
     import importlib
@@ -105,6 +89,13 @@ def positions_per_token(arch: str, get: Metadata) -> int:
     return support.positions_per_token(get) if support and support.positions_per_token else 1
 
 
+def swa_flags(arch: str, get: Metadata, start: int, end: int) -> list[bool] | None:
+    """Which of blocks ``[start, end)`` of ``arch`` have a sliding window, as
+    the memory estimate counts them (None: none)."""
+    support = SUPPORTED.get(arch)
+    return support.swa_flags(get, start, end) if support and support.swa_flags else None
+
+
 def check_architecture(arch: str, where: str) -> Architecture:
     support = SUPPORTED.get(arch)
     if support is None:
@@ -127,8 +118,6 @@ def check_split(arch: str, get: Metadata, start: int, end: int, where: str) -> N
     block_count = int(get(f"{arch}.block_count") or 0)
     if start == 0 and end == block_count:
         return
-    if arch == "gemma3":
-        _gemma3_check(get, block_count, start, end, where)
     support = SUPPORTED[arch]
     if support.check is not None:
         support.check(get, block_count, start, end, where)
@@ -160,100 +149,7 @@ def stage_metadata_overrides(arch: str, get: Metadata, start: int, end: int) -> 
     """Metadata a stage file of ``arch`` for blocks ``[start, end)`` must carry
     instead of (or besides) the copied value. Empty for the llama family,
     which derives nothing from the block index or count."""
-    if arch == "gemma3":
-        return _gemma3_overrides(get, start, end)
     support = SUPPORTED.get(arch)
     if support is not None and support.overrides is not None:
         return support.overrides(get, start, end)
     return {}
-
-
-# ------------------------------------------------------------------ gemma3
-
-GEMMA3_DEFAULT_SWA_PERIOD = 6  # llama_model_gemma3::load_arch_hparams: load_swa_pattern(ml, 6)
-GEMMA3_27B_BLOCKS = 62  # the block count llama.cpp maps to LLM_TYPE_27B
-
-
-def gemma3_swa_flags(get: Metadata, start: int, end: int) -> list[bool] | None:
-    """Which of the original blocks ``start..end-1`` are sliding-window, as
-    llama.cpp decides it for the whole model; None when the model has no
-    sliding window (then every block is global whatever its index)."""
-    window = get("gemma3.attention.sliding_window")
-    if not window:
-        return None
-    pattern = get("gemma3.attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        return [bool(flag) for flag in pattern[start:end]]
-    period = GEMMA3_DEFAULT_SWA_PERIOD if pattern is None else int(pattern)
-    # llama_hparams::set_swa_pattern(n_pattern, dense_first=false)
-    return [period == 0 or index % period < period - 1 for index in range(start, end)]
-
-
-def _gemma3_overrides(get: Metadata, start: int, end: int) -> Overrides:
-    import gguf
-
-    flags = gemma3_swa_flags(get, start, end)
-    if flags is None:
-        return {}  # no sliding window: every block is global whatever its index
-    if not any(flags):
-        # A stage of global blocks only: llama.cpp asserts that a model with a
-        # sliding window has a sliding-window block (GGML_ASSERT(is_swa_any())
-        # in create_memory, which aborts the process). Without the window it
-        # builds the plain graph, whose blocks are exactly the global ones:
-        # same causal mask, same RoPE base and scale, same full-size KV cache.
-        return {"gemma3.attention.sliding_window": (0, gguf.GGUFValueType.UINT32, None)}
-    if isinstance(get("gemma3.attention.sliding_window_pattern"), list):
-        return {}  # already a per-layer array: the stage writer slices it
-    return {
-        "gemma3.attention.sliding_window_pattern": (
-            flags,
-            gguf.GGUFValueType.ARRAY,
-            gguf.GGUFValueType.BOOL,
-        )
-    }
-
-
-def _first(value: Any, index: int) -> int:
-    """A per-layer hyperparameter (scalar or per-layer array) at ``index``."""
-    if isinstance(value, list):
-        return int(value[index])
-    return int(value)
-
-
-def _gemma3_attention_scale(get: Metadata, n_layer: int, first_block: int) -> float:
-    """llama_model_gemma3::load_arch_hparams for a file whose layer 0 is
-    ``first_block`` of the original and which has ``n_layer`` blocks."""
-    n_embd = int(get("gemma3.embedding_length"))
-    n_head = _first(get("gemma3.attention.head_count"), first_block)
-    key_length = get("gemma3.attention.key_length")
-    head_dim = int(key_length) if key_length is not None else n_embd // n_head
-    if n_layer == GEMMA3_27B_BLOCKS:
-        return 1.0 / math.sqrt(float(n_embd // n_head))
-    return 1.0 / math.sqrt(float(head_dim))
-
-
-def _gemma3_check(get: Metadata, block_count: int, start: int, end: int, where: str) -> None:
-    pattern = get("gemma3.attention.sliding_window_pattern")
-    if isinstance(pattern, list) and len(pattern) != block_count:
-        raise ModelError(
-            f"{where}: gemma3.attention.sliding_window_pattern has {len(pattern)} entries for "
-            f"{block_count} blocks; cannot tell which blocks of a stage are sliding-window"
-        )
-    whole = _gemma3_attention_scale(get, block_count, 0)
-    stage = _gemma3_attention_scale(get, end - start, start)
-    if whole == stage:
-        return
-    if block_count == GEMMA3_27B_BLOCKS:
-        reason = (
-            f"llama.cpp gives a {GEMMA3_27B_BLOCKS}-block gemma3 (Gemma 3 27B) the attention scale "
-            f"1/sqrt(n_embd/n_head) = {whole:.6g} by its block count, and a stage of {end - start} "
-            f"blocks would get 1/sqrt(head_dim) = {stage:.6g}; no GGUF key sets it, so Gemma 3 27B "
-            "cannot be split exactly and runs only as one stage"
-        )
-    else:
-        reason = (
-            f"a stage of exactly {GEMMA3_27B_BLOCKS} blocks would be taken for Gemma 3 27B by "
-            f"llama.cpp and get the attention scale {stage:.6g} instead of {whole:.6g}; give this "
-            f"stage more or fewer than {GEMMA3_27B_BLOCKS} blocks"
-        )
-    raise UnsupportedArchitecture(f"{where}: layers [{start}, {end}) of a gemma3 model: {reason}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from typing import Any
 
 from ggufpipe_agent.errors import ModelError
@@ -21,6 +20,7 @@ from ggufpipe_agent.gguf.files import (
     read_gguf_header,
     read_model_files,
 )
+from ggufpipe_agent.gguf.header import block_of
 from ggufpipe_agent.gguf.memory import memory_facts
 from ggufpipe_agent.wire.protocol import ModelFacts
 
@@ -31,7 +31,6 @@ __all__ = [
     "read_model_facts",
 ]
 
-_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
 
 
 def _scalar(value: Any) -> int:
@@ -82,11 +81,8 @@ def _facts(files: ModelFiles) -> ModelFacts:
     output_bytes = 0
     for located in files.tensors:
         tensor = located.entry
-        match = _BLOCK_TENSOR.match(tensor.name)
-        if match:
-            index = int(match.group(1))
-            if index >= block_count:
-                raise ModelError(f"{source}: tensor {tensor.name} beyond block_count {block_count}")
+        index = block_of(tensor.name, block_count, source)
+        if index is not None:
             block_bytes[index] += tensor.nbytes
         elif tensor.name == "token_embd.weight":
             embedding_bytes += tensor.nbytes

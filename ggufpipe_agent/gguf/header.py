@@ -12,6 +12,7 @@ bytes and the model identity hashes them, neither building Python lists.
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,21 @@ class _Cursor:
                 raise ModelError(f"{self.where}: nested GGUF arrays are not supported")
             return [self.value(item_type) for _ in range(length)]
         raise ModelError(f"{self.where}: unknown GGUF value type {value_type}")
+
+
+_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
+
+
+def block_of(name: str, block_count: int, where: object) -> int | None:
+    """The block a tensor named ``blk.N.*`` belongs to (None for a global
+    tensor); a block beyond ``block_count`` is a broken file (``where``)."""
+    match = _BLOCK_TENSOR.match(name)
+    if not match:
+        return None
+    index = int(match.group(1))
+    if index >= block_count:
+        raise ModelError(f"{where}: tensor {name} beyond block_count {block_count}")
+    return index
 
 
 def align(offset: int, alignment: int) -> int:

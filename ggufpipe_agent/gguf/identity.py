@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 from ggufpipe_agent.gguf.files import ModelFiles, read_model_files
@@ -134,40 +135,56 @@ def describe_difference(a: ModelIdentity, b: ModelIdentity) -> str:
 def _metadata_difference(a: ModelIdentity, b: ModelIdentity) -> str:
     if not a.metadata or not b.metadata:
         return "the metadata differs"
+
+    def differs(x: Any, y: Any) -> str:
+        if x.digest == y.digest:
+            return ""
+        return f" differs ({x.preview} vs {y.preview})" if x.preview != y.preview else " differs"
+
     left = {entry.key: entry for entry in a.metadata}
     right = {entry.key: entry for entry in b.metadata}
-    changed = []
-    for key in sorted(set(left) | set(right)):
-        x, y = left.get(key), right.get(key)
-        if x is None:
-            changed.append(f"metadata {key} only in the second")
-        elif y is None:
-            changed.append(f"metadata {key} only in the first")
-        elif x.digest != y.digest:
-            values = f" ({x.preview} vs {y.preview})" if x.preview != y.preview else ""
-            changed.append(f"metadata {key} differs{values}")
+    changed = _changes("metadata", left, right, sorted(set(left) | set(right)), differs)
     return _summarize(changed, "metadata keys differ", "the metadata differs")
 
 
 def _tensor_difference(a: ModelIdentity, b: ModelIdentity) -> str:
     if not a.tensors or not b.tensors:
         return "the tensor table differs"
+
+    def differs(x: Any, y: Any) -> str:
+        if x.ggml_type != y.ggml_type:
+            return f": type {type_name(x.ggml_type)} vs {type_name(y.ggml_type)}"
+        if x.shape != y.shape:
+            return f": shape {list(x.shape)} vs {list(y.shape)}"
+        if x.nbytes != y.nbytes:
+            return f": {x.nbytes} vs {y.nbytes} bytes"
+        return ""
+
     left = {tensor.name: tensor for tensor in a.tensors}
     right = {tensor.name: tensor for tensor in b.tensors}
+    changed = _changes("tensor", left, right, sorted(set(left) | set(right), key=_natural), differs)
+    return _summarize(changed, "tensors differ", "the tensor table differs")
+
+
+def _changes(
+    kind: str,
+    left: dict[str, Any],
+    right: dict[str, Any],
+    names: list[str],
+    differs: Callable[[Any, Any], str],
+) -> list[str]:
+    """What differs of each of ``names`` between two tables: only in one of
+    them, or ``differs(x, y)`` ('' when alike) after the name."""
     changed = []
-    for name in sorted(set(left) | set(right), key=_natural):
+    for name in names:
         x, y = left.get(name), right.get(name)
         if x is None:
-            changed.append(f"tensor {name} only in the second")
+            changed.append(f"{kind} {name} only in the second")
         elif y is None:
-            changed.append(f"tensor {name} only in the first")
-        elif x.ggml_type != y.ggml_type:
-            changed.append(f"tensor {name}: type {type_name(x.ggml_type)} vs {type_name(y.ggml_type)}")
-        elif x.shape != y.shape:
-            changed.append(f"tensor {name}: shape {list(x.shape)} vs {list(y.shape)}")
-        elif x.nbytes != y.nbytes:
-            changed.append(f"tensor {name}: {x.nbytes} vs {y.nbytes} bytes")
-    return _summarize(changed, "tensors differ", "the tensor table differs")
+            changed.append(f"{kind} {name} only in the first")
+        elif what := differs(x, y):
+            changed.append(f"{kind} {name}{what}")
+    return changed
 
 
 def _summarize(changed: list[str], plural: str, fallback: str) -> str:

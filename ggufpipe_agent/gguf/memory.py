@@ -1,4 +1,4 @@
-"""What a stage needs in memory, from the GGUF alone, and what a host has.
+"""What a stage needs in memory, from the GGUF alone.
 
 A stage is one llama.cpp model and context (:mod:`ggufpipe_agent.llama.engine`), so
 its memory is what llama.cpp allocates for it, in the places llama.cpp puts it:
@@ -50,14 +50,12 @@ their free memory. It is computed, not measured: no GPU was at hand.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from ggufpipe_agent.errors import ModelError
+from ggufpipe_agent.gguf.header import block_of
 from ggufpipe_agent.wire.protocol import EngineOptions, MemoryFacts, ModelFacts
 
 MIB = 1 << 20
@@ -72,7 +70,6 @@ AGENT_BASELINE = 128 * MIB
 #: Copies of the largest activation object a stage holds at once: the
 #: inbound payload, its decoded rows and the captured outbound rows.
 ACTIVATION_COPIES = 3
-_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
 #: The routed experts' tensors, as llama.cpp's ``--cpu-moe`` names them
 #: (``LLM_FFN_EXPS_REGEX``, common/common.h; matched with ``regex_search``):
 #: not the router (``ffn_gate_inp``) nor the shared experts (``*_shexp``).
@@ -104,7 +101,7 @@ def memory_facts(header: Any, tensors: Any = None) -> MemoryFacts:
     """The memory facts of a parsed GGUF header (:class:`~ggufpipe_agent.gguf.header.GgufHeader`);
     ``tensors``: the tensor table when it spans more files than the header's
     (a split set), else the header's own."""
-    from ggufpipe_agent.gguf.architectures import gemma3_swa_flags, keep_tensors
+    from ggufpipe_agent.gguf.architectures import keep_tensors, swa_flags
 
     arch = header.architecture
     get = header.get
@@ -128,11 +125,10 @@ def memory_facts(header: Any, tensors: Any = None) -> MemoryFacts:
     n_vocab = len(tokens) if tokens is not None else int(get(f"{arch}.vocab_size", 0))
     swa: list[bool] = [False] * blocks
     window = 0
-    if arch == "gemma3":
-        flags = gemma3_swa_flags(get, 0, blocks)
-        if flags is not None:
-            swa = flags
-            window = int(get("gemma3.attention.sliding_window", 0) or 0)
+    flags = swa_flags(arch, get, 0, blocks)
+    if flags is not None:
+        swa = flags
+        window = int(get(f"{arch}.attention.sliding_window", 0) or 0)
 
     block_bytes = [0] * blocks
     expert_bytes = [0] * blocks
@@ -145,16 +141,13 @@ def memory_facts(header: Any, tensors: Any = None) -> MemoryFacts:
     named = {"token_embd.weight": 0, "output_norm.weight": 0, "output.weight": 0}
     global_bytes = 0
     for tensor in header.tensors if tensors is None else tensors:
-        match = _BLOCK_TENSOR.match(tensor.name)
-        if match:
-            index = int(match.group(1))
-            if index >= blocks:
-                raise ModelError(f"{header.path}: tensor {tensor.name} beyond block_count {blocks}")
+        index = block_of(tensor.name, blocks, header.path)
+        if index is not None:
             block_bytes[index] += tensor.nbytes
             if _EXPERTS.search(tensor.name):
                 expert_bytes[index] += tensor.nbytes
                 expert_tensor[index] = max(expert_tensor[index], tensor.nbytes)
-            rest = tensor.name[match.end() :]
+            rest = tensor.name.split(".", 2)[2]  # after "blk.N."
             width = tensor.shape[1] if len(tensor.shape) > 1 else 0
             if rest == "ffn_up.weight":
                 dense_ff[index] = width
@@ -392,95 +385,6 @@ def estimate_stage(
         for i, place in enumerate(places)
     ]
     return StageMemory(usages[0], tuple(usages[1:]))
-
-
-# ------------------------------------------------------------ the host
-
-
-def _read_int(path: Path) -> int | None:
-    with contextlib.suppress(OSError, ValueError):
-        text = path.read_text().strip()
-        return None if text == "max" else int(text)
-    return None
-
-
-def _stat(path: Path, key: str) -> int:
-    with contextlib.suppress(OSError, ValueError):
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    return 0
-
-
-def _cgroup_dirs(root: Path, controller: str) -> list[Path]:
-    """This process's cgroup directory and its ancestors, for cgroup v2
-    (``controller`` "") or the v1 hierarchy of ``controller``."""
-    paths = []
-    with contextlib.suppress(OSError):
-        for line in (root / "proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            if (not controller and controllers == "") or controller in controllers.split(","):
-                paths.append(path.strip("/"))
-    base = root / "sys/fs/cgroup" / controller if controller else root / "sys/fs/cgroup"
-    found = []
-    for path in paths:
-        parts = [part for part in path.split("/") if part]
-        for depth in range(len(parts), -1, -1):
-            found.append(base.joinpath(*parts[:depth]))
-    found.append(base)  # a container's own cgroup is mounted at the root
-    unique: list[Path] = []
-    for directory in found:
-        if directory not in unique:
-            unique.append(directory)
-    return unique
-
-
-def cgroup_memory(root: Path = Path("/")) -> tuple[int, int] | None:
-    """(limit, bytes in use that cannot be reclaimed) of the tightest memory
-    cgroup limit over this process, or None when there is none. cgroup v2
-    (``memory.max``) first, then v1 (``memory.limit_in_bytes``)."""
-    best: tuple[int, int] | None = None
-    for directory in _cgroup_dirs(root, ""):
-        limit = _read_int(directory / "memory.max")
-        if limit is None:
-            continue
-        used = (_read_int(directory / "memory.current") or 0) - _stat(
-            directory / "memory.stat", "inactive_file"
-        )
-        if best is None or limit < best[0]:
-            best = (limit, max(used, 0))
-    if best is not None:
-        return best
-    for directory in _cgroup_dirs(root, "memory"):
-        limit = _read_int(directory / "memory.limit_in_bytes")
-        if limit is None or limit >= 1 << 62:  # v1 says "no limit" with a huge number
-            continue
-        usage = _read_int(directory / "memory.usage_in_bytes") or 0
-        used = usage - _stat(directory / "memory.stat", "total_inactive_file")
-        if best is None or limit < best[0]:
-            best = (limit, max(used, 0))
-    return best
-
-
-def system_memory(root: Path = Path("/")) -> tuple[int, int]:
-    """(total, available) RAM in bytes: /proc/meminfo, bounded by the memory
-    cgroup's limit when the agent runs in a container."""
-    total = available = 0
-    with contextlib.suppress(OSError, ValueError), (root / "proc/meminfo").open() as handle:
-        for line in handle:
-            key, _, rest = line.partition(":")
-            if key == "MemTotal":
-                total = int(rest.split()[0]) * 1024
-            elif key == "MemAvailable":
-                available = int(rest.split()[0]) * 1024
-    limit = cgroup_memory(root)
-    if limit is not None:
-        cap, used = limit
-        if not total or cap < total:
-            total = cap
-        available = min(available, max(cap - used, 0)) if available else max(cap - used, 0)
-    return total, available
 
 
 def format_size(count: int) -> str:

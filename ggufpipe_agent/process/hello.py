@@ -14,9 +14,9 @@ from ggufpipe_agent.wire.protocol import Hello
 def make_hello(data_endpoint: str, data_token: str, share_endpoint: str = "", share_token: str = "") -> Hello:
     import llama_cpp
 
-    from ggufpipe_agent.gguf.memory import system_memory
     from ggufpipe_agent.llama.devices import list_devices
     from ggufpipe_agent.llama.engine import gpu_offload_supported
+    from ggufpipe_agent.process.host_memory import system_memory
 
     devices = tuple(list_devices())
     backend = "cpu"

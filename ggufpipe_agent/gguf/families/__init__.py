@@ -1,6 +1,6 @@
-"""Architectures beyond the llama family and gemma3, one module each.
+"""Architectures beyond the llama family, one module each.
 
-Each module defines ``ARCHITECTURE`` (:class:`ggufpipe_agent.gguf.architectures.Architecture`):
+Each module defines ``ARCHITECTURE`` (:class:`ggufpipe_agent.gguf.rules.Architecture`):
 its name as ``general.architecture`` says it, how its split was proven exact,
 and its split rules (a check that refuses what cannot be exact, the metadata
 a stage file must carry, the tensors every stage keeps, where stages may

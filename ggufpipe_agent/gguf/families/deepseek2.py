@@ -73,9 +73,8 @@ unchanged. A stage fed activations skips the token embedding lookup only
 
 from __future__ import annotations
 
-from typing import Any
-
 from ggufpipe_agent.errors import UnsupportedArchitecture
+from ggufpipe_agent.gguf import rules
 from ggufpipe_agent.gguf.rules import Architecture, Metadata, Overrides
 
 ARCH = "deepseek2"
@@ -84,15 +83,6 @@ ARCH = "deepseek2"
 GATING_NONE = 0
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
-
-#: Keys llama.cpp may read per layer (get_key_or_arr) but uses only at layer 0.
-PER_LAYER_KEYS = (
-    "attention.head_count",
-    "attention.head_count_kv",
-    "feed_forward_length",
-    "expert_feed_forward_length",
-    "expert_used_count",
-)
 
 
 def _int(get: Metadata, key: str, default: int = 0) -> int:
@@ -127,35 +117,14 @@ def gating_func(get: Metadata) -> int:
 
 def nextn_in(get: Metadata, start: int, end: int) -> int:
     """How many of blocks ``[start, end)`` are MTP blocks."""
-    trunk = _int(get, "block_count") - _int(get, "nextn_predict_layers")
-    return max(0, end - max(start, trunk))
+    return rules.trailing_in(_int(get, "nextn_predict_layers"), _int(get, "block_count"), start, end)
 
 
 def _check(get: Metadata, block_count: int, start: int, end: int, where: str) -> None:
-    span = f"layers [{start}, {end}) of a deepseek2 model"
-    for key in PER_LAYER_KEYS:
-        value = get(f"{ARCH}.{key}")
-        if isinstance(value, list) and len(set(value)) > 1:
-            raise UnsupportedArchitecture(
-                f"{where}: {span}: {ARCH}.{key} differs between blocks ({sorted(set(value))}); llama.cpp "
-                "uses the first block's value for every block of a deepseek2 model, so a stage "
-                "starting elsewhere would compute something else; this model runs only as one stage"
-            )
+    span = rules.span(ARCH, start, end)
+    rules.refuse_non_uniform(ARCH, get, start, end, where)
+    rules.refuse_mtp_cuts(ARCH, get, block_count, start, end, where)
     nextn = _int(get, "nextn_predict_layers")
-    trunk = block_count - nextn
-    if nextn and end > trunk:
-        if start >= trunk:
-            raise UnsupportedArchitecture(
-                f"{where}: {span}: blocks {trunk}..{block_count - 1} are multi-token prediction "
-                f"(nextn_predict_layers = {nextn}) blocks that llama.cpp does not run; a stage of only "
-                f"those would run no block: end the previous stage at block {block_count} instead"
-            )
-        if end != block_count:
-            raise UnsupportedArchitecture(
-                f"{where}: {span}: blocks {trunk}..{block_count - 1} are multi-token prediction "
-                f"(nextn_predict_layers = {nextn}) blocks; a cut between them leaves a stage whose "
-                f"last block llama.cpp does not run: end this stage at block {block_count}"
-            )
     n_vocab = _n_vocab(get)
     stage_trunk = (end - start) - nextn_in(get, start, end)
     if is_lite(block_count - nextn, n_vocab) or not is_lite(stage_trunk, n_vocab):
@@ -172,19 +141,16 @@ def _check(get: Metadata, block_count: int, start: int, end: int, where: str) ->
 
 
 def _overrides(get: Metadata, start: int, end: int) -> Overrides:
-    import gguf
-
-    uint32 = gguf.GGUFValueType.UINT32
     lead = _int(get, "leading_dense_block_count")
-    out: dict[str, tuple[Any, Any, Any]] = {
-        f"{ARCH}.leading_dense_block_count": (min(max(lead - start, 0), end - start), uint32, None),
-        f"{ARCH}.expert_gating_func": (gating_func(get), uint32, None),
+    out: Overrides = {
+        f"{ARCH}.leading_dense_block_count": rules.uint32(rules.leading_in(lead, start, end)),
+        f"{ARCH}.expert_gating_func": rules.uint32(gating_func(get)),
     }
     if get(f"{ARCH}.nextn_predict_layers") is not None:
-        out[f"{ARCH}.nextn_predict_layers"] = (nextn_in(get, start, end), uint32, None)
+        out[f"{ARCH}.nextn_predict_layers"] = rules.uint32(nextn_in(get, start, end))
     block_count = _int(get, "block_count")
     if is_lite(block_count - _int(get, "nextn_predict_layers"), _n_vocab(get)):
-        out[f"{ARCH}.attention.q_lora_rank"] = (0, uint32, None)
+        out[f"{ARCH}.attention.q_lora_rank"] = rules.uint32(0)
     return out
 
 

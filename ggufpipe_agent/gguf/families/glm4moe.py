@@ -21,7 +21,7 @@ does about it:
   block for an MTP block and skip it); the last stage keeps the original
   value and the MTP blocks, which it skips as the whole model does. A stage
   that holds MTP blocks but not the end of the model, or only MTP blocks, is
-  refused (:func:`_check`).
+  refused (:func:`ggufpipe_agent.gguf.rules.refuse_mtp_cuts`).
 * Embedding input (``graph::graph``: ``if (ubatch.embd && !use_mrope)
   GGML_ABORT``): llama.cpp aborts the process on a batch of embeddings unless
   the model has M-RoPE sections (``llama_hparams::use_mrope``: ``sections[0]
@@ -63,21 +63,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ggufpipe_agent.errors import UnsupportedArchitecture
+from ggufpipe_agent.gguf import rules
 from ggufpipe_agent.gguf.rules import Architecture, Metadata, Overrides
 
 NAME = "glm4moe"
 LEAD = f"{NAME}.leading_dense_block_count"
 NEXTN = f"{NAME}.nextn_predict_layers"
 SECTIONS = f"{NAME}.rope.dimension_sections"
-#: llama.cpp reads layer 0's value of these for every block.
-UNIFORM_KEYS = (
-    "attention.head_count",
-    "attention.head_count_kv",
-    "expert_used_count",
-    "feed_forward_length",
-    "expert_feed_forward_length",
-)
 MROPE_SECTIONS = 4  # GGML_MROPE_SECTIONS
 
 
@@ -112,41 +104,20 @@ def text_sections(get: Metadata) -> list[int]:
 
 
 def _check(get: Metadata, block_count: int, start: int, end: int, where: str) -> None:
-    span = f"layers [{start}, {end}) of a {NAME} model"
-    for key in UNIFORM_KEYS:
-        values = get(f"{NAME}.{key}")
-        if isinstance(values, list) and len({int(v) for v in values}) > 1:
-            raise UnsupportedArchitecture(
-                f"{where}: {span}: {NAME}.{key} differs between blocks ({sorted({int(v) for v in values})}); "
-                "llama.cpp reads layer 0's value for every block and a stage's layer 0 is another block, "
-                "so this model runs only as one stage"
-            )
-    nextn = int(get(NEXTN) or 0)
-    trunk = block_count - nextn
-    if nextn and start >= trunk:
-        raise UnsupportedArchitecture(
-            f"{where}: {span}: blocks {trunk}..{block_count - 1} are the model's multi-token-prediction "
-            f"blocks ({NEXTN} = {nextn}), which the whole model never computes; a stage of those alone has "
-            f"no block to run: end the previous stage at {block_count} instead"
-        )
-    if nextn and trunk < end < block_count:
-        raise UnsupportedArchitecture(
-            f"{where}: {span}: the stage would end inside the multi-token-prediction blocks "
-            f"{trunk}..{block_count - 1} ({NEXTN} = {nextn}); a stage ends at {trunk} or at {block_count}"
-        )
+    rules.refuse_non_uniform(NAME, get, start, end, where)
+    rules.refuse_mtp_cuts(NAME, get, block_count, start, end, where)
 
 
 def _overrides(get: Metadata, start: int, end: int) -> Overrides:
     import gguf
 
-    uint32 = gguf.GGUFValueType.UINT32
     found: Overrides = {}
     lead = get(LEAD)
     if lead is not None:
-        found[LEAD] = (min(max(int(lead) - start, 0), end - start), uint32, None)
+        found[LEAD] = rules.uint32(rules.leading_in(int(lead), start, end))
     block_count = int(get(f"{NAME}.block_count") or 0)
     if int(get(NEXTN) or 0) and end < block_count:
-        found[NEXTN] = (0, uint32, None)  # no MTP block in this stage: all of it is trunk
+        found[NEXTN] = rules.uint32(0)  # no MTP block in this stage: all of it is trunk
     sections = get(SECTIONS)
     if uses_mrope(sections) or (start == 0 and isinstance(sections, list)):
         # The model's own sections, written again: a 4-entry array of a

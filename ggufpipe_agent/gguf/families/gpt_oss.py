@@ -41,21 +41,13 @@ experts' MXFP4 blocks are copied byte for byte. ``output.weight`` is required
 
 from __future__ import annotations
 
-from typing import Any
-
-from ggufpipe_agent.errors import ModelError, UnsupportedArchitecture
+from ggufpipe_agent.errors import UnsupportedArchitecture
+from ggufpipe_agent.gguf import rules
 from ggufpipe_agent.gguf.rules import Architecture, Metadata, Overrides
 
 NAME = "gpt-oss"
 DEFAULT_SWA_PERIOD = 2  # llama_model_openai_moe::load_arch_hparams: load_swa_pattern(ml, 2)
-#: Hyperparameters llama.cpp may read per layer but uses layer 0's of for every block.
-LAYER0_KEYS = (
-    "attention.head_count",
-    "attention.head_count_kv",
-    "expert_used_count",
-    "expert_feed_forward_length",
-    "feed_forward_length",
-)
+PATTERN = f"{NAME}.attention.sliding_window_pattern"
 #: Head and rotary sizes of sliding-window layers, distinct from the full ones
 #: only when present (llama_model_base::load_hparams).
 SWA_SIZE_KEYS = {
@@ -68,36 +60,13 @@ SWA_SIZE_KEYS = {
 def swa_flags(get: Metadata, start: int, end: int) -> list[bool]:
     """Which of the original blocks ``start..end-1`` have a sliding window,
     as llama.cpp decides it for the whole model."""
-    pattern = get(f"{NAME}.attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        return [bool(flag) for flag in pattern[start:end]]
-    period = DEFAULT_SWA_PERIOD if pattern is None else int(pattern)
-    # llama_hparams::set_swa_pattern(n_pattern, dense_first=false)
-    return [period == 0 or index % period < period - 1 for index in range(start, end)]
-
-
-def refuse_non_uniform(
-    arch: str, get: Metadata, keys: tuple[str, ...], start: int, end: int, where: str
-) -> None:
-    for key in keys:
-        value: Any = get(f"{arch}.{key}")
-        if isinstance(value, list) and len(set(value)) > 1:
-            raise UnsupportedArchitecture(
-                f"{where}: layers [{start}, {end}) of a {arch} model: {arch}.{key} differs between "
-                f"blocks ({sorted(set(value))}), and llama.cpp uses layer 0's value for every block, "
-                "which in a stage would be the stage's first block's; such a model runs only as one stage"
-            )
+    return rules.swa_flags(get, PATTERN, DEFAULT_SWA_PERIOD, start, end)
 
 
 def _check(get: Metadata, block_count: int, start: int, end: int, where: str) -> None:
-    span = f"layers [{start}, {end}) of a gpt-oss model"
-    pattern = get(f"{NAME}.attention.sliding_window_pattern")
-    if isinstance(pattern, list) and len(pattern) != block_count:
-        raise ModelError(
-            f"{where}: {NAME}.attention.sliding_window_pattern has {len(pattern)} entries for "
-            f"{block_count} blocks; cannot tell which blocks of a stage are sliding-window"
-        )
-    refuse_non_uniform(NAME, get, LAYER0_KEYS, start, end, where)
+    span = rules.span(NAME, start, end)
+    rules.refuse_pattern_length(get, PATTERN, block_count, where, "are sliding-window")
+    rules.refuse_non_uniform(NAME, get, start, end, where)
     for swa_key, full_key in SWA_SIZE_KEYS.items():
         value = get(f"{NAME}.{swa_key}")
         if value is not None and value != get(f"{NAME}.{full_key}"):
@@ -116,17 +85,7 @@ def _check(get: Metadata, block_count: int, start: int, end: int, where: str) ->
 
 
 def _overrides(get: Metadata, start: int, end: int) -> Overrides:
-    import gguf
-
-    if isinstance(get(f"{NAME}.attention.sliding_window_pattern"), list):
-        return {}  # already a per-layer array: the stage writer slices it
-    return {
-        f"{NAME}.attention.sliding_window_pattern": (
-            swa_flags(get, start, end),
-            gguf.GGUFValueType.ARRAY,
-            gguf.GGUFValueType.BOOL,
-        )
-    }
+    return rules.swa_pattern_overrides(get, PATTERN, DEFAULT_SWA_PERIOD, start, end)
 
 
 ARCHITECTURE = Architecture(

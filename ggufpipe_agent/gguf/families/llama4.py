@@ -51,23 +51,16 @@ What llama.cpp 0.3.36 derives from a block's index or the block count
 from __future__ import annotations
 
 import math
-from typing import Any
 
-from ggufpipe_agent.errors import ModelError, UnsupportedArchitecture
+from ggufpipe_agent.errors import UnsupportedArchitecture
+from ggufpipe_agent.gguf import rules
 from ggufpipe_agent.gguf.rules import Architecture, Metadata, Overrides
 
 NAME = "llama4"
 #: llama_hparams::n_no_rope_layer_step: every 4th block has no RoPE (no GGUF key).
 NO_ROPE_STEP = 4
 DEFAULT_SWA_PERIOD = 4  # llama_model_llama4::load_arch_hparams: load_swa_pattern(ml, 4)
-#: Hyperparameters llama.cpp may read per layer but uses layer 0's of for every block.
-LAYER0_KEYS = (
-    "attention.head_count",
-    "attention.head_count_kv",
-    "expert_used_count",
-    "expert_feed_forward_length",
-    "feed_forward_length",
-)
+PATTERN = f"{NAME}.attention.sliding_window_pattern"
 
 
 def _all_global(get: Metadata) -> bool:
@@ -88,36 +81,19 @@ def _cut_multiple(get: Metadata) -> int:
 
 def swa_flags(get: Metadata, start: int, end: int) -> list[bool]:
     """Which of the original blocks ``start..end-1`` have chunked attention."""
-    pattern = get(f"{NAME}.attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        return [bool(flag) for flag in pattern[start:end]]
-    period = DEFAULT_SWA_PERIOD if pattern is None else int(pattern)
-    # llama_hparams::set_swa_pattern(n_pattern, dense_first=false)
-    return [period == 0 or index % period < period - 1 for index in range(start, end)]
+    return rules.swa_flags(get, PATTERN, DEFAULT_SWA_PERIOD, start, end)
 
 
 def _check(get: Metadata, block_count: int, start: int, end: int, where: str) -> None:
-    span = f"layers [{start}, {end}) of a llama4 model"
+    span = rules.span(NAME, start, end)
     if _all_global(get):
         raise UnsupportedArchitecture(
             f"{where}: {span}: with {NAME}.attention.sliding_window = 0 llama.cpp leaves RoPE out of "
             "the last block by the block count (n_no_rope_layer_step = n_layer), which in a stage "
             "would be the stage's last block; no GGUF key sets it, so this model runs only as one stage"
         )
-    for key in LAYER0_KEYS:
-        value: Any = get(f"{NAME}.{key}")
-        if isinstance(value, list) and len(set(value)) > 1:
-            raise UnsupportedArchitecture(
-                f"{where}: {span}: {NAME}.{key} differs between blocks ({sorted(set(value))}), and "
-                "llama.cpp uses layer 0's value for every block, which in a stage would be the "
-                "stage's first block's; such a model runs only as one stage"
-            )
-    pattern = get(f"{NAME}.attention.sliding_window_pattern")
-    if isinstance(pattern, list) and len(pattern) != block_count:
-        raise ModelError(
-            f"{where}: {NAME}.attention.sliding_window_pattern has {len(pattern)} entries for "
-            f"{block_count} blocks; cannot tell which blocks of a stage have chunked attention"
-        )
+    rules.refuse_non_uniform(NAME, get, start, end, where)
+    rules.refuse_pattern_length(get, PATTERN, block_count, where, "have chunked attention")
     multiple = _cut_multiple(get)
     if start % multiple:
         step = int(get(f"{NAME}.interleave_moe_layer_step") or 1)
@@ -144,17 +120,9 @@ def _check(get: Metadata, block_count: int, start: int, end: int, where: str) ->
 
 
 def _overrides(get: Metadata, start: int, end: int) -> Overrides:
-    import gguf
-
-    if _all_global(get) or isinstance(get(f"{NAME}.attention.sliding_window_pattern"), list):
-        return {}  # no pattern read, or already a per-layer array that the stage writer slices
-    return {
-        f"{NAME}.attention.sliding_window_pattern": (
-            swa_flags(get, start, end),
-            gguf.GGUFValueType.ARRAY,
-            gguf.GGUFValueType.BOOL,
-        )
-    }
+    if _all_global(get):
+        return {}  # no pattern read
+    return rules.swa_pattern_overrides(get, PATTERN, DEFAULT_SWA_PERIOD, start, end)
 
 
 ARCHITECTURE = Architecture(

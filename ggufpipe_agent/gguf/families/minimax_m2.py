@@ -20,7 +20,7 @@ Read from llama.cpp 0.3.36 (vendored commit 0c1e57098):
   ``token_embd``): a stage file without it fails to load ("check_tensor_dims: tensor
   'output.weight' not found"), so every stage file keeps it (``keep_tensors``).
 * Per-layer arrays and multi-token-prediction blocks: as for qwen3moe
-  (:mod:`ggufpipe_agent.gguf.families.qwen3moe`): ``load_hparams`` reads
+  (:func:`ggufpipe_agent.gguf.rules.uniform_check`): ``load_hparams`` reads
   ``expert_used_count``, ``attention.head_count(_kv)`` and
   ``feed_forward_length`` (which sizes the expert tensors here) per layer, and
   ``minimax-m2.cpp`` reads ``expert_feed_forward_length`` the same way, but
@@ -32,13 +32,8 @@ Read from llama.cpp 0.3.36 (vendored commit 0c1e57098):
 
 from __future__ import annotations
 
-from ggufpipe_agent.gguf.families.qwen3moe import refuse_non_uniform
-from ggufpipe_agent.gguf.rules import Architecture, Metadata
-
-
-def _check(get: Metadata, block_count: int, start: int, end: int, where: str) -> None:
-    refuse_non_uniform("minimax-m2", get, start, end, where)
-
+from ggufpipe_agent.gguf import rules
+from ggufpipe_agent.gguf.rules import Architecture
 
 ARCHITECTURE = Architecture(
     "minimax-m2",
@@ -46,6 +41,6 @@ ARCHITECTURE = Architecture(
     "Q/K norms over the whole projection, partial rotary, GQA); MiniMax M2; every stage keeps "
     "output.weight, which llama.cpp requires; a non-uniform per-layer head or expert count is "
     "refused",
-    check=_check,
+    check=rules.uniform_check("minimax-m2"),
     keep_tensors=("output.weight",),
 )

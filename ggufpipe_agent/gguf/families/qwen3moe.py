@@ -35,49 +35,13 @@ Read from llama.cpp 0.3.36 (vendored commit 0c1e57098):
 
 from __future__ import annotations
 
-from ggufpipe_agent.errors import UnsupportedArchitecture
-from ggufpipe_agent.gguf.rules import Architecture, Metadata
-
-#: Keys llama.cpp reads as "a scalar or one value per layer" and then, in
-#: places, as layer 0's value for every block.
-PER_LAYER_KEYS = (
-    "attention.head_count",
-    "attention.head_count_kv",
-    "expert_used_count",
-    "feed_forward_length",
-    "expert_feed_forward_length",
-)
-
-
-def refuse_non_uniform(arch: str, get: Metadata, start: int, end: int, where: str) -> None:
-    """Refuse a split of a model with a non-uniform per-layer array of
-    :data:`PER_LAYER_KEYS`, or with multi-token-prediction blocks."""
-    span = f"{where}: layers [{start}, {end}) of a {arch} model"
-    for key in PER_LAYER_KEYS:
-        value = get(f"{arch}.{key}")
-        if isinstance(value, list) and len(set(value)) > 1:
-            raise UnsupportedArchitecture(
-                f"{span}: {arch}.{key} differs between blocks ({sorted(set(value))}); llama.cpp uses "
-                "layer 0's value for every block in places, and a stage's layer 0 is another block "
-                "of the original, so this model cannot be split exactly and runs only as one stage"
-            )
-    nextn = get(f"{arch}.nextn_predict_layers")
-    if nextn:
-        raise UnsupportedArchitecture(
-            f"{span}: {arch}.nextn_predict_layers = {nextn}: llama.cpp takes the last {nextn} "
-            "blocks of a file for multi-token prediction, which a stage file cannot say of one "
-            "range; this model runs only as one stage"
-        )
-
-
-def _check(get: Metadata, block_count: int, start: int, end: int, where: str) -> None:
-    refuse_non_uniform("qwen3moe", get, start, end, where)
-
+from ggufpipe_agent.gguf import rules
+from ggufpipe_agent.gguf.rules import Architecture
 
 ARCHITECTURE = Architecture(
     "qwen3moe",
     "synthetic GGUF (random weights, 8 experts top-2 with softmax gating, Q/K norms, explicit "
     "head size, GQA); Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-480B-A35B; a non-uniform "
     "per-layer head or expert count is refused",
-    check=_check,
+    check=rules.uniform_check("qwen3moe"),
 )

@@ -71,9 +71,8 @@ sliding window); keeping the whole state needs the engine to know it.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ggufpipe_agent.errors import ModelError, UnsupportedArchitecture
+from ggufpipe_agent.gguf import rules
 from ggufpipe_agent.gguf.rules import Architecture, Metadata, Overrides
 
 ARCH = "qwen3next"
@@ -83,13 +82,7 @@ PATTERN_KEY = f"{ARCH}.attention.recurrent_layers"
 NEXTN_KEY = f"{ARCH}.nextn_predict_layers"
 INTERVAL_KEY = f"{ARCH}.full_attention_interval"
 #: Per-layer arrays llama.cpp reads, of which the graph uses block 0's value everywhere.
-UNIFORM_KEYS = (
-    f"{ARCH}.attention.head_count",
-    f"{ARCH}.attention.head_count_kv",
-    f"{ARCH}.feed_forward_length",
-    f"{ARCH}.expert_used_count",
-    f"{ARCH}.expert_feed_forward_length",
-)
+UNIFORM_KEYS = tuple(f"{ARCH}.{key}" for key in rules.LAYER0_KEYS)
 
 
 def _nextn(get: Metadata) -> int:
@@ -111,54 +104,33 @@ def recurrent_flags(get: Metadata, start: int, end: int) -> list[bool]:
 
 
 def _overrides(get: Metadata, start: int, end: int) -> Overrides:
-    import gguf
-
     overrides: Overrides = {}
     if not isinstance(get(PATTERN_KEY), list):
         # Only the interval: the stage's blocks would be classified by their new
         # index; carry the original pattern's slice (read in preference to it).
-        flags = recurrent_flags(get, start, end)
-        overrides[PATTERN_KEY] = (flags, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL)
+        overrides[PATTERN_KEY] = rules.bool_array(recurrent_flags(get, start, end))
     nextn = _nextn(get)
     if nextn:
-        n_layer = int(get(f"{ARCH}.block_count")) - nextn
-        overrides[NEXTN_KEY] = (max(0, end - max(start, n_layer)), gguf.GGUFValueType.UINT32, None)
+        block_count = int(get(f"{ARCH}.block_count"))
+        overrides[NEXTN_KEY] = rules.uint32(rules.trailing_in(nextn, block_count, start, end))
     return overrides
 
 
 def _check(get: Metadata, block_count: int, start: int, end: int, where: str) -> None:
-    span = f"layers [{start}, {end}) of a {ARCH} model"
+    span = rules.span(ARCH, start, end)
     pattern = get(PATTERN_KEY)
     if pattern is not None and (not isinstance(pattern, list) or len(pattern) != block_count):
         raise ModelError(
             f"{where}: {PATTERN_KEY} has {len(pattern) if hasattr(pattern, '__len__') else 'no'} "
             f"entries for {block_count} blocks; cannot tell which blocks of a stage are recurrent"
         )
-    for key in UNIFORM_KEYS:
-        values: Any = get(key)
-        if isinstance(values, list) and len(set(values)) > 1:
-            raise UnsupportedArchitecture(
-                f"{where}: {span}: {key} differs between blocks ({sorted(set(values))}), and "
-                "llama.cpp computes every block with block 0's value, which is another block in a "
-                "stage file; this model runs only as one stage"
-            )
+    rules.refuse_non_uniform(ARCH, get, start, end, where)
     if pattern is None:
         interval = get(INTERVAL_KEY)
         if interval is not None and int(interval) <= 0:
             raise ModelError(f"{where}: {INTERVAL_KEY} is {interval}; llama.cpp divides by it")
-    nextn = _nextn(get)
-    n_layer = block_count - nextn
-    if nextn and start >= n_layer:
-        raise UnsupportedArchitecture(
-            f"{where}: {span}: blocks {n_layer}..{block_count - 1} are the multi-token-prediction "
-            f"(MTP) head, which llama.cpp does not run in the main pass; a stage of MTP blocks "
-            f"only would compute nothing. Give the last stage at least one block below {n_layer}"
-        )
-    if nextn and n_layer < end < block_count:
-        raise UnsupportedArchitecture(
-            f"{where}: {span}: the cut at {end} falls between the multi-token-prediction (MTP) "
-            f"blocks {n_layer}..{block_count - 1}; they stay together in the last stage"
-        )
+    rules.refuse_mtp_cuts(ARCH, get, block_count, start, end, where)
+    n_layer = block_count - _nextn(get)
     if get(f"{ARCH}.ssm.conv_kernel") is None:
         return  # only the model facts of a plan: the agents check again from the file
     flags = recurrent_flags(get, start, min(end, n_layer))
