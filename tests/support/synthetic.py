@@ -214,23 +214,9 @@ def nextn(wt: Weights, hidden: int = HIDDEN) -> Tensors:
     }
 
 
-def write_gguf(
-    path: Path,
-    arch: str,
-    name: str,
-    keys: dict[str, Any],
-    tensors: Iterable[tuple[str, np.ndarray]],
-    pre: str = "default",
-) -> Path:
-    """Write one synthetic GGUF: ``keys`` under ``{arch}.`` (list -> array,
-    bool, float -> float32, int -> uint32, str), the small vocabulary with
-    the pre-tokenizer ``pre``, then ``tensors`` as float32, in order (a
-    generator may draw them as they are written)."""
-    import gguf
-
-    writer = gguf.GGUFWriter(path, arch=arch)
-    writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+def add_keys(writer: Any, arch: str, keys: dict[str, Any]) -> None:
+    """``keys`` under ``{arch}.``: list -> array, bool, float -> float32,
+    int -> uint32, str -> string."""
     for key, value in keys.items():
         key = f"{arch}.{key}"
         if isinstance(value, list):
@@ -244,16 +230,39 @@ def write_gguf(
         else:
             writer.add_string(key, value)
 
+
+def add_vocabulary(writer: Any, pre: str) -> list[str]:
+    """The small byte-level BPE vocabulary with the pre-tokenizer ``pre``; its tokens."""
     tokens, types = vocabulary()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(list(MERGES))
+    return tokens
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    name: str,
+    keys: dict[str, Any],
+    tensors: Iterable[tuple[str, np.ndarray]],
+    pre: str = "default",
+) -> Path:
+    """Write one synthetic GGUF: ``keys`` (see add_keys), the small
+    vocabulary, then ``tensors`` as float32, in order (a generator may draw
+    them as they are written)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, arch=arch)
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    add_keys(writer, arch, keys)
+    tokens = add_vocabulary(writer, pre)
     writer.add_bos_token_id(tokens.index("<|endoftext|>"))
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_add_bos_token(False)
-
     for tensor, array in tensors:
         writer.add_tensor(tensor, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
