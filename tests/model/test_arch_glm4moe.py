@@ -128,7 +128,8 @@ def test_glm4moe_stage_without_sections_aborts_llama_cpp(model, tmp_path):
         import ggufpipe_agent.gguf.architectures  # discovers the families
         from ggufpipe_agent.gguf.families import glm4moe
         from ggufpipe_agent.stagefiles import writer
-                from tests.support.stage_chain import Chain
+        from ggufpipe_agent.wire.protocol import EngineOptions
+        from tests.support.stage_chain import Chain
 
         def without_sections(arch, get, start, end):
             found = glm4moe._overrides(get, start, end)
