@@ -337,26 +337,38 @@ def _block_tensors(spec: Spec, wt: Weights) -> Tensors:
     return tensors
 
 
+def shape_keys(
+    blocks: int,
+    ffn: int,
+    eps: float = 1e-5,
+    head_dim: int | None = None,
+    kv_heads: int = KV_HEADS,
+    context: int = CONTEXT,
+) -> dict[str, Any]:
+    """The shape every synthetic model writes: context, hidden size, blocks,
+    feed-forward, heads and, if ``head_dim``, an explicit head size."""
+    keys: dict[str, Any] = {
+        "context_length": context,
+        "embedding_length": HIDDEN,
+        "block_count": blocks,
+        "feed_forward_length": ffn,
+        "attention.head_count": HEADS,
+        "attention.head_count_kv": kv_heads,
+        "attention.layer_norm_rms_epsilon": eps,
+    }
+    if head_dim:
+        keys |= {"attention.key_length": head_dim, "attention.value_length": head_dim}
+    return keys
+
+
 def write_model(path: Path, name: str, seed: int = 0) -> Path:
     """Write the synthetic GGUF ``name`` (a key of SPECS) to ``path``."""
     spec = SPECS[name]
     arch = spec.arch
-    keys: dict[str, Any] = {
-        "context_length": CONTEXT,
-        "embedding_length": HIDDEN,
-        "block_count": spec.blocks,
-        "feed_forward_length": FFN,
-        "attention.head_count": HEADS,
-        "attention.head_count_kv": KV_HEADS,
-    }
-    if arch in ("gpt2", "falcon"):
-        keys["attention.layer_norm_epsilon"] = 1e-5
-    else:
-        keys["attention.layer_norm_rms_epsilon"] = 1e-6 if arch == "gemma3" else 1e-5
-    if arch in ("qwen3", "gemma3", "mistral3"):
-        keys["attention.key_length"] = HEAD_DIM
-        keys["attention.value_length"] = HEAD_DIM
-    keys |= spec.extra
+    head_dim = HEAD_DIM if arch in ("qwen3", "gemma3", "mistral3") else None
+    keys = shape_keys(spec.blocks, FFN, 1e-6 if arch == "gemma3" else 1e-5, head_dim) | spec.extra
+    if arch in ("gpt2", "falcon"):  # layer norm, not RMS norm
+        keys["attention.layer_norm_epsilon"] = keys.pop("attention.layer_norm_rms_epsilon")
 
     wt = Weights(seed)
     # Gemma multiplies token embeddings by sqrt(hidden): keep its input well

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.synthetic import (
+    HEADS,
+    HIDDEN,
     SPECIALS,
     VOCAB,
     Tensors,
@@ -41,12 +43,11 @@ from tests.support.synthetic import (
     feed_forward,
     nextn,
     outer_tensors,
+    shape_keys,
     write_gguf,
 )
 
 ARCH = "deepseek2"
-HIDDEN = 64
-HEADS = 4
 Q_LORA = 32
 KV_LORA = 32
 ROPE_DIM = 8  # qk_rope_head_dim
@@ -58,7 +59,6 @@ EXPERTS = 4
 EXPERTS_USED = 2
 SHARED = 1
 EXPERT_FFN = 32
-CONTEXT = 4096
 
 #: The V3-like model: 29 trunk blocks (3 dense, 26 MoE) and 1 MTP block, enough
 #: for stages of 26 and 27 blocks, the counts llama.cpp takes for "lite".
@@ -75,14 +75,8 @@ GATING_SIGMOID = 2  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (src/llama-hparams.h
 
 def _keys(lite: bool) -> dict[str, Any]:
     keys: dict[str, Any] = {
-        "context_length": CONTEXT,
-        "embedding_length": HIDDEN,
-        "block_count": LITE_BLOCKS if lite else BLOCKS,
-        "feed_forward_length": FFN,
-        "attention.head_count": HEADS,
-        "attention.head_count_kv": 1,  # MLA is MQA once absorbed
+        **shape_keys(LITE_BLOCKS if lite else BLOCKS, FFN, 1e-6, kv_heads=1),  # MLA is MQA once absorbed
         "rope.freq_base": 10000.0,
-        "attention.layer_norm_rms_epsilon": 1e-6,
         "expert_used_count": EXPERTS_USED,
         "leading_dense_block_count": LITE_LEADING_DENSE if lite else LEADING_DENSE,
         "vocab_size": VOCAB,

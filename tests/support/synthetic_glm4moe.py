@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.synthetic import (
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
     Tensors,
     Weights,
     attention,
@@ -39,6 +42,7 @@ from tests.support.synthetic import (
     feed_forward,
     nextn,
     outer_tensors,
+    shape_keys,
     write_gguf,
 )
 
@@ -47,9 +51,6 @@ TRUNK = 7  # blocks the whole model computes
 NEXTN = 1  # multi-token-prediction blocks after them
 BLOCKS = TRUNK + NEXTN  # block_count
 LEAD = 2  # leading dense blocks
-HIDDEN = 64
-HEADS = 4
-KV_HEADS = 2
 HEAD_DIM = 32  # explicit key_length: HEADS * HEAD_DIM = 128 != HIDDEN
 ROTARY = 16  # rope.dimension_count: partial rotary, half the head
 EXPERTS = 8
@@ -57,18 +58,9 @@ EXPERTS_USED = 2
 SHARED = 1
 EXPERT_FFN = 32
 FFN = 96
-CONTEXT = 4096
 
 KEYS: dict[str, Any] = {
-    "context_length": CONTEXT,
-    "embedding_length": HIDDEN,
-    "block_count": BLOCKS,
-    "feed_forward_length": FFN,
-    "attention.head_count": HEADS,
-    "attention.head_count_kv": KV_HEADS,
-    "attention.key_length": HEAD_DIM,
-    "attention.value_length": HEAD_DIM,
-    "attention.layer_norm_rms_epsilon": 1e-5,
+    **shape_keys(BLOCKS, FFN, head_dim=HEAD_DIM),
     "rope.dimension_count": ROTARY,
     "rope.freq_base": 1000000.0,
     "expert_count": EXPERTS,

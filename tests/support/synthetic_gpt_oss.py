@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.synthetic import (
-    CONTEXT,
     HEAD_DIM,
     HEADS,
     HIDDEN,
@@ -27,6 +26,7 @@ from tests.support.synthetic import (
     attention,
     blocks,
     outer_tensors,
+    shape_keys,
     write_gguf,
 )
 
@@ -38,15 +38,7 @@ EXPERT_FFN = 64
 WINDOW = 8
 
 KEYS: dict[str, Any] = {
-    "context_length": CONTEXT,
-    "embedding_length": HIDDEN,
-    "block_count": BLOCKS,
-    "feed_forward_length": EXPERT_FFN,
-    "attention.head_count": HEADS,
-    "attention.head_count_kv": KV_HEADS,
-    "attention.key_length": HEAD_DIM,
-    "attention.value_length": HEAD_DIM,
-    "attention.layer_norm_rms_epsilon": 1e-5,
+    **shape_keys(BLOCKS, EXPERT_FFN, head_dim=HEAD_DIM),
     "attention.sliding_window": WINDOW,
     "expert_count": EXPERTS,
     "expert_used_count": EXPERTS_USED,

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.synthetic import (
-    CONTEXT,
     FFN,
     HEAD_DIM,
     HEADS,
@@ -29,6 +28,7 @@ from tests.support.synthetic import (
     experts,
     feed_forward,
     outer_tensors,
+    shape_keys,
     write_gguf,
 )
 
@@ -40,17 +40,9 @@ EXPERTS_USED = 2
 EXPERT_FFN = 64
 
 KEYS: dict[str, Any] = {
-    "context_length": CONTEXT,
-    "embedding_length": HIDDEN,
-    "block_count": BLOCKS,
-    "feed_forward_length": FFN,
-    "attention.head_count": HEADS,
-    "attention.head_count_kv": KV_HEADS,
-    "attention.key_length": HEAD_DIM,
-    "attention.value_length": HEAD_DIM,
+    **shape_keys(BLOCKS, FFN, head_dim=HEAD_DIM),
     "rope.dimension_count": HEAD_DIM,
     "rope.freq_base": 500000.0,
-    "attention.layer_norm_rms_epsilon": 1e-5,
     "expert_count": EXPERTS,
     "expert_used_count": EXPERTS_USED,
     "expert_feed_forward_length": EXPERT_FFN,

@@ -19,32 +19,32 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.support.synthetic import Tensors, Weights, attention, blocks, experts, outer_tensors, write_gguf
+from tests.support.synthetic import (
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    Tensors,
+    Weights,
+    attention,
+    blocks,
+    experts,
+    outer_tensors,
+    shape_keys,
+    write_gguf,
+)
 
 ARCH = "minimax-m2"
 BLOCKS = 8
-HIDDEN = 64
-HEADS = 4
-KV_HEADS = 2
 HEAD_DIM = 32  # HEADS * HEAD_DIM = 128 != HIDDEN, as the real model (48 * 128 != 3072)
 ROPE_DIMS = 16  # partial rotary: half of the head, as the real 64 of 128
 EXPERTS = 8
 EXPERTS_USED = 2
 EXPERT_FFN = 32
 GATING_SIGMOID = 2  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
-CONTEXT = 4096
 
 KEYS: dict[str, Any] = {
-    "context_length": CONTEXT,
-    "embedding_length": HIDDEN,
-    "block_count": BLOCKS,
-    "feed_forward_length": EXPERT_FFN,
+    **shape_keys(BLOCKS, EXPERT_FFN, 1e-6, head_dim=HEAD_DIM),
     "expert_feed_forward_length": EXPERT_FFN,
-    "attention.head_count": HEADS,
-    "attention.head_count_kv": KV_HEADS,
-    "attention.key_length": HEAD_DIM,
-    "attention.value_length": HEAD_DIM,
-    "attention.layer_norm_rms_epsilon": 1e-6,
     "rope.freq_base": 5000000.0,
     "rope.dimension_count": ROPE_DIMS,
     "expert_count": EXPERTS,

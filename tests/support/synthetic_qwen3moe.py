@@ -18,30 +18,30 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.support.synthetic import Tensors, Weights, attention, blocks, experts, outer_tensors, write_gguf
+from tests.support.synthetic import (
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    Tensors,
+    Weights,
+    attention,
+    blocks,
+    experts,
+    outer_tensors,
+    shape_keys,
+    write_gguf,
+)
 
 ARCH = "qwen3moe"
 BLOCKS = 8
-HIDDEN = 64
-HEADS = 4
-KV_HEADS = 2
 HEAD_DIM = 32  # explicit key_length: HEADS * HEAD_DIM = 128 != HIDDEN
 EXPERTS = 8
 EXPERTS_USED = 2
 EXPERT_FFN = 32
 FFN = 96  # the dense feed_forward_length the converter writes; unused by qwen3moe
-CONTEXT = 4096
 
 KEYS: dict[str, Any] = {
-    "context_length": CONTEXT,
-    "embedding_length": HIDDEN,
-    "block_count": BLOCKS,
-    "feed_forward_length": FFN,
-    "attention.head_count": HEADS,
-    "attention.head_count_kv": KV_HEADS,
-    "attention.key_length": HEAD_DIM,
-    "attention.value_length": HEAD_DIM,
-    "attention.layer_norm_rms_epsilon": 1e-6,
+    **shape_keys(BLOCKS, FFN, 1e-6, head_dim=HEAD_DIM),
     "rope.freq_base": 1000000.0,
     "expert_count": EXPERTS,
     "expert_used_count": EXPERTS_USED,

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.synthetic import (
-    CONTEXT,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
     Tensors,
     Weights,
     blocks,
@@ -35,13 +37,11 @@ from tests.support.synthetic import (
     feed_forward,
     nextn,
     outer_tensors,
+    shape_keys,
     write_gguf,
 )
 
 ARCH = "qwen3next"
-HIDDEN = 64
-HEADS = 4
-KV_HEADS = 2
 HEAD_DIM = 16
 ROPE_DIM = 8
 #: Linear attention (gated delta net): ssm.state_size, ssm.group_count,
@@ -64,15 +64,7 @@ INTERVAL = 4  # llama.cpp's default: blocks 3, 7, 11 and 15 are full attention
 ARRAY_PATTERN = (True, False, True, True, True, False, False, True, True, False)
 
 KEYS: dict[str, Any] = {
-    "context_length": CONTEXT,
-    "embedding_length": HIDDEN,
-    "block_count": TRUNK + 1,
-    "feed_forward_length": FFN,
-    "attention.head_count": HEADS,
-    "attention.head_count_kv": KV_HEADS,
-    "attention.key_length": HEAD_DIM,
-    "attention.value_length": HEAD_DIM,
-    "attention.layer_norm_rms_epsilon": 1e-6,
+    **shape_keys(TRUNK + 1, FFN, 1e-6, head_dim=HEAD_DIM),
     "rope.freq_base": 10000.0,
     "rope.dimension_count": ROPE_DIM,
     "expert_count": EXPERTS,
