@@ -32,7 +32,7 @@ from ggufpipe_agent.gguf.families import deepseek2
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from tests.support import synthetic_deepseek2
-from tests.support.arch_harness import greedy_reference, model_path, run_chain
+from tests.support.arch_harness import assert_per_layer_refused, greedy_reference, model_path, run_chain
 
 ARCH = MODEL = "deepseek2"
 BLOCKS = synthetic_deepseek2.BLOCKS  # 30: blocks 0-2 dense, 3-28 MoE, 29 MTP
@@ -268,12 +268,7 @@ def test_deepseek2_default_gating_is_written_from_the_whole_model():
     ],
 )
 def test_deepseek2_non_uniform_per_layer_counts_are_refused(key, values):
-    get = {**V3, f"{ARCH}.{key}": values}.get
-    check_split(ARCH, get, 0, 62, "odd")  # the whole model is the source file itself
-    with pytest.raises(UnsupportedArchitecture, match=rf"deepseek2\.{key} differs between blocks"):
-        check_split(ARCH, get, 0, 31, "odd")
-    uniform = {**V3, f"{ARCH}.{key}": [values[0]] * 62}.get
-    check_split(ARCH, uniform, 0, 31, "uniform")
+    assert_per_layer_refused(ARCH, V3, key, values, (0, 31), uniform=True)
 
 
 def test_deepseek2_lite_looking_plan_is_refused_from_model_facts():

@@ -35,7 +35,7 @@ from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles import writer as stagefile
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from tests.support import synthetic_glm4moe
-from tests.support.arch_harness import OPTIONS, UBATCH, run_chain
+from tests.support.arch_harness import OPTIONS, UBATCH, assert_per_layer_refused, run_chain
 from tests.support.common import REPO
 from tests.support.stage_chain import Chain
 
@@ -219,12 +219,7 @@ GLM45_AIR = {  # what llama.cpp reads of GLM-4.5-Air's shape: 46 trunk blocks an
     ],
 )
 def test_glm4moe_non_uniform_per_layer_counts_are_refused(key, values):
-    get = {**GLM45_AIR, f"glm4moe.{key}": values}.get
-    check_split(ARCH, get, 0, 47, "odd")  # the whole model is the source file itself
-    with pytest.raises(UnsupportedArchitecture, match=rf"glm4moe\.{key} differs between blocks"):
-        check_split(ARCH, get, 0, 24, "odd")
-    with pytest.raises(UnsupportedArchitecture, match="runs only as one stage"):
-        check_split(ARCH, get, 24, 47, "odd")
+    assert_per_layer_refused(ARCH, GLM45_AIR, key, values, (0, 24), rest=(24, 47))
 
 
 def test_glm4moe_uniform_per_layer_arrays_are_fine():

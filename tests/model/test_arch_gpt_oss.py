@@ -22,7 +22,7 @@ from ggufpipe_agent.gguf.architectures import SUPPORTED, check_plan, check_split
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from tests.support import synthetic_gpt_oss
-from tests.support.arch_harness import run_chain
+from tests.support.arch_harness import assert_per_layer_refused, run_chain
 
 ARCH = MODEL = "gpt-oss"
 
@@ -78,10 +78,9 @@ def test_a_refused_stage_is_refused_from_the_model_facts():
     ["attention.head_count", "attention.head_count_kv", "expert_used_count", "expert_feed_forward_length"],
 )
 def test_per_layer_values_that_differ_are_refused(key):
-    meta = {f"{ARCH}.block_count": 4, f"{ARCH}.{key}": [4, 4, 2, 2]}
-    check_split(ARCH, {**meta, f"{ARCH}.{key}": [4] * 4}.get, 0, 2, "m")
-    with pytest.raises(UnsupportedArchitecture, match=f"{ARCH}.{key} differs between blocks"):
-        check_split(ARCH, meta.get, 0, 2, "m")
+    assert_per_layer_refused(
+        ARCH, {f"{ARCH}.block_count": 4}, key, [4, 4, 2, 2], (0, 2), whole=False, uniform=True
+    )
 
 
 def test_separate_sliding_window_head_sizes_are_refused():

@@ -24,7 +24,14 @@ from ggufpipe_agent.gguf.architectures import SUPPORTED, check_plan, check_split
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from tests.support import synthetic_llama4
-from tests.support.arch_harness import HEADLESS_RUN, headless_greedy, run_chain, run_headless, write_inventory
+from tests.support.arch_harness import (
+    HEADLESS_RUN,
+    assert_per_layer_refused,
+    headless_greedy,
+    run_chain,
+    run_headless,
+    write_inventory,
+)
 
 ARCH = "llama4"
 MODEL = "llama4 maverick"
@@ -114,10 +121,8 @@ def test_a_model_without_chunked_attention_is_refused(tmp_path):
     "key", ["attention.head_count", "attention.head_count_kv", "expert_used_count", "feed_forward_length"]
 )
 def test_per_layer_values_that_differ_are_refused(key):
-    meta = {f"{ARCH}.block_count": 8, f"{ARCH}.{key}": [4] * 4 + [2] * 4}
-    check_split(ARCH, {**meta, f"{ARCH}.{key}": [4] * 8}.get, 0, 4, "m")
-    with pytest.raises(UnsupportedArchitecture, match=f"{ARCH}.{key} differs between blocks"):
-        check_split(ARCH, meta.get, 0, 4, "m")
+    meta = {f"{ARCH}.block_count": 8}
+    assert_per_layer_refused(ARCH, meta, key, [4] * 4 + [2] * 4, (0, 4), whole=False, uniform=True)
 
 
 def test_a_pattern_array_of_the_wrong_length_is_refused():

@@ -26,7 +26,7 @@ from ggufpipe_agent.gguf.architectures import SUPPORTED, check_split
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from tests.support import synthetic_minimax_m2
-from tests.support.arch_harness import OPTIONS
+from tests.support.arch_harness import OPTIONS, assert_per_layer_refused
 from tests.support.stage_chain import Chain
 
 ARCH = MODEL = "minimax-m2"
@@ -93,10 +93,7 @@ def test_minimax_m2_real_shape_splits_anywhere():
     ],
 )
 def test_minimax_m2_non_uniform_per_layer_counts_are_refused(key, values):
-    get = {**MINIMAX_M2, f"minimax-m2.{key}": values}.get
-    check_split(ARCH, get, 0, 62, "odd")  # the whole model is the source file itself
-    with pytest.raises(UnsupportedArchitecture, match=rf"minimax-m2\.{key} differs between blocks"):
-        check_split(ARCH, get, 31, 62, "odd")
+    assert_per_layer_refused(ARCH, MINIMAX_M2, key, values, (31, 62))
 
 
 def test_minimax_m2_multi_token_prediction_blocks_are_refused():

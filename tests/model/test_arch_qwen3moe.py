@@ -24,7 +24,7 @@ from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles import writer as stagefile
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from tests.support import synthetic_qwen3moe
-from tests.support.arch_harness import OPTIONS, run_chain
+from tests.support.arch_harness import OPTIONS, assert_per_layer_refused, run_chain
 from tests.support.stage_chain import Chain
 
 ARCH = MODEL = "qwen3moe"
@@ -81,12 +81,7 @@ UNIFORM = {"qwen3moe.block_count": 48, "qwen3moe.attention.head_count": 32, "qwe
     ],
 )
 def test_qwen3moe_non_uniform_per_layer_counts_are_refused(key, values):
-    get = {**UNIFORM, f"qwen3moe.{key}": values}.get
-    check_split(ARCH, get, 0, 48, "odd")  # the whole model is the source file itself
-    with pytest.raises(UnsupportedArchitecture, match=rf"qwen3moe\.{key} differs between blocks"):
-        check_split(ARCH, get, 0, 24, "odd")
-    with pytest.raises(UnsupportedArchitecture, match="runs only as one stage"):
-        check_split(ARCH, get, 24, 48, "odd")
+    assert_per_layer_refused(ARCH, UNIFORM, key, values, (0, 24), rest=(24, 48))
 
 
 def test_qwen3moe_uniform_per_layer_arrays_are_fine():

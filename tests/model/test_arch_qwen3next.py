@@ -26,7 +26,7 @@ from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles import writer as stagefile
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from tests.support import synthetic_qwen3next
-from tests.support.arch_harness import OPTIONS, model_path
+from tests.support.arch_harness import OPTIONS, assert_per_layer_refused, model_path
 from tests.support.stage_chain import Chain
 
 A = family.ARCH
@@ -119,12 +119,7 @@ def test_cut_between_mtp_blocks_is_refused():
 
 @pytest.mark.parametrize("key", [key.removeprefix(f"{A}.") for key in family.UNIFORM_KEYS])
 def test_per_layer_counts_that_differ_are_refused(key):
-    uniform = _metadata(**{key: [8] * 50}).get
-    check_split(A, uniform, 0, 24, "uniform")
-    differing = _metadata(**{key: [8] * 49 + [4]}).get
-    check_split(A, differing, 0, 50, "whole")  # the whole model is the source itself
-    with pytest.raises(UnsupportedArchitecture, match=f"{key} differs between blocks"):
-        check_split(A, differing, 0, 24, "differing")
+    assert_per_layer_refused(A, _metadata(), key, [8] * 49 + [4], (0, 24), uniform=True)
 
 
 def test_per_layer_head_counts_that_differ_are_refused_before_a_file_is_written(tmp_path):

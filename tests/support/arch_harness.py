@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -22,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from ggufpipe_agent.errors import UnsupportedArchitecture
+from ggufpipe_agent.gguf.architectures import check_split
 from ggufpipe_agent.wire.protocol import EngineOptions
 from tests.support import (
     synthetic,
@@ -101,6 +104,35 @@ def run_chain(
         return chain.generate(PROMPT, STEPS)
     finally:
         chain.close()
+
+
+def assert_per_layer_refused(
+    arch: str,
+    metadata: dict[str, Any],
+    key: str,
+    values: list[int],
+    part: tuple[int, int],
+    whole: bool = True,
+    rest: tuple[int, int] | None = None,
+    uniform: bool = False,
+) -> None:
+    """A model whose per-layer ``{arch}.{key}`` is ``values`` (not the same
+    for every block) over ``metadata``: the whole model runs as the source
+    file itself (if ``whole``), the stage ``part`` is refused by the key's
+    name, the stage ``rest`` (if given) because the model runs only as one
+    stage, and ``part`` of a uniform array of the first value runs (if
+    ``uniform``)."""
+    name = f"{arch}.{key}"
+    get = {**metadata, name: values}.get
+    if whole:
+        check_split(arch, get, 0, len(values), "odd")
+    with pytest.raises(UnsupportedArchitecture, match=re.escape(name) + " differs between blocks"):
+        check_split(arch, get, *part, "odd")
+    if rest:
+        with pytest.raises(UnsupportedArchitecture, match="runs only as one stage"):
+            check_split(arch, get, *rest, "odd")
+    if uniform:
+        check_split(arch, {**metadata, name: [values[0]] * len(values)}.get, *part, "uniform")
 
 
 # ------------------------------------------------------- command line
