@@ -28,6 +28,8 @@ KV_HEADS = 2
 HEAD_DIM = HIDDEN // HEADS
 FFN = 128
 CONTEXT = 4096
+#: Experts each token is routed to, in every mixture-of-experts model here.
+EXPERTS_USED = 2
 
 #: Control tokens appended after the byte and merge tokens. llama.cpp looks
 #: up <s>, </s> and <unk> by text when the model name contains "phi3".
@@ -359,6 +361,11 @@ def shape_keys(
     if head_dim:
         keys |= {"attention.key_length": head_dim, "attention.value_length": head_dim}
     return keys
+
+
+def expert_keys(count: int, used: int, ffn: int) -> dict[str, Any]:
+    """A mixture of experts: ``count`` experts of feed-forward ``ffn``, ``used`` per token."""
+    return {"expert_count": count, "expert_used_count": used, "expert_feed_forward_length": ffn}
 
 
 def write_model(path: Path, name: str, seed: int = 0) -> Path:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.synthetic import (
+    EXPERTS_USED,
     HEADS,
     HIDDEN,
     SPECIALS,
@@ -39,6 +40,7 @@ from tests.support.synthetic import (
     Tensors,
     Weights,
     blocks,
+    expert_keys,
     experts,
     feed_forward,
     nextn,
@@ -56,7 +58,6 @@ K_MLA = NOPE_DIM + ROPE_DIM  # key_length_mla
 V_MLA = 16  # v_head_dim
 FFN = 128  # the dense blocks' feed-forward
 EXPERTS = 4
-EXPERTS_USED = 2
 SHARED = 1
 EXPERT_FFN = 32
 
@@ -77,7 +78,7 @@ def _keys(lite: bool) -> dict[str, Any]:
     keys: dict[str, Any] = {
         **shape_keys(LITE_BLOCKS if lite else BLOCKS, FFN, 1e-6, kv_heads=1),  # MLA is MQA once absorbed
         "rope.freq_base": 10000.0,
-        "expert_used_count": EXPERTS_USED,
+        **expert_keys(EXPERTS, EXPERTS_USED, EXPERT_FFN),
         "leading_dense_block_count": LITE_LEADING_DENSE if lite else LEADING_DENSE,
         "vocab_size": VOCAB,
     }
@@ -89,8 +90,6 @@ def _keys(lite: bool) -> dict[str, Any]:
         "attention.value_length": KV_LORA,
         "attention.key_length_mla": K_MLA,
         "attention.value_length_mla": V_MLA,
-        "expert_feed_forward_length": EXPERT_FFN,
-        "expert_count": EXPERTS,
         "expert_shared_count": SHARED,
         "rope.dimension_count": ROPE_DIM,
     }

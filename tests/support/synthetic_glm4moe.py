@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.synthetic import (
+    EXPERTS_USED,
     HEADS,
     HIDDEN,
     KV_HEADS,
@@ -38,6 +39,7 @@ from tests.support.synthetic import (
     Weights,
     attention,
     blocks,
+    expert_keys,
     experts,
     feed_forward,
     nextn,
@@ -54,7 +56,6 @@ LEAD = 2  # leading dense blocks
 HEAD_DIM = 32  # explicit key_length: HEADS * HEAD_DIM = 128 != HIDDEN
 ROTARY = 16  # rope.dimension_count: partial rotary, half the head
 EXPERTS = 8
-EXPERTS_USED = 2
 SHARED = 1
 EXPERT_FFN = 32
 FFN = 96
@@ -63,10 +64,8 @@ KEYS: dict[str, Any] = {
     **shape_keys(BLOCKS, FFN, head_dim=HEAD_DIM),
     "rope.dimension_count": ROTARY,
     "rope.freq_base": 1000000.0,
-    "expert_count": EXPERTS,
-    "expert_used_count": EXPERTS_USED,
+    **expert_keys(EXPERTS, EXPERTS_USED, EXPERT_FFN),
     "expert_shared_count": SHARED,
-    "expert_feed_forward_length": EXPERT_FFN,
     "leading_dense_block_count": LEAD,
     "expert_weights_scale": 2.5,
     "expert_weights_norm": True,

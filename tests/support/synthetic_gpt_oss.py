@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.synthetic import (
+    EXPERTS_USED,
     HEAD_DIM,
     HEADS,
     HIDDEN,
@@ -25,6 +26,7 @@ from tests.support.synthetic import (
     Weights,
     attention,
     blocks,
+    expert_keys,
     outer_tensors,
     shape_keys,
     write_gguf,
@@ -33,16 +35,13 @@ from tests.support.synthetic import (
 ARCH = "gpt-oss"
 BLOCKS = 9  # sliding window on 0, 2, 4, 6, 8; full attention on 1, 3, 5, 7
 EXPERTS = 4
-EXPERTS_USED = 2
 EXPERT_FFN = 64
 WINDOW = 8
 
 KEYS: dict[str, Any] = {
     **shape_keys(BLOCKS, EXPERT_FFN, head_dim=HEAD_DIM),
     "attention.sliding_window": WINDOW,
-    "expert_count": EXPERTS,
-    "expert_used_count": EXPERTS_USED,
-    "expert_feed_forward_length": EXPERT_FFN,
+    **expert_keys(EXPERTS, EXPERTS_USED, EXPERT_FFN),
     "rope.freq_base": 150000.0,
     "rope.scaling.type": "yarn",
     "rope.scaling.factor": 4.0,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.synthetic import (
+    EXPERTS_USED,
     FFN,
     HEAD_DIM,
     HEADS,
@@ -25,6 +26,7 @@ from tests.support.synthetic import (
     Weights,
     attention,
     blocks,
+    expert_keys,
     experts,
     feed_forward,
     outer_tensors,
@@ -36,16 +38,13 @@ ARCH = "llama4"
 BLOCKS = 17  # stages start at 0, 4, 8 or 12; no RoPE on 3, 7, 11, 15
 MOE_STEP = 2
 EXPERTS = 4
-EXPERTS_USED = 2
 EXPERT_FFN = 64
 
 KEYS: dict[str, Any] = {
     **shape_keys(BLOCKS, FFN, head_dim=HEAD_DIM),
     "rope.dimension_count": HEAD_DIM,
     "rope.freq_base": 500000.0,
-    "expert_count": EXPERTS,
-    "expert_used_count": EXPERTS_USED,
-    "expert_feed_forward_length": EXPERT_FFN,
+    **expert_keys(EXPERTS, EXPERTS_USED, EXPERT_FFN),
 }
 
 

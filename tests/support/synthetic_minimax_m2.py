@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.synthetic import (
+    EXPERTS_USED,
     HEADS,
     HIDDEN,
     KV_HEADS,
@@ -27,6 +28,7 @@ from tests.support.synthetic import (
     Weights,
     attention,
     blocks,
+    expert_keys,
     experts,
     outer_tensors,
     shape_keys,
@@ -38,17 +40,14 @@ BLOCKS = 8
 HEAD_DIM = 32  # HEADS * HEAD_DIM = 128 != HIDDEN, as the real model (48 * 128 != 3072)
 ROPE_DIMS = 16  # partial rotary: half of the head, as the real 64 of 128
 EXPERTS = 8
-EXPERTS_USED = 2
 EXPERT_FFN = 32
 GATING_SIGMOID = 2  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 KEYS: dict[str, Any] = {
     **shape_keys(BLOCKS, EXPERT_FFN, 1e-6, head_dim=HEAD_DIM),
-    "expert_feed_forward_length": EXPERT_FFN,
+    **expert_keys(EXPERTS, EXPERTS_USED, EXPERT_FFN),
     "rope.freq_base": 5000000.0,
     "rope.dimension_count": ROPE_DIMS,
-    "expert_count": EXPERTS,
-    "expert_used_count": EXPERTS_USED,
     "expert_gating_func": GATING_SIGMOID,
 }
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.synthetic import (
+    EXPERTS_USED,
     HEADS,
     HIDDEN,
     KV_HEADS,
@@ -26,6 +27,7 @@ from tests.support.synthetic import (
     Weights,
     attention,
     blocks,
+    expert_keys,
     experts,
     outer_tensors,
     shape_keys,
@@ -36,16 +38,13 @@ ARCH = "qwen3moe"
 BLOCKS = 8
 HEAD_DIM = 32  # explicit key_length: HEADS * HEAD_DIM = 128 != HIDDEN
 EXPERTS = 8
-EXPERTS_USED = 2
 EXPERT_FFN = 32
 FFN = 96  # the dense feed_forward_length the converter writes; unused by qwen3moe
 
 KEYS: dict[str, Any] = {
     **shape_keys(BLOCKS, FFN, 1e-6, head_dim=HEAD_DIM),
     "rope.freq_base": 1000000.0,
-    "expert_count": EXPERTS,
-    "expert_used_count": EXPERTS_USED,
-    "expert_feed_forward_length": EXPERT_FFN,
+    **expert_keys(EXPERTS, EXPERTS_USED, EXPERT_FFN),
 }
 
 

@@ -27,12 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.synthetic import (
+    EXPERTS_USED,
     HEADS,
     HIDDEN,
     KV_HEADS,
     Tensors,
     Weights,
     blocks,
+    expert_keys,
     experts,
     feed_forward,
     nextn,
@@ -52,7 +54,6 @@ SSM_V_HEADS = 4
 SSM_CONV = 4
 SSM_INNER = SSM_STATE * SSM_V_HEADS
 EXPERTS = 4
-EXPERTS_USED = 2
 EXPERT_FFN = 32
 SHARED_FFN = 48
 FFN = 96  # feed_forward_length: written as the converter does, read by nothing here
@@ -67,9 +68,7 @@ KEYS: dict[str, Any] = {
     **shape_keys(TRUNK + 1, FFN, 1e-6, head_dim=HEAD_DIM),
     "rope.freq_base": 10000.0,
     "rope.dimension_count": ROPE_DIM,
-    "expert_count": EXPERTS,
-    "expert_used_count": EXPERTS_USED,
-    "expert_feed_forward_length": EXPERT_FFN,
+    **expert_keys(EXPERTS, EXPERTS_USED, EXPERT_FFN),
     "expert_shared_feed_forward_length": SHARED_FFN,
     "ssm.conv_kernel": SSM_CONV,
     "ssm.state_size": SSM_STATE,
