@@ -150,17 +150,22 @@ def test_glm4moe_stage_without_sections_aborts_llama_cpp(model, tmp_path):
     assert "This GGUF does not support multimodal" in done.stderr, done.stderr[-2000:]
 
 
+def without_override(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    """Stage files written without the family's override of ``key``."""
+
+    def overrides(arch, get, start, end):
+        found = glm4moe._overrides(get, start, end)
+        found.pop(key, None)
+        return found
+
+    monkeypatch.setattr(stagefile, "stage_metadata_overrides", overrides)
+
+
 def test_glm4moe_stage_that_keeps_nextn_skips_its_last_block(model, tmp_path, monkeypatch):
     """The control for nextn_predict_layers = 0: a trunk stage that keeps the
     model's 1 takes its last block for a multi-token-prediction block and
     skips it; llama.cpp says nothing, the engine misses that block's output."""
-
-    def keep_nextn(arch, get, start, end):
-        found = glm4moe._overrides(get, start, end)
-        found.pop(glm4moe.NEXTN, None)
-        return found
-
-    monkeypatch.setattr(stagefile, "stage_metadata_overrides", keep_nextn)
+    without_override(monkeypatch, glm4moe.NEXTN)
     with pytest.raises(EngineError, match="captured 0 of .* rows from l_out-1"):
         run_chain(model, AFTER_THE_DENSE_BLOCKS, cache_dir=tmp_path)
 
@@ -169,13 +174,7 @@ def test_glm4moe_stage_without_its_dense_count_does_not_load(model, tmp_path, mo
     """The control for the leading dense blocks: a stage of blocks 1..7 that
     copies the model's 2 expects its block 1 (block 2 of the model, experts)
     to be dense, and llama.cpp finds no dense tensors for it."""
-
-    def copy_lead(arch, get, start, end):
-        found = glm4moe._overrides(get, start, end)
-        found.pop(glm4moe.LEAD, None)
-        return found
-
-    monkeypatch.setattr(stagefile, "stage_metadata_overrides", copy_lead)
+    without_override(monkeypatch, glm4moe.LEAD)
     with pytest.raises(EngineError, match="could not load"):
         run_chain(model, BETWEEN_THE_DENSE_BLOCKS, cache_dir=tmp_path)
 
