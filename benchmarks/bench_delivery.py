@@ -67,26 +67,24 @@ def write_big_model(path: Path, total_bytes: int) -> Path:
     import gguf
     import numpy as np
 
-    from tests.support.synthetic import MERGES, vocabulary
+    from tests.support.synthetic import add_keys, add_vocabulary
 
     per_block = total_bytes // (BLOCKS + 1)
     rows = max(1, per_block // (HIDDEN * 2))
     writer = gguf.GGUFWriter(path, arch="llama")
     writer.add_name("bench delivery")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_uint32("llama.context_length", 4096)
-    writer.add_uint32("llama.embedding_length", HIDDEN)
-    writer.add_uint32("llama.block_count", BLOCKS)
-    writer.add_uint32("llama.feed_forward_length", rows)
-    writer.add_uint32("llama.attention.head_count", 32)
-    writer.add_uint32("llama.attention.head_count_kv", 8)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    tokens, types = vocabulary()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(list(MERGES))
+    keys = {
+        "context_length": 4096,
+        "embedding_length": HIDDEN,
+        "block_count": BLOCKS,
+        "feed_forward_length": rows,
+        "attention.head_count": 32,
+        "attention.head_count_kv": 8,
+        "attention.layer_norm_rms_epsilon": 1e-5,
+    }
+    add_keys(writer, "llama", keys)
+    tokens = add_vocabulary(writer, "default")
     tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (len(tokens), HIDDEN))]
     tensors += [("output_norm.weight", (HIDDEN,))]
     for block in range(BLOCKS):

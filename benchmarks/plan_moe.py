@@ -59,6 +59,7 @@ from ggufpipe_agent.wire.protocol import Device, Hello, ModelFacts  # noqa: E402
 from ggufpipe_tui.commands.plan import placement_json, placement_text  # noqa: E402
 from ggufpipe_tui.core.inventory import Inventory, parse_inventory  # noqa: E402
 from ggufpipe_tui.core.placement import PlacementError, evaluate, place_stages  # noqa: E402
+from tests.support.synthetic import add_keys  # noqa: E402
 
 Q4_K, Q5_0, Q6_K, F32 = (GGMLQuantizationType[name] for name in ("Q4_K", "Q5_0", "Q6_K", "F32"))
 #: LLAMA_FTYPE_MOSTLY_Q4_K_M, as general.file_type.
@@ -226,16 +227,7 @@ def header_only(model: Model) -> Iterator[Path]:
         writer = GGUFWriter(path, arch=model.arch)
         writer.add_name(model.name)
         writer.add_file_type(FILE_TYPE_Q4_K_M)
-        for key, value in model.metadata.items():
-            name = f"{model.arch}.{key}"
-            if isinstance(value, bool):
-                writer.add_bool(name, value)
-            elif isinstance(value, int):
-                writer.add_uint32(name, value)
-            elif isinstance(value, float):
-                writer.add_float32(name, value)
-            else:
-                writer.add_string(name, value)
+        add_keys(writer, model.arch, model.metadata)
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list([f"<t{i}>" for i in range(model.vocab)])  # the count is what matters
         writer.add_bos_token_id(0)

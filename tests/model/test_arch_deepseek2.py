@@ -13,13 +13,13 @@ non-uniform per-layer head or expert counts.
 
 The models (tests/support/synthetic_deepseek2.py): a V3-like GGUF of 29
 trunk blocks (3 dense, 26 MoE) and 1 MTP block, so that it has stages of
-26 and 27 blocks, and a V2-Lite-like GGUF of 26 blocks.
+26 and 27 blocks, and a V2-Lite-like GGUF of 26 blocks. Their splits and
+the headless run are rows of tests/model/test_architectures.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import gguf
@@ -31,77 +31,26 @@ from ggufpipe_agent.gguf.architectures import SUPPORTED, check_plan, check_split
 from ggufpipe_agent.gguf.families import deepseek2
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
-from ggufpipe_agent.wire.protocol import EngineOptions
-from tests.model.test_architectures import ggufpipe_tui, write_inventory
-from tests.support import synthetic, synthetic_deepseek2
-from tests.support.common import whole_model_greedy
-from tests.support.stage_chain import Chain
+from tests.support import synthetic_deepseek2
+from tests.support.arch_harness import assert_per_layer_refused, greedy_reference, model_path, run_chain
 
-ARCH = "deepseek2"
-STEPS = 64
-UBATCH = 16
-CONTEXT = 256
-OPTIONS = EngineOptions(n_ctx=CONTEXT, n_batch=CONTEXT, n_ubatch=UBATCH, threads=1)
-PROMPT = synthetic.prompt_tokens(3 * UBATCH - 5)  # three ubatches, the last one partial
+ARCH = MODEL = "deepseek2"
 BLOCKS = synthetic_deepseek2.BLOCKS  # 30: blocks 0-2 dense, 3-28 MoE, 29 MTP
 LITE_BLOCKS = synthetic_deepseek2.LITE_BLOCKS  # 26: block 0 dense
-
-SPLITS = {
-    "1 stage": [(0, BLOCKS)],
-    "cut right after the dense blocks": [(0, 3), (3, 16), (16, BLOCKS)],
-    "inside the dense blocks, one-block first stage, 26-block last stage with the MTP block": [
-        (0, 1),
-        (1, 4),
-        (4, BLOCKS),
-    ],
-    "one dense block alone, 4 stages": [(0, 2), (2, 3), (3, 17), (17, BLOCKS)],
-    "one MoE block alone": [(0, 11), (11, 12), (12, BLOCKS)],
-    "28 trunk blocks, then the last trunk block with the MTP block": [(0, 28), (28, BLOCKS)],
-}
-LITE_SPLITS = {
-    "the dense block alone, 24-block middle": [(0, 1), (1, 25), (25, LITE_BLOCKS)],
-    "2 stages": [(0, 13), (13, LITE_BLOCKS)],
-    "4 stages, one-block stage": [(0, 7), (7, 8), (8, 20), (20, LITE_BLOCKS)],
-}
+#: Splits of tests/model/test_architectures.py the controls run.
+INSIDE_THE_DENSE_BLOCKS = [(0, 1), (1, 4), (4, BLOCKS)]  # the last stage: 26 blocks with the MTP block
+AFTER_THE_DENSE_BLOCKS = [(0, 3), (3, 16), (16, BLOCKS)]
+LITE_TWO_STAGES = [(0, 13), (13, LITE_BLOCKS)]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp(ARCH)
-
-
-@pytest.fixture(scope="module")
-def model(models: Path) -> Path:
-    return synthetic_deepseek2.write_model(models / "synthetic-deepseek2.gguf")
-
-
-@pytest.fixture(scope="module")
-def lite_model(models: Path) -> Path:
-    return synthetic_deepseek2.write_model(models / "synthetic-deepseek2-lite.gguf", lite=True)
-
-
-def greedy(path: Path) -> list[int]:
-    tokens = whole_model_greedy(path, PROMPT, STEPS, n_ctx=CONTEXT, n_ubatch=UBATCH)
-    assert len(set(tokens)) >= 16, f"the random {path.name} collapsed: {tokens}"
-    return tokens
-
-
-@pytest.fixture(scope="module")
-def reference(model: Path) -> list[int]:
-    return greedy(model)
+def lite_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_path(tmp_path_factory, "deepseek2 lite")
 
 
 @pytest.fixture(scope="module")
 def lite_reference(lite_model: Path) -> list[int]:
-    return greedy(lite_model)
-
-
-def run_chain(path: Path, splits: list[tuple[int, int]], cache_dir: Path | None = None) -> list[int]:
-    chain = Chain(path, splits, OPTIONS, cache_dir=cache_dir)
-    try:
-        return chain.generate(PROMPT, STEPS)
-    finally:
-        chain.close()
+    return greedy_reference(lite_model)
 
 
 def outcome(path: Path, splits: list[tuple[int, int]], cache_dir: Path) -> list[int] | str:
@@ -115,16 +64,6 @@ def outcome(path: Path, splits: list[tuple[int, int]], cache_dir: Path) -> list[
 def test_deepseek2_is_accepted():
     assert ARCH in SUPPORTED
     assert SUPPORTED[ARCH].keep_tensors == ()
-
-
-@pytest.mark.parametrize("splits", list(SPLITS.values()), ids=list(SPLITS))
-def test_deepseek2_split_matches_whole_model(model, reference, splits):
-    assert run_chain(model, splits) == reference
-
-
-@pytest.mark.parametrize("splits", list(LITE_SPLITS.values()), ids=list(LITE_SPLITS))
-def test_deepseek2_lite_split_matches_whole_model(lite_model, lite_reference, splits):
-    assert run_chain(lite_model, splits) == lite_reference
 
 
 def test_deepseek2_stage_files_carry_their_share(model, lite_model):
@@ -185,20 +124,20 @@ def test_deepseek2_split_without_the_overrides_differs(model, reference, tmp_pat
     """The control: renumbered blocks with the copied metadata make llama.cpp
     look for dense tensors in MoE blocks (or compute something else)."""
     without(monkeypatch)
-    splits = SPLITS["inside the dense blocks, one-block first stage, 26-block last stage with the MTP block"]
+    splits = INSIDE_THE_DENSE_BLOCKS
     assert outcome(model, splits, tmp_path) != reference
 
 
 def test_deepseek2_split_without_the_dense_count_differs(model, reference, tmp_path, monkeypatch):
     without(monkeypatch, {f"{ARCH}.leading_dense_block_count"})
-    assert outcome(model, SPLITS["cut right after the dense blocks"], tmp_path) != reference
+    assert outcome(model, AFTER_THE_DENSE_BLOCKS, tmp_path) != reference
 
 
 def test_deepseek2_split_with_the_models_nextn_count_differs(model, reference, tmp_path, monkeypatch):
     """Copying ``nextn_predict_layers = 1`` into every stage drops the last
     block of each stage before the last one."""
     without(monkeypatch, {f"{ARCH}.nextn_predict_layers"})
-    assert outcome(model, SPLITS["cut right after the dense blocks"], tmp_path) != reference
+    assert outcome(model, AFTER_THE_DENSE_BLOCKS, tmp_path) != reference
 
 
 def test_deepseek2_stage_with_the_default_gating_differs(model, reference, tmp_path, monkeypatch):
@@ -214,7 +153,7 @@ def test_deepseek2_stage_with_the_default_gating_differs(model, reference, tmp_p
         return {**original(get, start, end), f"{ARCH}.expert_gating_func": gating}
 
     monkeypatch.setitem(architectures.SUPPORTED, ARCH, dataclasses.replace(family, overrides=softmax_gating))
-    result = outcome(model, SPLITS["cut right after the dense blocks"], tmp_path)
+    result = outcome(model, AFTER_THE_DENSE_BLOCKS, tmp_path)
     assert isinstance(result, list) and result != reference
 
 
@@ -222,7 +161,7 @@ def test_deepseek2_lite_split_without_q_lora_rank_fails(lite_model, lite_referen
     """A stage of a lite model that is not 26 or 27 blocks reads q_lora_rank,
     which a lite GGUF does not have."""
     without(monkeypatch, {f"{ARCH}.attention.q_lora_rank"})
-    result = outcome(lite_model, LITE_SPLITS["2 stages"], tmp_path)
+    result = outcome(lite_model, LITE_TWO_STAGES, tmp_path)
     assert result != lite_reference and str(result).startswith("failed"), result
 
 
@@ -329,12 +268,7 @@ def test_deepseek2_default_gating_is_written_from_the_whole_model():
     ],
 )
 def test_deepseek2_non_uniform_per_layer_counts_are_refused(key, values):
-    get = {**V3, f"{ARCH}.{key}": values}.get
-    check_split(ARCH, get, 0, 62, "odd")  # the whole model is the source file itself
-    with pytest.raises(UnsupportedArchitecture, match=rf"deepseek2\.{key} differs between blocks"):
-        check_split(ARCH, get, 0, 31, "odd")
-    uniform = {**V3, f"{ARCH}.{key}": [values[0]] * 62}.get
-    check_split(ARCH, uniform, 0, 31, "uniform")
+    assert_per_layer_refused(ARCH, V3, key, values, (0, 31), uniform=True)
 
 
 def test_deepseek2_lite_looking_plan_is_refused_from_model_facts():
@@ -346,22 +280,3 @@ def test_deepseek2_lite_looking_plan_is_refused_from_model_facts():
     check_plan(facts, [(0, 31), (31, 62)], "v3")
     with pytest.raises(UnsupportedArchitecture, match="lite"):
         check_plan(facts, [(0, 35), (35, 62)], "v3")
-
-
-# --------------------------------------------------------- command line
-
-CLI_PROMPT = "The rain in Spain stays mainly in the plain, then the river runs on."
-
-
-def test_deepseek2_runs_headless_with_three_local_stages(model, tmp_path, no_agent_left):
-    splits = [(0, 2), (2, 17), (17, BLOCKS)]
-    inventory = write_inventory(tmp_path, model, splits, "max_tokens: 32, ignore_eos: true, chat: false")
-    done = ggufpipe_tui(inventory, CLI_PROMPT, timeout=300)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    assert result["architecture"] == ARCH and result["outcome"] == "completed", result
-    prompt = result["prompt_tokens"]
-    assert len(prompt) > 2 * UBATCH, prompt  # the prompt spans three ubatches
-    expected = whole_model_greedy(model, prompt, 32, n_ctx=CONTEXT, n_ubatch=UBATCH)
-    assert len(set(expected)) >= 8, expected
-    assert result["tokens"] == expected

@@ -9,21 +9,21 @@ requires for embedding input and that equal plain RoPE for text positions,
 which the stage engine writes 4 per token.
 
 The model is a synthetic GGUF of 7 trunk blocks (2 dense, 5 mixture-of-experts)
-and 1 multi-token-prediction block (tests/support/synthetic_glm4moe.py). The
-controls take each override away in turn: without the sections llama.cpp
+and 1 multi-token-prediction block (tests/support/synthetic_glm4moe.py); its
+splits and its headless run are rows of tests/model/test_architectures.py.
+The controls take each override away in turn: without the sections llama.cpp
 aborts the process, without ``nextn_predict_layers = 0`` a stage skips its
-last block (the engine then misses its output), without the dense-block count a stage does not load,
-and with 1 position per token the engine refuses the stage.
+last block (the engine then misses its output), without the dense-block
+count a stage does not load, and with 1 position per token the engine
+refuses the stage.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -34,63 +34,20 @@ from ggufpipe_agent.gguf.families import glm4moe
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles import writer as stagefile
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
-from ggufpipe_agent.wire.protocol import EngineOptions
-from tests.model.test_architectures import ggufpipe_tui, write_inventory
-from tests.support import synthetic, synthetic_glm4moe
-from tests.support.common import REPO, whole_model_greedy
+from tests.support import synthetic_glm4moe
+from tests.support.arch_harness import OPTIONS, UBATCH, assert_per_layer_refused, run_chain
+from tests.support.common import REPO
 from tests.support.stage_chain import Chain
 
-ARCH = "glm4moe"
-STEPS = 64
-UBATCH = 16
-CONTEXT = 256
-OPTIONS = EngineOptions(n_ctx=CONTEXT, n_batch=CONTEXT, n_ubatch=UBATCH, threads=1)
-PROMPT = synthetic.prompt_tokens(3 * UBATCH - 5)  # three ubatches, the last one partial
+ARCH = MODEL = "glm4moe"
 BLOCKS = synthetic_glm4moe.BLOCKS  # 8: blocks 0-1 dense, 2-6 experts, 7 multi-token prediction
-
-SPLITS = {
-    "2 stages after the dense blocks": [(0, 2), (2, 8)],
-    "2 stages between the dense blocks": [(0, 1), (1, 8)],
-    "3 stages, one-block dense middle": [(0, 1), (1, 2), (2, 8)],
-    "3 stages, last trunk block with the MTP block": [(0, 3), (3, 6), (6, 8)],
-    "4 stages, uneven": [(0, 3), (3, 4), (4, 5), (5, 8)],
-    "4 stages, one-block stages": [(0, 1), (1, 2), (2, 3), (3, 8)],
-}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return synthetic_glm4moe.write_model(tmp_path_factory.mktemp(ARCH) / "synthetic-glm4moe.gguf")
-
-
-@pytest.fixture(scope="module")
-def reference(model: Path) -> list[int]:
-    tokens = whole_model_greedy(model, PROMPT, STEPS, n_ctx=CONTEXT, n_ubatch=UBATCH)
-    assert len(set(tokens)) >= 16, f"the random {ARCH} model collapsed: {tokens}"
-    return tokens
-
-
-def run_chain(
-    path: Path, splits: list[tuple[int, int]], cache_dir: Path | None = None, dtype: str = "float32"
-):
-    chain = Chain(path, splits, OPTIONS, cache_dir=cache_dir, dtype=dtype)
-    try:
-        return chain.generate(PROMPT, STEPS)
-    finally:
-        chain.close()
+#: The splits of tests/model/test_architectures.py the controls run.
+AFTER_THE_DENSE_BLOCKS = [(0, 2), (2, 8)]
+BETWEEN_THE_DENSE_BLOCKS = [(0, 1), (1, 8)]
 
 
 def test_glm4moe_is_accepted():
     assert ARCH in SUPPORTED and SUPPORTED[ARCH] is glm4moe.ARCHITECTURE
-
-
-def test_glm4moe_whole_model_as_one_stage_matches(model, reference):
-    assert run_chain(model, [(0, BLOCKS)]) == reference
-
-
-@pytest.mark.parametrize("splits", list(SPLITS.values()), ids=list(SPLITS))
-def test_glm4moe_split_matches_whole_model(model, reference, splits):
-    assert run_chain(model, splits) == reference
 
 
 def test_glm4moe_stage_files_carry_their_share(model):
@@ -193,34 +150,33 @@ def test_glm4moe_stage_without_sections_aborts_llama_cpp(model, tmp_path):
     assert "This GGUF does not support multimodal" in done.stderr, done.stderr[-2000:]
 
 
+def without_override(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    """Stage files written without the family's override of ``key``."""
+
+    def overrides(arch, get, start, end):
+        found = glm4moe._overrides(get, start, end)
+        found.pop(key, None)
+        return found
+
+    monkeypatch.setattr(stagefile, "stage_metadata_overrides", overrides)
+
+
 def test_glm4moe_stage_that_keeps_nextn_skips_its_last_block(model, tmp_path, monkeypatch):
     """The control for nextn_predict_layers = 0: a trunk stage that keeps the
     model's 1 takes its last block for a multi-token-prediction block and
     skips it; llama.cpp says nothing, the engine misses that block's output."""
-
-    def keep_nextn(arch, get, start, end):
-        found = glm4moe._overrides(get, start, end)
-        found.pop(glm4moe.NEXTN, None)
-        return found
-
-    monkeypatch.setattr(stagefile, "stage_metadata_overrides", keep_nextn)
+    without_override(monkeypatch, glm4moe.NEXTN)
     with pytest.raises(EngineError, match="captured 0 of .* rows from l_out-1"):
-        run_chain(model, SPLITS["2 stages after the dense blocks"], cache_dir=tmp_path)
+        run_chain(model, AFTER_THE_DENSE_BLOCKS, cache_dir=tmp_path)
 
 
 def test_glm4moe_stage_without_its_dense_count_does_not_load(model, tmp_path, monkeypatch):
     """The control for the leading dense blocks: a stage of blocks 1..7 that
     copies the model's 2 expects its block 1 (block 2 of the model, experts)
     to be dense, and llama.cpp finds no dense tensors for it."""
-
-    def copy_lead(arch, get, start, end):
-        found = glm4moe._overrides(get, start, end)
-        found.pop(glm4moe.LEAD, None)
-        return found
-
-    monkeypatch.setattr(stagefile, "stage_metadata_overrides", copy_lead)
+    without_override(monkeypatch, glm4moe.LEAD)
     with pytest.raises(EngineError, match="could not load"):
-        run_chain(model, SPLITS["2 stages between the dense blocks"], cache_dir=tmp_path)
+        run_chain(model, BETWEEN_THE_DENSE_BLOCKS, cache_dir=tmp_path)
 
 
 def test_glm4moe_engine_refuses_one_position_per_token(model, tmp_path, monkeypatch):
@@ -230,13 +186,13 @@ def test_glm4moe_engine_refuses_one_position_per_token(model, tmp_path, monkeypa
     one = dataclasses.replace(glm4moe.ARCHITECTURE, positions_per_token=None)
     monkeypatch.setitem(architectures.SUPPORTED, ARCH, one)
     with pytest.raises(EngineError, match="reads 4 positions per token"):
-        run_chain(model, [(0, 2), (2, 8)], cache_dir=tmp_path)
+        run_chain(model, AFTER_THE_DENSE_BLOCKS, cache_dir=tmp_path)
 
 
 def test_glm4moe_float16_activations_differ(model, reference, tmp_path):
     """The comparison notices a rounding-level difference between stages,
     so the identical runs above prove something."""
-    assert run_chain(model, [(0, 2), (2, 8)], cache_dir=tmp_path, dtype="float16") != reference
+    assert run_chain(model, AFTER_THE_DENSE_BLOCKS, cache_dir=tmp_path, dtype="float16") != reference
 
 
 # ------------------------------------------------------------- refusals
@@ -262,12 +218,7 @@ GLM45_AIR = {  # what llama.cpp reads of GLM-4.5-Air's shape: 46 trunk blocks an
     ],
 )
 def test_glm4moe_non_uniform_per_layer_counts_are_refused(key, values):
-    get = {**GLM45_AIR, f"glm4moe.{key}": values}.get
-    check_split(ARCH, get, 0, 47, "odd")  # the whole model is the source file itself
-    with pytest.raises(UnsupportedArchitecture, match=rf"glm4moe\.{key} differs between blocks"):
-        check_split(ARCH, get, 0, 24, "odd")
-    with pytest.raises(UnsupportedArchitecture, match="runs only as one stage"):
-        check_split(ARCH, get, 24, 47, "odd")
+    assert_per_layer_refused(ARCH, GLM45_AIR, key, values, (0, 24), rest=(24, 47))
 
 
 def test_glm4moe_uniform_per_layer_arrays_are_fine():
@@ -313,22 +264,3 @@ def test_glm4moe_refused_before_a_stage_file_is_written(tmp_path, metadata, star
             cache_dir=cache,
         )
     assert not cache.exists()
-
-
-# --------------------------------------------------------- command line
-
-CLI_PROMPT = "The rain in Spain stays mainly in the plain, then the river runs on."
-
-
-def test_glm4moe_runs_headless_with_three_local_stages(model, tmp_path, no_agent_left):
-    splits = [(0, 1), (1, 4), (4, BLOCKS)]  # inside the dense blocks, uneven, MTP block in the last
-    inventory = write_inventory(tmp_path, model, splits, "max_tokens: 32, ignore_eos: true, chat: false")
-    done = ggufpipe_tui(inventory, CLI_PROMPT, timeout=300)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    assert result["architecture"] == ARCH and result["outcome"] == "completed", result
-    prompt = result["prompt_tokens"]
-    assert len(prompt) > 2 * UBATCH, prompt  # the prompt spans three ubatches
-    expected = whole_model_greedy(model, prompt, 32, n_ctx=CONTEXT, n_ubatch=UBATCH)
-    assert len(set(expected)) >= 8, expected
-    assert result["tokens"] == expected

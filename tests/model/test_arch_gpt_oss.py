@@ -6,14 +6,13 @@ sinks, biases everywhere gpt-oss has them, a mixture of experts and YaRN. The
 rules proven here are in ggufpipe_agent/gguf/families/gpt_oss.py: every stage
 file carries the original sliding-window pattern's slice (a stage starting
 at an odd block would otherwise slide where the model attends fully), keeps
-``output.weight``, and a stage of one full-attention block is refused.
+``output.weight``, and a stage of one full-attention block is refused. Its
+splits and its headless run are rows of tests/model/test_architectures.py.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,53 +21,10 @@ from ggufpipe_agent.errors import ModelError, UnsupportedArchitecture
 from ggufpipe_agent.gguf.architectures import SUPPORTED, check_plan, check_split
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
-from ggufpipe_agent.wire.protocol import EngineOptions
-from tests.model.test_architectures import ggufpipe_tui, write_inventory
-from tests.support import synthetic, synthetic_gpt_oss
-from tests.support.common import whole_model_greedy
-from tests.support.stage_chain import Chain
+from tests.support import synthetic_gpt_oss
+from tests.support.arch_harness import assert_per_layer_refused, run_chain
 
-ARCH = "gpt-oss"
-STEPS = 64
-UBATCH = 16
-CONTEXT = 256
-OPTIONS = EngineOptions(n_ctx=CONTEXT, n_batch=CONTEXT, n_ubatch=UBATCH, threads=1)
-PROMPT = synthetic.prompt_tokens(3 * UBATCH - 5)  # three ubatches, the last one partial
-
-#: Sliding window on blocks 0, 2, 4, 6, 8; full attention on 1, 3, 5, 7.
-SPLITS = {
-    "1 stage": [(0, 9)],
-    "2 stages, the second from a full-attention block": [(0, 3), (3, 9)],
-    "3 stages, one sliding block first": [(0, 1), (1, 6), (6, 9)],
-    "3 stages, one sliding block in the middle": [(0, 4), (4, 5), (5, 9)],
-    "4 stages, one sliding block last": [(0, 2), (2, 5), (5, 8), (8, 9)],
-    "4 stages, every later one from a full-attention block": [(0, 1), (1, 3), (3, 7), (7, 9)],
-}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return synthetic_gpt_oss.write_model(tmp_path_factory.mktemp("gpt-oss") / "synthetic-gpt-oss.gguf")
-
-
-@pytest.fixture(scope="module")
-def reference(model: Path) -> list[int]:
-    tokens = whole_model_greedy(model, PROMPT, STEPS, n_ctx=CONTEXT, n_ubatch=UBATCH)
-    assert len(set(tokens)) >= 16, f"the random gpt-oss model collapsed: {tokens}"
-    return tokens
-
-
-def run_chain(path: Path, splits: list[tuple[int, int]], cache_dir: Path | None = None) -> list[int]:
-    chain = Chain(path, splits, OPTIONS, cache_dir=cache_dir)
-    try:
-        return chain.generate(PROMPT, STEPS)
-    finally:
-        chain.close()
-
-
-@pytest.mark.parametrize("splits", list(SPLITS.values()), ids=list(SPLITS))
-def test_split_matches_whole_model(model, reference, splits):
-    assert run_chain(model, splits) == reference
+ARCH = MODEL = "gpt-oss"
 
 
 def test_stage_files_carry_the_window_pattern_and_the_output(model, tmp_path):
@@ -122,10 +78,9 @@ def test_a_refused_stage_is_refused_from_the_model_facts():
     ["attention.head_count", "attention.head_count_kv", "expert_used_count", "expert_feed_forward_length"],
 )
 def test_per_layer_values_that_differ_are_refused(key):
-    meta = {f"{ARCH}.block_count": 4, f"{ARCH}.{key}": [4, 4, 2, 2]}
-    check_split(ARCH, {**meta, f"{ARCH}.{key}": [4] * 4}.get, 0, 2, "m")
-    with pytest.raises(UnsupportedArchitecture, match=f"{ARCH}.{key} differs between blocks"):
-        check_split(ARCH, meta.get, 0, 2, "m")
+    assert_per_layer_refused(
+        ARCH, {f"{ARCH}.block_count": 4}, key, [4, 4, 2, 2], (0, 2), whole=False, uniform=True
+    )
 
 
 def test_separate_sliding_window_head_sizes_are_refused():
@@ -149,19 +104,3 @@ def test_a_pattern_array_in_the_file_is_sliced_and_decides():
     check_split(ARCH, get, 1, 2, "m")
     with pytest.raises(UnsupportedArchitecture, match="block 2 attends fully"):
         check_split(ARCH, get, 2, 3, "m")
-
-
-# ------------------------------------------------------- command line
-
-CLI_SPLIT = [(0, 3), (3, 8), (8, 9)]
-
-
-def test_runs_headless_with_an_uneven_split(model, tmp_path, no_agent_left):
-    inventory = write_inventory(tmp_path, model, CLI_SPLIT, "max_tokens: 32, ignore_eos: true, chat: false")
-    done = ggufpipe_tui(inventory, "the theory of everything in one sentence", timeout=300)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    assert result["architecture"] == ARCH and result["outcome"] == "completed", result
-    expected = whole_model_greedy(model, result["prompt_tokens"], 32, n_ctx=CONTEXT, n_ubatch=UBATCH)
-    assert len(set(expected)) >= 8, expected
-    assert result["tokens"] == expected

@@ -7,7 +7,8 @@ the block count reaches the computation, but llama.cpp requires
 (``keep_tensors``); a split of a file whose per-layer head or expert counts
 differ between blocks is refused.
 
-The model is a synthetic 8-block GGUF (tests/support/synthetic_minimax_m2.py).
+The model is a synthetic 8-block GGUF (tests/support/synthetic_minimax_m2.py);
+its splits and its headless run are rows of tests/model/test_architectures.py.
 The control: without ``keep_tensors`` a stage that is not the last fails to
 load, and llama.cpp says why.
 """
@@ -15,9 +16,7 @@ load, and llama.cpp says why.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-from pathlib import Path
 
 import pytest
 
@@ -26,63 +25,19 @@ from ggufpipe_agent.gguf import architectures
 from ggufpipe_agent.gguf.architectures import SUPPORTED, check_split
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
-from ggufpipe_agent.wire.protocol import EngineOptions
-from tests.model.test_architectures import ggufpipe_tui, write_inventory
-from tests.support import synthetic, synthetic_minimax_m2
-from tests.support.common import whole_model_greedy
+from tests.support import synthetic_minimax_m2
+from tests.support.arch_harness import OPTIONS, assert_per_layer_refused
 from tests.support.stage_chain import Chain
 
-ARCH = "minimax-m2"
-STEPS = 64
-UBATCH = 16
-CONTEXT = 256
-OPTIONS = EngineOptions(n_ctx=CONTEXT, n_batch=CONTEXT, n_ubatch=UBATCH, threads=1)
-PROMPT = synthetic.prompt_tokens(3 * UBATCH - 5)  # three ubatches, the last one partial
+ARCH = MODEL = "minimax-m2"
 BLOCKS = synthetic_minimax_m2.BLOCKS
-
-SPLITS = {
-    "2 stages": [(0, 3), (3, 8)],
-    "3 stages, one-block ends": [(0, 1), (1, 7), (7, 8)],
-    "3 stages, one-block middle": [(0, 2), (2, 3), (3, 8)],
-    "4 stages, uneven": [(0, 1), (1, 4), (4, 5), (5, 8)],
-    "4 stages, one-block ends": [(0, 1), (1, 6), (6, 7), (7, 8)],
-}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return synthetic_minimax_m2.write_model(
-        tmp_path_factory.mktemp("minimax_m2") / "synthetic-minimax-m2.gguf"
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(model: Path) -> list[int]:
-    tokens = whole_model_greedy(model, PROMPT, STEPS, n_ctx=CONTEXT, n_ubatch=UBATCH)
-    assert len(set(tokens)) >= 16, f"the random {ARCH} model collapsed: {tokens}"
-    return tokens
-
-
-def run_chain(path: Path, splits: list[tuple[int, int]], cache_dir: Path | None = None) -> list[int]:
-    chain = Chain(path, splits, OPTIONS, cache_dir=cache_dir)
-    try:
-        return chain.generate(PROMPT, STEPS)
-    finally:
-        chain.close()
+#: A split of tests/model/test_architectures.py the controls run.
+TWO_STAGES = [(0, 3), (3, 8)]
 
 
 def test_minimax_m2_is_accepted():
     assert ARCH in SUPPORTED
     assert SUPPORTED[ARCH].keep_tensors == ("output.weight",)
-
-
-def test_minimax_m2_whole_model_as_one_stage_matches(model, reference):
-    assert run_chain(model, [(0, BLOCKS)]) == reference
-
-
-@pytest.mark.parametrize("splits", list(SPLITS.values()), ids=list(SPLITS))
-def test_minimax_m2_split_matches_whole_model(model, reference, splits):
-    assert run_chain(model, splits) == reference
 
 
 def test_minimax_m2_every_stage_file_keeps_the_output_projection(model):
@@ -106,7 +61,7 @@ def test_minimax_m2_stage_without_the_output_projection_fails_to_load(model, tmp
     assert "output.weight" not in {tensor.name for tensor in first.tensors}
     caplog.set_level(logging.ERROR, logger="ggufpipe.llama")
     with pytest.raises(EngineError, match="could not load"):
-        Chain(model, SPLITS["2 stages"], OPTIONS, cache_dir=tmp_path)
+        Chain(model, TWO_STAGES, OPTIONS, cache_dir=tmp_path)
     assert "tensor 'output.weight' not found" in caplog.text
 
 
@@ -138,10 +93,7 @@ def test_minimax_m2_real_shape_splits_anywhere():
     ],
 )
 def test_minimax_m2_non_uniform_per_layer_counts_are_refused(key, values):
-    get = {**MINIMAX_M2, f"minimax-m2.{key}": values}.get
-    check_split(ARCH, get, 0, 62, "odd")  # the whole model is the source file itself
-    with pytest.raises(UnsupportedArchitecture, match=rf"minimax-m2\.{key} differs between blocks"):
-        check_split(ARCH, get, 31, 62, "odd")
+    assert_per_layer_refused(ARCH, MINIMAX_M2, key, values, (31, 62))
 
 
 def test_minimax_m2_multi_token_prediction_blocks_are_refused():
@@ -163,22 +115,3 @@ def test_minimax_m2_non_uniform_model_is_refused_before_anything_is_written(tmp_
     with pytest.raises(UnsupportedArchitecture, match="runs only as one stage"):
         Chain(source, [(0, 4), (4, BLOCKS)], OPTIONS, cache_dir=cache)
     assert not cache.exists()
-
-
-# --------------------------------------------------------- command line
-
-CLI_PROMPT = "The rain in Spain stays mainly in the plain, then the river runs on."
-
-
-def test_minimax_m2_runs_headless_with_three_local_stages(model, tmp_path, no_agent_left):
-    splits = [(0, 2), (2, 3), (3, BLOCKS)]
-    inventory = write_inventory(tmp_path, model, splits, "max_tokens: 32, ignore_eos: true, chat: false")
-    done = ggufpipe_tui(inventory, CLI_PROMPT, timeout=300)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    assert result["architecture"] == ARCH and result["outcome"] == "completed", result
-    prompt = result["prompt_tokens"]
-    assert len(prompt) > 2 * UBATCH, prompt  # the prompt spans three ubatches
-    expected = whole_model_greedy(model, prompt, 32, n_ctx=CONTEXT, n_ubatch=UBATCH)
-    assert len(set(expected)) >= 8, expected
-    assert result["tokens"] == expected

@@ -6,16 +6,14 @@ count only picks a model-type label), and a split of a file whose per-layer
 head or expert counts differ between blocks is refused, because llama.cpp
 reads layer 0's value for every block and a stage's layer 0 is another block.
 
-The model is a synthetic 8-block GGUF (tests/support/synthetic_qwen3moe.py).
+The model is a synthetic 8-block GGUF (tests/support/synthetic_qwen3moe.py);
+its splits and its headless run are rows of tests/model/test_architectures.py.
 There is no override whose removal the control could show; the controls show
 instead that the comparison notices one block skipped, and a stage that
 routes one more expert than the whole model.
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import gguf
 import pytest
@@ -25,61 +23,19 @@ from ggufpipe_agent.gguf.architectures import SUPPORTED, check_split
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles import writer as stagefile
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
-from ggufpipe_agent.wire.protocol import EngineOptions
-from tests.model.test_architectures import ggufpipe_tui, write_inventory
-from tests.support import synthetic, synthetic_qwen3moe
-from tests.support.common import whole_model_greedy
+from tests.support import synthetic_qwen3moe
+from tests.support.arch_harness import OPTIONS, assert_per_layer_refused, run_chain
 from tests.support.stage_chain import Chain
 
-ARCH = "qwen3moe"
-STEPS = 64
-UBATCH = 16
-CONTEXT = 256
-OPTIONS = EngineOptions(n_ctx=CONTEXT, n_batch=CONTEXT, n_ubatch=UBATCH, threads=1)
-PROMPT = synthetic.prompt_tokens(3 * UBATCH - 5)  # three ubatches, the last one partial
+ARCH = MODEL = "qwen3moe"
 BLOCKS = synthetic_qwen3moe.BLOCKS
-
-SPLITS = {
-    "2 stages": [(0, 3), (3, 8)],
-    "3 stages, one-block ends": [(0, 1), (1, 7), (7, 8)],
-    "3 stages, one-block middle": [(0, 2), (2, 3), (3, 8)],
-    "4 stages, uneven": [(0, 1), (1, 4), (4, 5), (5, 8)],
-    "4 stages, one-block ends": [(0, 1), (1, 6), (6, 7), (7, 8)],
-}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return synthetic_qwen3moe.write_model(tmp_path_factory.mktemp(ARCH) / "synthetic-qwen3moe.gguf")
-
-
-@pytest.fixture(scope="module")
-def reference(model: Path) -> list[int]:
-    tokens = whole_model_greedy(model, PROMPT, STEPS, n_ctx=CONTEXT, n_ubatch=UBATCH)
-    assert len(set(tokens)) >= 16, f"the random {ARCH} model collapsed: {tokens}"
-    return tokens
-
-
-def run_chain(path: Path, splits: list[tuple[int, int]], cache_dir: Path | None = None) -> list[int]:
-    chain = Chain(path, splits, OPTIONS, cache_dir=cache_dir)
-    try:
-        return chain.generate(PROMPT, STEPS)
-    finally:
-        chain.close()
+#: A split of tests/model/test_architectures.py the controls run.
+TWO_STAGES = [(0, 3), (3, 8)]
 
 
 def test_qwen3moe_is_accepted():
     assert ARCH in SUPPORTED
     assert SUPPORTED[ARCH].overrides is None and SUPPORTED[ARCH].keep_tensors == ()
-
-
-def test_qwen3moe_whole_model_as_one_stage_matches(model, reference):
-    assert run_chain(model, [(0, BLOCKS)]) == reference
-
-
-@pytest.mark.parametrize("splits", list(SPLITS.values()), ids=list(SPLITS))
-def test_qwen3moe_split_matches_whole_model(model, reference, splits):
-    assert run_chain(model, splits) == reference
 
 
 def test_qwen3moe_stage_file_is_the_renumbered_blocks(model):
@@ -106,7 +62,7 @@ def test_qwen3moe_stage_routing_one_more_expert_differs(model, reference, tmp_pa
     monkeypatch.setattr(
         stagefile, "stage_metadata_overrides", lambda _a, _g, start, _e: extra if start == 3 else {}
     )
-    assert run_chain(model, SPLITS["2 stages"], cache_dir=tmp_path) != reference
+    assert run_chain(model, TWO_STAGES, cache_dir=tmp_path) != reference
 
 
 # ------------------------------------------------------------- refusals
@@ -125,12 +81,7 @@ UNIFORM = {"qwen3moe.block_count": 48, "qwen3moe.attention.head_count": 32, "qwe
     ],
 )
 def test_qwen3moe_non_uniform_per_layer_counts_are_refused(key, values):
-    get = {**UNIFORM, f"qwen3moe.{key}": values}.get
-    check_split(ARCH, get, 0, 48, "odd")  # the whole model is the source file itself
-    with pytest.raises(UnsupportedArchitecture, match=rf"qwen3moe\.{key} differs between blocks"):
-        check_split(ARCH, get, 0, 24, "odd")
-    with pytest.raises(UnsupportedArchitecture, match="runs only as one stage"):
-        check_split(ARCH, get, 24, 48, "odd")
+    assert_per_layer_refused(ARCH, UNIFORM, key, values, (0, 24), rest=(24, 48))
 
 
 def test_qwen3moe_uniform_per_layer_arrays_are_fine():
@@ -165,22 +116,3 @@ def test_qwen3moe_non_uniform_chain_is_refused_before_anything_loads(tmp_path):
     with pytest.raises(UnsupportedArchitecture, match="runs only as one stage"):
         Chain(source, [(0, 4), (4, BLOCKS)], OPTIONS, cache_dir=cache)
     assert not cache.exists()
-
-
-# --------------------------------------------------------- command line
-
-CLI_PROMPT = "The rain in Spain stays mainly in the plain, then the river runs on."
-
-
-def test_qwen3moe_runs_headless_with_three_local_stages(model, tmp_path, no_agent_left):
-    splits = [(0, 2), (2, 3), (3, BLOCKS)]
-    inventory = write_inventory(tmp_path, model, splits, "max_tokens: 32, ignore_eos: true, chat: false")
-    done = ggufpipe_tui(inventory, CLI_PROMPT, timeout=300)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    assert result["architecture"] == ARCH and result["outcome"] == "completed", result
-    prompt = result["prompt_tokens"]
-    assert len(prompt) > 2 * UBATCH, prompt  # the prompt spans three ubatches
-    expected = whole_model_greedy(model, prompt, 32, n_ctx=CONTEXT, n_ubatch=UBATCH)
-    assert len(set(expected)) >= 8, expected
-    assert result["tokens"] == expected

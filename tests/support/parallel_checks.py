@@ -42,7 +42,8 @@ async def concurrent_equal_alone(
     options = RunOverrides(max_tokens=steps, ignore_eos=True)
     try:
         handles = [
-            pipeline.submit(Prompt(tokens=tuple(prompt), options=options, cache_prompt=False)) for prompt in chosen
+            pipeline.submit(Prompt(tokens=tuple(prompt), options=options, cache_prompt=False))
+            for prompt in chosen
         ]
         results = await asyncio.gather(*(handle.result() for handle in handles))
     finally:

@@ -105,7 +105,9 @@ def start_server(tmp_path: Path, model_path: Path, *args: str, key: str = KEY, d
     try:
         listening = served.wait_line(lambda line: "listening on http://" in line, 60, "the listening line")
         served.port = int(re.search(r"127\.0\.0\.1:(\d+)/v1", listening).group(1))  # type: ignore[union-attr]
-        served.wait_line(lambda line: line.startswith("ggufpipe: ready:"), START_TIMEOUT, "the stages to load")
+        served.wait_line(
+            lambda line: line.startswith("ggufpipe: ready:"), START_TIMEOUT, "the stages to load"
+        )
     except BaseException:
         served.stop()  # a server that never got ready is not left running
         raise

@@ -15,6 +15,7 @@ onto one: a test that compares 64 identical tokens proves little.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ KV_HEADS = 2
 HEAD_DIM = HIDDEN // HEADS
 FFN = 128
 CONTEXT = 4096
+#: Experts each token is routed to, in every mixture-of-experts model here.
+EXPERTS_USED = 2
 
 #: Control tokens appended after the byte and merge tokens. llama.cpp looks
 #: up <s>, </s> and <unk> by text when the model name contains "phi3".
@@ -136,162 +139,266 @@ def vocabulary() -> tuple[list[str], list[int]]:
 VOCAB = len(vocabulary()[0])
 
 
-def _block_tensors(spec: Spec, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """One block's tensors, numpy shapes (ggml ne reversed)."""
-    arch = spec.arch
+class Weights:
+    """Random tensors drawn in call order from one seeded generator, wider
+    than a trained model's (see the module docstring); numpy shapes are
+    ggml's ne reversed."""
 
-    def w(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) * (2.0 / np.sqrt(cols))).astype(np.float32)
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
 
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.3 * rng.standard_normal(n)).astype(np.float32)
+    def w(self, *shape: int) -> np.ndarray:
+        """A weight matrix (or a stack of them), scaled by its input size."""
+        return self.rng.standard_normal(shape) * (2.0 / np.sqrt(shape[-1]))
 
-    def bias(n: int) -> np.ndarray:
-        return (0.3 * rng.standard_normal(n)).astype(np.float32)
+    def norm(self, n: int) -> np.ndarray:
+        return 1.0 + 0.3 * self.rng.standard_normal(n)
 
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    if arch == "phi3":
-        return {
-            "attn_norm.weight": norm(HIDDEN),
-            "attn_qkv.weight": w(q + 2 * kv, HIDDEN),
-            "attn_output.weight": w(HIDDEN, q),
-            "ffn_norm.weight": norm(HIDDEN),
-            "ffn_up.weight": w(2 * FFN, HIDDEN),
-            "ffn_down.weight": w(HIDDEN, FFN),
-        }
-    if arch == "gpt2":
-        return {
-            "attn_norm.weight": norm(HIDDEN),
-            "attn_norm.bias": bias(HIDDEN),
-            "attn_qkv.weight": w(3 * HIDDEN, HIDDEN),
-            "attn_qkv.bias": bias(3 * HIDDEN),
-            "attn_output.weight": w(HIDDEN, HIDDEN),
-            "attn_output.bias": bias(HIDDEN),
-            "ffn_norm.weight": norm(HIDDEN),
-            "ffn_norm.bias": bias(HIDDEN),
-            "ffn_up.weight": w(FFN, HIDDEN),
-            "ffn_up.bias": bias(FFN),
-            "ffn_down.weight": w(HIDDEN, FFN),
-            "ffn_down.bias": bias(HIDDEN),
-        }
-    if arch == "falcon":
-        return {
-            "attn_norm.weight": norm(HIDDEN),
-            "attn_norm.bias": bias(HIDDEN),
-            "attn_qkv.weight": w(q + 2 * kv, HIDDEN),
-            "attn_output.weight": w(HIDDEN, q),
-            "ffn_up.weight": w(FFN, HIDDEN),
-            "ffn_down.weight": w(HIDDEN, FFN),
-        }
-    tensors = {
-        "attn_norm.weight": norm(HIDDEN),
-        "attn_q.weight": w(q, HIDDEN),
-        "attn_k.weight": w(kv, HIDDEN),
-        "attn_v.weight": w(kv, HIDDEN),
-        "attn_output.weight": w(HIDDEN, q),
-        "ffn_norm.weight": norm(HIDDEN),
-        "ffn_gate.weight": w(FFN, HIDDEN),
-        "ffn_up.weight": w(FFN, HIDDEN),
-        "ffn_down.weight": w(HIDDEN, FFN),
+    def bias(self, *shape: int) -> np.ndarray:
+        return 0.3 * self.rng.standard_normal(shape)
+
+    def normal(self, *shape: int, scale: float = 1.0) -> np.ndarray:
+        """Standard normal values, scaled in float32."""
+        return self.rng.standard_normal(shape).astype(np.float32) * scale
+
+    def uniform(self, low: float, high: float, n: int) -> np.ndarray:
+        return self.rng.uniform(low, high, n)
+
+
+Tensors = dict[str, np.ndarray]
+
+
+def outer_tensors(wt: Weights, hidden: int = HIDDEN) -> Tensors:
+    """The token embedding, the final norm and an untied output projection."""
+    return {
+        "token_embd.weight": wt.normal(VOCAB, hidden),
+        "output_norm.weight": np.ones(hidden),
+        "output.weight": wt.normal(VOCAB, hidden, scale=0.5),
     }
-    if spec.experts:
-        for name in ("ffn_gate", "ffn_up", "ffn_down"):
-            del tensors[f"{name}.weight"]
-        e = spec.experts
-        tensors |= {
-            "ffn_gate_inp.weight": w(e, HIDDEN),
-            "ffn_gate_exps.weight": np.stack([w(FFN, HIDDEN) for _ in range(e)]),
-            "ffn_up_exps.weight": np.stack([w(FFN, HIDDEN) for _ in range(e)]),
-            "ffn_down_exps.weight": np.stack([w(HIDDEN, FFN) for _ in range(e)]),
-        }
-    if arch == "qwen2":
-        tensors |= {"attn_q.bias": bias(q), "attn_k.bias": bias(kv), "attn_v.bias": bias(kv)}
-    if arch in ("qwen3", "gemma3"):
-        tensors |= {"attn_q_norm.weight": norm(HEAD_DIM), "attn_k_norm.weight": norm(HEAD_DIM)}
-    if arch == "gemma3":
-        tensors |= {"post_attention_norm.weight": norm(HIDDEN), "post_ffw_norm.weight": norm(HIDDEN)}
+
+
+def attention(wt: Weights, q: int, kv: int, hidden: int = HIDDEN, biases: bool = False) -> Tensors:
+    """Separate Q/K/V projections (each with its bias if ``biases``) and the output."""
+    tensors: Tensors = {}
+    for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+        tensors[f"{name}.weight"] = wt.w(rows, hidden)
+        if biases:
+            tensors[f"{name}.bias"] = wt.bias(rows)
+    tensors["attn_output.weight"] = wt.w(hidden, q)
     return tensors
 
 
-def write_model(path: Path, name: str, seed: int = 0) -> Path:
-    """Write the synthetic GGUF ``name`` (a key of SPECS) to ``path``."""
-    import gguf
+def feed_forward(wt: Weights, ffn: int, hidden: int = HIDDEN, suffix: str = "") -> Tensors:
+    """A gated feed-forward: ``ffn_{gate,up,down}`` (``suffix`` ``_shexp``: a shared expert)."""
+    return {
+        f"ffn_gate{suffix}.weight": wt.w(ffn, hidden),
+        f"ffn_up{suffix}.weight": wt.w(ffn, hidden),
+        f"ffn_down{suffix}.weight": wt.w(hidden, ffn),
+    }
 
-    spec = SPECS[name]
-    arch = spec.arch
-    n_blocks = spec.blocks
-    rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(path, arch=arch)
-    writer.add_name(f"synthetic {name}")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    a = arch
-    writer.add_uint32(f"{a}.context_length", CONTEXT)
-    writer.add_uint32(f"{a}.embedding_length", HIDDEN)
-    writer.add_uint32(f"{a}.block_count", n_blocks)
-    writer.add_uint32(f"{a}.feed_forward_length", FFN)
-    writer.add_uint32(f"{a}.attention.head_count", HEADS)
-    writer.add_uint32(f"{a}.attention.head_count_kv", KV_HEADS)
-    if arch in ("gpt2", "falcon"):
-        writer.add_float32(f"{a}.attention.layer_norm_epsilon", 1e-5)
-    else:
-        writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6 if arch == "gemma3" else 1e-5)
-    if arch in ("qwen3", "gemma3", "mistral3"):
-        writer.add_uint32(f"{a}.attention.key_length", HEAD_DIM)
-        writer.add_uint32(f"{a}.attention.value_length", HEAD_DIM)
-    for key, value in spec.extra.items():
-        name = f"{a}.{key}"
-        if isinstance(value, bool):
-            writer.add_bool(name, value)
-        elif isinstance(value, int):
-            writer.add_uint32(name, value)
+
+def experts(wt: Weights, count: int, ffn: int, hidden: int = HIDDEN) -> Tensors:
+    """3-D expert feed-forwards ``ffn_{gate,up,down}_exps`` (experts first)."""
+    return {
+        "ffn_gate_exps.weight": wt.w(count, ffn, hidden),
+        "ffn_up_exps.weight": wt.w(count, ffn, hidden),
+        "ffn_down_exps.weight": wt.w(count, hidden, ffn),
+    }
+
+
+def nextn(wt: Weights, hidden: int = HIDDEN) -> Tensors:
+    """A multi-token-prediction block's own tensors."""
+    return {
+        "nextn.eh_proj.weight": wt.w(hidden, 2 * hidden),
+        "nextn.enorm.weight": wt.norm(hidden),
+        "nextn.hnorm.weight": wt.norm(hidden),
+        "nextn.shared_head_norm.weight": wt.norm(hidden),
+    }
+
+
+def add_keys(writer: Any, arch: str, keys: dict[str, Any]) -> None:
+    """``keys`` under ``{arch}.``: list -> array, bool, float -> float32,
+    int -> uint32, str -> string."""
+    for key, value in keys.items():
+        key = f"{arch}.{key}"
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
         elif isinstance(value, float):
-            writer.add_float32(name, value)
+            writer.add_float32(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
         else:
-            writer.add_string(name, value)
+            writer.add_string(key, value)
 
+
+def add_vocabulary(writer: Any, pre: str) -> list[str]:
+    """The small byte-level BPE vocabulary with the pre-tokenizer ``pre``; its tokens."""
     tokens, types = vocabulary()
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(spec.pre)
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(list(MERGES))
+    return tokens
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    name: str,
+    keys: dict[str, Any],
+    tensors: Iterable[tuple[str, np.ndarray]],
+    pre: str = "default",
+) -> Path:
+    """Write one synthetic GGUF: ``keys`` (see add_keys), the small
+    vocabulary, then ``tensors`` as float32, in order (a generator may draw
+    them as they are written)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, arch=arch)
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    add_keys(writer, arch, keys)
+    tokens = add_vocabulary(writer, pre)
     writer.add_bos_token_id(tokens.index("<|endoftext|>"))
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_add_bos_token(False)
-
-    def emb(rows: int, cols: int) -> np.ndarray:
-        return rng.standard_normal((rows, cols)).astype(np.float32)
-
-    def put(name: str, array: np.ndarray) -> None:
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
-
-    # Gemma multiplies token embeddings by sqrt(hidden): keep its input well
-    # below the blocks' output, or the residual stays the input token and the
-    # tied output predicts the same few tokens again and again.
-    put("token_embd.weight", emb(VOCAB, HIDDEN) * (0.4 / HIDDEN**0.5 if arch == "gemma3" else 1.0))
-    if arch == "gpt2":
-        put("position_embd.weight", emb(CONTEXT, HIDDEN) * 0.1)
-    put("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    if arch in ("gpt2", "falcon"):
-        put("output_norm.bias", np.zeros(HIDDEN, dtype=np.float32))
-    if spec.untied_output:
-        put("output.weight", emb(VOCAB, HIDDEN) * 0.5)
-    if arch == "llama":
-        # Llama 3's per-dimension RoPE frequency factors: one global tensor.
-        put("rope_freqs.weight", rng.uniform(1.0, 8.0, HEAD_DIM // 2).astype(np.float32))
-    if arch == "phi3":
-        half = HEAD_DIM // 2
-        put("rope_factors_long.weight", rng.uniform(1.0, 4.0, half).astype(np.float32))
-        put("rope_factors_short.weight", rng.uniform(1.0, 1.5, half).astype(np.float32))
-    for block in range(n_blocks):
-        for tensor, array in _block_tensors(spec, rng).items():
-            put(f"blk.{block}.{tensor}", array)
-
+    for tensor, array in tensors:
+        writer.add_tensor(tensor, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def blocks(tensors: Tensors, per_block: Iterable[Tensors]) -> Iterator[tuple[str, np.ndarray]]:
+    """The model-wide ``tensors``, then each block's under ``blk.N.``."""
+    yield from tensors.items()
+    for block, block_tensors in enumerate(per_block):
+        for tensor, array in block_tensors.items():
+            yield f"blk.{block}.{tensor}", array
+
+
+def _block_tensors(spec: Spec, wt: Weights) -> Tensors:
+    """One block's tensors of a model of SPECS."""
+    arch = spec.arch
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    if arch == "phi3":
+        return {
+            "attn_norm.weight": wt.norm(HIDDEN),
+            "attn_qkv.weight": wt.w(q + 2 * kv, HIDDEN),
+            "attn_output.weight": wt.w(HIDDEN, q),
+            "ffn_norm.weight": wt.norm(HIDDEN),
+            "ffn_up.weight": wt.w(2 * FFN, HIDDEN),
+            "ffn_down.weight": wt.w(HIDDEN, FFN),
+        }
+    if arch == "gpt2":
+        return {
+            "attn_norm.weight": wt.norm(HIDDEN),
+            "attn_norm.bias": wt.bias(HIDDEN),
+            "attn_qkv.weight": wt.w(3 * HIDDEN, HIDDEN),
+            "attn_qkv.bias": wt.bias(3 * HIDDEN),
+            "attn_output.weight": wt.w(HIDDEN, HIDDEN),
+            "attn_output.bias": wt.bias(HIDDEN),
+            "ffn_norm.weight": wt.norm(HIDDEN),
+            "ffn_norm.bias": wt.bias(HIDDEN),
+            "ffn_up.weight": wt.w(FFN, HIDDEN),
+            "ffn_up.bias": wt.bias(FFN),
+            "ffn_down.weight": wt.w(HIDDEN, FFN),
+            "ffn_down.bias": wt.bias(HIDDEN),
+        }
+    if arch == "falcon":
+        return {
+            "attn_norm.weight": wt.norm(HIDDEN),
+            "attn_norm.bias": wt.bias(HIDDEN),
+            "attn_qkv.weight": wt.w(q + 2 * kv, HIDDEN),
+            "attn_output.weight": wt.w(HIDDEN, q),
+            "ffn_up.weight": wt.w(FFN, HIDDEN),
+            "ffn_down.weight": wt.w(HIDDEN, FFN),
+        }
+    tensors = {
+        "attn_norm.weight": wt.norm(HIDDEN),
+        **attention(wt, q, kv),
+        "ffn_norm.weight": wt.norm(HIDDEN),
+    }
+    dense = feed_forward(wt, FFN)  # drawn for the MoE model too: its weights stay those it always had
+    if spec.experts:
+        tensors["ffn_gate_inp.weight"] = wt.w(spec.experts, HIDDEN)
+        tensors |= experts(wt, spec.experts, FFN)
+    else:
+        tensors |= dense
+    if arch == "qwen2":
+        tensors |= {"attn_q.bias": wt.bias(q), "attn_k.bias": wt.bias(kv), "attn_v.bias": wt.bias(kv)}
+    if arch in ("qwen3", "gemma3"):
+        tensors |= {"attn_q_norm.weight": wt.norm(HEAD_DIM), "attn_k_norm.weight": wt.norm(HEAD_DIM)}
+    if arch == "gemma3":
+        tensors |= {"post_attention_norm.weight": wt.norm(HIDDEN), "post_ffw_norm.weight": wt.norm(HIDDEN)}
+    return tensors
+
+
+def shape_keys(
+    blocks: int,
+    ffn: int,
+    eps: float = 1e-5,
+    head_dim: int | None = None,
+    kv_heads: int = KV_HEADS,
+    context: int = CONTEXT,
+) -> dict[str, Any]:
+    """The shape every synthetic model writes: context, hidden size, blocks,
+    feed-forward, heads and, if ``head_dim``, an explicit head size."""
+    keys: dict[str, Any] = {
+        "context_length": context,
+        "embedding_length": HIDDEN,
+        "block_count": blocks,
+        "feed_forward_length": ffn,
+        "attention.head_count": HEADS,
+        "attention.head_count_kv": kv_heads,
+        "attention.layer_norm_rms_epsilon": eps,
+    }
+    if head_dim:
+        keys |= {"attention.key_length": head_dim, "attention.value_length": head_dim}
+    return keys
+
+
+def expert_keys(count: int, used: int, ffn: int) -> dict[str, Any]:
+    """A mixture of experts: ``count`` experts of feed-forward ``ffn``, ``used`` per token."""
+    return {"expert_count": count, "expert_used_count": used, "expert_feed_forward_length": ffn}
+
+
+def write_model(path: Path, name: str, seed: int = 0) -> Path:
+    """Write the synthetic GGUF ``name`` (a key of SPECS) to ``path``."""
+    spec = SPECS[name]
+    arch = spec.arch
+    head_dim = HEAD_DIM if arch in ("qwen3", "gemma3", "mistral3") else None
+    keys = shape_keys(spec.blocks, FFN, 1e-6 if arch == "gemma3" else 1e-5, head_dim) | spec.extra
+    if arch in ("gpt2", "falcon"):  # layer norm, not RMS norm
+        keys["attention.layer_norm_epsilon"] = keys.pop("attention.layer_norm_rms_epsilon")
+
+    wt = Weights(seed)
+    # Gemma multiplies token embeddings by sqrt(hidden): keep its input well
+    # below the blocks' output, or the residual stays the input token and the
+    # tied output predicts the same few tokens again and again.
+    outer = {
+        "token_embd.weight": wt.normal(VOCAB, HIDDEN, scale=0.4 / HIDDEN**0.5 if arch == "gemma3" else 1.0)
+    }
+    if arch == "gpt2":
+        outer["position_embd.weight"] = wt.normal(CONTEXT, HIDDEN, scale=0.1)
+    outer["output_norm.weight"] = np.ones(HIDDEN)
+    if arch in ("gpt2", "falcon"):
+        outer["output_norm.bias"] = np.zeros(HIDDEN)
+    if spec.untied_output:
+        outer["output.weight"] = wt.normal(VOCAB, HIDDEN, scale=0.5)
+    if arch == "llama":
+        # Llama 3's per-dimension RoPE frequency factors: one global tensor.
+        outer["rope_freqs.weight"] = wt.uniform(1.0, 8.0, HEAD_DIM // 2)
+    if arch == "phi3":
+        outer["rope_factors_long.weight"] = wt.uniform(1.0, 4.0, HEAD_DIM // 2)
+        outer["rope_factors_short.weight"] = wt.uniform(1.0, 1.5, HEAD_DIM // 2)
+    per_block = (_block_tensors(spec, wt) for _ in range(spec.blocks))
+    return write_gguf(path, arch, f"synthetic {name}", keys, blocks(outer, per_block), spec.pre)
 
 
 def prompt_tokens(length: int, seed: int = 1) -> list[int]:
