@@ -16,7 +16,7 @@ def make_hello(data_endpoint: str, data_token: str, share_endpoint: str = "", sh
 
     from ggufpipe_agent.gguf.memory import system_memory
     from ggufpipe_agent.llama.devices import list_devices
-    from ggufpipe_agent.llama.engine import gpu_offload_supported
+    from ggufpipe_agent.llama.plumbing import gpu_offload_supported
 
     devices = tuple(list_devices())
     backend = "cpu"
