@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
+from ggufpipe_agent.heartbeat import Silence
 from ggufpipe_agent.llama.slot import EngineSlot
 from ggufpipe_agent.process.data_streams import DataStreams, live
-from ggufpipe_agent.process.heartbeat import Silence
 from ggufpipe_agent.process.peer_links import Links
 from ggufpipe_agent.process.requests import answer_request
 from ggufpipe_agent.stage import slots
