@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -73,40 +73,26 @@ STATS_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 0.1
 
 
-@dataclass
 class Counters:
-    steps: int = 0
-    last_ms: float = 0.0
-    total_ms: float = 0.0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    prefill_ms: float = 0.0
-    prefill_rows: int = 0
-    kept: int = 0
-    sent_at: float = field(default=0.0)
+    """A run's step counters as they grow (:class:`StepCounters`, the record
+    the orchestrator is sent, is frozen: each count makes the next one)."""
+
+    def __init__(self) -> None:
+        self._now = StepCounters()
+        self.sent_at = 0.0
+
+    def received(self, nbytes: int) -> None:
+        self._now = replace(self._now, bytes_in=self._now.bytes_in + nbytes)
 
     def count(self, sequence: int, elapsed_ms: float, sent: int, rows: int, position: int) -> None:
-        self.last_ms = elapsed_ms
-        self.bytes_out += sent
+        now = replace(self._now, last_ms=elapsed_ms, bytes_out=self._now.bytes_out + sent)
         if sequence == 0:
-            self.prefill_ms = elapsed_ms
-            self.prefill_rows = rows
-            self.kept = position
+            self._now = replace(now, prefill_ms=elapsed_ms, prefill_rows=rows, kept=position)
         else:
-            self.steps += 1
-            self.total_ms += elapsed_ms
+            self._now = replace(now, steps=now.steps + 1, total_ms=now.total_ms + elapsed_ms)
 
     def snapshot(self) -> StepCounters:
-        return StepCounters(
-            self.steps,
-            self.last_ms,
-            self.total_ms,
-            self.bytes_in,
-            self.bytes_out,
-            self.prefill_ms,
-            self.prefill_rows,
-            self.kept,
-        )
+        return self._now
 
 
 class StageRun:
@@ -302,7 +288,7 @@ class StageRun:
             await self._ready.wait()  # the next object stays in the ring until then
             item = await self.ring.get()
             self._current = item
-            self.counters.bytes_in += item[0].nbytes
+            self.counters.received(item[0].nbytes)
             self.apply(ObjectLoaded(item[0].sequence))
 
     async def deliver(self, header: objects.ObjectHeader, payload: bytes) -> None:
