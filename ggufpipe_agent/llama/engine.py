@@ -34,6 +34,7 @@ from ggufpipe_agent.errors import ContextOverflow, EngineError, ProtocolError
 from ggufpipe_agent.llama.plumbing import (
     MROPE_TYPES,
     BufferTypeOverride,
+    StageShape,
     context_params_for,
     experts_in_ram_overrides,
     gpu_offload_supported,
@@ -47,16 +48,6 @@ from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
 log = logging.getLogger("ggufpipe.engine")
 
 Progress = Callable[[float], None]
-
-
-@dataclass(frozen=True, slots=True)
-class StageShape:
-    """Where a stage sits in the pipeline."""
-
-    first: bool
-    last: bool
-    block_count: int  # blocks in this stage file
-    hidden: int
 
 
 @dataclass(slots=True)

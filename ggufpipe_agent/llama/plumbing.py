@@ -1,7 +1,8 @@
 """llama.cpp's C side as the stage engine needs it, through ctypes: the
 backend set up once per process (its log routed to ours), the buffer-type
 overrides that keep routed experts in host RAM, how many positions a token
-of a stage file takes, and the sampler chain of a run."""
+of a stage file takes, a context's parameters, the sampler chain of a run,
+and the shape of a stage (what its batch holds and its steps return)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,24 @@ import functools
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ggufpipe_agent.errors import EngineError
+from ggufpipe_agent.llama.devices import bind
 from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class StageShape:
+    """Where a stage sits in the pipeline."""
+
+    first: bool
+    last: bool
+    block_count: int  # blocks in this stage file
+    hidden: int
+
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -60,10 +74,7 @@ def _cpu_buffer_type() -> int:
 
     library = Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"
     base = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
-    function = base.ggml_backend_cpu_buffer_type
-    function.argtypes = []
-    function.restype = ctypes.c_void_p
-    buft = function()
+    buft = bind(base, "ggml_backend_cpu_buffer_type", ctypes.c_void_p)()
     if not buft:
         raise EngineError("ggml has no CPU buffer type")
     return int(buft)

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_agent.llama.plumbing import StageShape
 from ggufpipe_agent.wire.protocol import SamplingParams
 
 log = logging.getLogger("ggufpipe.engine")
@@ -23,28 +24,16 @@ log = logging.getLogger("ggufpipe.engine")
 PROBE_ROWS = 4
 
 
-class _Shape(Protocol):
-    @property
-    def first(self) -> bool: ...
-    @property
-    def last(self) -> bool: ...
-    @property
-    def hidden(self) -> int: ...
-
-
 class Probed(Protocol):
     """What the probe uses of a stage engine."""
 
-    @property
-    def path(self) -> str: ...
+    path: str
+    shape: StageShape
+    n_ubatch: int
+    n_ctx: int
+
     @property
     def n_past(self) -> int: ...
-    @property
-    def shape(self) -> _Shape: ...
-    @property
-    def n_ubatch(self) -> int: ...
-    @property
-    def n_ctx(self) -> int: ...
     @property
     def vocab_size(self) -> int: ...
 
