@@ -7,6 +7,9 @@ This package is the leaf that ships to GPU hosts. It never imports
 from __future__ import annotations
 
 __version__ = "0.1.0"
+#: What an agent that cannot run on its host starts its last stderr line with
+#: (ggufpipe_agent/selfcheck.py); the orchestrator looks for it.
+UNFIT_MARKER = "ggufpipe-agent cannot run here:"
 
 #: Bumped whenever a control message or the object record layout changes in a
 #: way an older peer cannot read. The orchestrator refuses a mismatched agent.

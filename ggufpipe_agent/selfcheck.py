@@ -29,9 +29,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ggufpipe_agent import UNFIT_MARKER
+
 PACKAGE = "ggufpipe_agent"
-#: The word the orchestrator looks for in an agent's last stderr line.
-MARKER = "ggufpipe-agent cannot run here:"
+MARKER = UNFIT_MARKER  # starts the line the orchestrator looks for
 IMPORT_ERRORS = ("ImportError", "ModuleNotFoundError")
 #: The packages outside the standard library the agent imports
 #: unconditionally, each with the first agent module that does (as

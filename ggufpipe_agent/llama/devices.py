@@ -9,12 +9,21 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Any
 
 from ggufpipe_agent.wire.protocol import Device
 
 # enum ggml_backend_dev_type: CPU, GPU, IGPU (integrated, host memory), ACCEL (BLAS, AMX)
 GGML_DEVICE_TYPE_GPU = 1
 GGML_DEVICE_TYPE_IGPU = 2
+
+
+def bind(library: ctypes.CDLL, name: str, restype: Any, *argtypes: Any) -> Any:
+    """``library``'s C function ``name``, typed."""
+    function = getattr(library, name)
+    function.argtypes = list(argtypes)
+    function.restype = restype
+    return function
 
 
 class _Ggml:
@@ -25,38 +34,18 @@ class _Ggml:
         base = ctypes.CDLL(str(lib_dir / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
         main = ctypes.CDLL(str(lib_dir / "libggml.so"), mode=ctypes.RTLD_GLOBAL)
 
-        self.get_name = base.ggml_get_name
-        self.get_name.argtypes = [ctypes.c_void_p]
-        self.get_name.restype = ctypes.c_char_p
-        self.nbytes = base.ggml_nbytes
-        self.nbytes.argtypes = [ctypes.c_void_p]
-        self.nbytes.restype = ctypes.c_size_t
-        self.tensor_get = base.ggml_backend_tensor_get
-        self.tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-        self.tensor_get.restype = None
+        void_p, size_t, char_p = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
+        self.get_name = bind(base, "ggml_get_name", char_p, void_p)
+        self.nbytes = bind(base, "ggml_nbytes", size_t, void_p)
+        self.tensor_get = bind(base, "ggml_backend_tensor_get", None, void_p, void_p, size_t, size_t)
 
-        self.dev_count = main.ggml_backend_dev_count
-        self.dev_count.argtypes = []
-        self.dev_count.restype = ctypes.c_size_t
-        self.dev_get = main.ggml_backend_dev_get
-        self.dev_get.argtypes = [ctypes.c_size_t]
-        self.dev_get.restype = ctypes.c_void_p
-        self.dev_name = base.ggml_backend_dev_name
-        self.dev_name.argtypes = [ctypes.c_void_p]
-        self.dev_name.restype = ctypes.c_char_p
-        self.dev_description = base.ggml_backend_dev_description
-        self.dev_description.argtypes = [ctypes.c_void_p]
-        self.dev_description.restype = ctypes.c_char_p
-        self.dev_memory = base.ggml_backend_dev_memory
-        self.dev_memory.argtypes = [
-            ctypes.c_void_p,
-            ctypes.POINTER(ctypes.c_size_t),
-            ctypes.POINTER(ctypes.c_size_t),
-        ]
-        self.dev_memory.restype = None
-        self.dev_type = base.ggml_backend_dev_type
-        self.dev_type.argtypes = [ctypes.c_void_p]
-        self.dev_type.restype = ctypes.c_int
+        self.dev_count = bind(main, "ggml_backend_dev_count", size_t)
+        self.dev_get = bind(main, "ggml_backend_dev_get", void_p, size_t)
+        self.dev_name = bind(base, "ggml_backend_dev_name", char_p, void_p)
+        self.dev_description = bind(base, "ggml_backend_dev_description", char_p, void_p)
+        size_p = ctypes.POINTER(size_t)
+        self.dev_memory = bind(base, "ggml_backend_dev_memory", None, void_p, size_p, size_p)
+        self.dev_type = bind(base, "ggml_backend_dev_type", ctypes.c_int, void_p)
 
 
 @functools.cache

@@ -23,118 +23,31 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import logging
-import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ggufpipe_agent.errors import ContextOverflow, EngineError, GgufpipeError, ProtocolError
+from ggufpipe_agent.errors import ContextOverflow, EngineError, ProtocolError
+from ggufpipe_agent.llama.plumbing import (
+    MROPE_TYPES,
+    BufferTypeOverride,
+    StageShape,
+    context_params_for,
+    experts_in_ram_overrides,
+    gpu_offload_supported,
+    init_backend,
+    positions_per_token,
+    sampler_chain,
+)
+from ggufpipe_agent.llama.probe import probe_keeping_the_cache
 from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
 
 log = logging.getLogger("ggufpipe.engine")
 
 Progress = Callable[[float], None]
-#: Rows of the batch-invariance probe compared between batch shapes.
-PROBE_ROWS = 4
-
-_backend_lock = threading.Lock()
-_backend_ready = False
-_LLAMA_LOG_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
-_llama_log = logging.getLogger("ggufpipe.llama")
-
-
-def _init_backend() -> None:
-    """llama_backend_init once per process, with llama.cpp's log routed to ours."""
-    global _backend_ready, _log_callback
-    with _backend_lock:
-        if _backend_ready:
-            return
-        import llama_cpp
-
-        @llama_cpp.llama_log_callback
-        def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-            mapped = _LLAMA_LOG_LEVELS.get(level, logging.DEBUG)
-            if _llama_log.isEnabledFor(mapped):
-                _llama_log.log(mapped, "%s", text.decode("utf-8", errors="replace").rstrip())
-
-        _log_callback = forward  # keep the ctypes thunk alive
-        llama_cpp.llama_log_set(forward, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
-        _backend_ready = True
-
-
-_log_callback: object = None
-
-
-class _BufferTypeOverride(ctypes.Structure):
-    """llama.h's ``struct llama_model_tensor_buft_override``: the tensors whose
-    names match ``pattern`` (``std::regex_search``) go to buffer type ``buft``."""
-
-    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
-@functools.cache
-def _cpu_buffer_type() -> int:
-    """``ggml_backend_cpu_buffer_type()`` (libggml-base): llama.cpp compares an
-    override's buffer type with it to keep the CPU's repacking buffer types."""
-    import llama_cpp
-
-    library = Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"
-    base = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
-    function = base.ggml_backend_cpu_buffer_type
-    function.argtypes = []
-    function.restype = ctypes.c_void_p
-    buft = function()
-    if not buft:
-        raise EngineError("ggml has no CPU buffer type")
-    return int(buft)
-
-
-def experts_in_ram_overrides() -> ctypes.Array[_BufferTypeOverride]:
-    """The NULL-terminated override list of llama.cpp's ``--cpu-moe``: every
-    routed expert tensor (``EXPERTS_PATTERN``) in a CPU buffer. llama.cpp
-    keeps the pointer: the caller keeps the array alive with the model."""
-    from ggufpipe_agent.gguf.memory import EXPERTS_PATTERN
-
-    overrides = (_BufferTypeOverride * 2)()  # the second, all zero, ends the list
-    overrides[0].pattern = EXPERTS_PATTERN.encode()
-    overrides[0].buft = _cpu_buffer_type()
-    return overrides
-
-
-#: LLAMA_ROPE_TYPE_MROPE and _IMROPE: llama.cpp reads 4 positions per embedding.
-_MROPE_TYPES = (8, 40)
-
-
-def _positions_per_token(path: str) -> int:
-    """Positions per token of a batch of embeddings for this stage file."""
-    from ggufpipe_agent.gguf.architectures import positions_per_token
-    from ggufpipe_agent.gguf.files import read_gguf_header
-
-    header = read_gguf_header(path)
-    return positions_per_token(header.architecture, header.get)
-
-
-def gpu_offload_supported() -> bool:
-    import llama_cpp
-
-    return bool(llama_cpp.llama_supports_gpu_offload())
-
-
-@dataclass(frozen=True, slots=True)
-class StageShape:
-    """Where a stage sits in the pipeline."""
-
-    first: bool
-    last: bool
-    block_count: int  # blocks in this stage file
-    hidden: int
 
 
 @dataclass(slots=True)
@@ -159,7 +72,7 @@ class StageEngine:
     ) -> None:
         import llama_cpp
 
-        _init_backend()
+        init_backend()
         self._lib = llama_cpp
         self.path = path
         self.shape = shape
@@ -182,7 +95,7 @@ class StageEngine:
         model_params.n_gpu_layers = (
             0 if not gpu else (2**31 - 1 if options.gpu_layers < 0 else options.gpu_layers)
         )
-        self._buft_overrides: ctypes.Array[_BufferTypeOverride] | None = None
+        self._buft_overrides: ctypes.Array[BufferTypeOverride] | None = None
         if options.experts_in_ram:
             # The routed experts stay in host RAM, the rest of each offloaded
             # block goes to the GPU (the planner's choice, docs/planning.md).
@@ -213,21 +126,7 @@ class StageEngine:
         if n_embd != shape.hidden:
             self.close()
             raise EngineError(f"{path}: hidden size {n_embd}, the plan says {shape.hidden}")
-        threads = options.threads or os.cpu_count() or 1
-        context_params = llama_cpp.llama_context_default_params()
-        # Each slot its own KV stream of n_ctx positions (not one cache shared
-        # by all): a sequence's cells are laid out as when it is alone.
-        context_params.n_ctx = options.n_ctx * self.parallel
-        context_params.n_batch = options.n_batch
-        context_params.n_ubatch = options.n_ubatch
-        context_params.n_seq_max = self.parallel
-        context_params.kv_unified = False
-        context_params.n_threads = threads
-        context_params.n_threads_batch = threads
-        context_params.no_perf = True
-        # A full-size sliding-window cache (gemma3) never drops a position, so
-        # a kept prefix is laid out cell for cell as a cold run lays it out.
-        context_params.swa_full = True
+        context_params = context_params_for(llama_cpp, options, self.parallel)
         self._eval_thunk = None
         if not shape.last:
             self._eval_thunk = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
@@ -255,9 +154,9 @@ class StageEngine:
         # Positions per token of a batch of embeddings: 4 where the model uses
         # M-RoPE (llama.cpp reads them section-major, pos[j * n_tokens + i]),
         # more than llama_batch_init allocates; the batch then points at ours.
-        mrope = llama_cpp.llama_model_rope_type(self.model) in _MROPE_TYPES
+        mrope = llama_cpp.llama_model_rope_type(self.model) in MROPE_TYPES
         # Only an M-RoPE model's stage file is read again (its header says how many).
-        self._positions = _positions_per_token(path) if mrope and not shape.first else 1
+        self._positions = positions_per_token(path) if mrope and not shape.first else 1
         if mrope and not shape.first and self._positions == 1:
             self.close()  # llama.cpp would read 4 positions per embedding, past the buffer
             raise EngineError(f"{path}: llama.cpp reads 4 positions per token, the stage file says 1")
@@ -323,17 +222,7 @@ class StageEngine:
             return
         if self._state.sampler is not None:
             lib.llama_sampler_free(self._state.sampler)
-        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-        if sampling.temperature <= 0:
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
-        else:
-            if sampling.top_k > 0:
-                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(sampling.top_k))
-            if 0 < sampling.top_p < 1:
-                lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(sampling.top_p, 1))
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(sampling.temperature))
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
-        self._state.sampler = chain
+        self._state.sampler = sampler_chain(lib, sampling)
 
     def keepable(self) -> tuple[int, str]:
         """How many leading positions of the cache a new run may keep, and why
@@ -361,7 +250,7 @@ class StageEngine:
             # One context keeping its cache: every position it holds (no probe).
             return self._state.n_past, ""
         if self.batch_invariant is None:
-            self._probe_keeping_the_cache()
+            self.batch_invariant, self.probe_note = probe_keeping_the_cache(self, self._state.exact_end)
             if self._state.n_past == 0:
                 return 0, f"its cache was lost to the batch-invariance probe ({self.probe_note})"
         if self.batch_invariant or self._state.exact_end == self._state.n_past:
@@ -538,84 +427,17 @@ class StageEngine:
         # cache of every block in the stage is written.
         return False
 
-    def _probe_keeping_the_cache(self) -> None:
-        """Probe batch invariance once, with the cache saved and put back."""
-        saved, positions, exact_end = self._sequence_state(), self._state.n_past, self._state.exact_end
-        try:
-            self.probe_note = self._probe_batch_invariance()
-            self.batch_invariant = not self.probe_note
-        except GgufpipeError as error:
-            self.batch_invariant, self.probe_note = False, f"the probe failed: {error}"
-        try:
-            self._restore_sequence(saved, positions)
-            self._state.exact_end = exact_end
-        except GgufpipeError:
-            self.reset(SamplingParams())  # nothing kept rather than something wrong
-        log.info(
-            "%s: %s",
-            self.path,
-            "rows come out alike in any batch: decoded positions can be kept"
-            if self.batch_invariant
-            else f"{self.probe_note}: only whole prefilled ubatches can be kept",
-        )
-
-    def _probe_batch_invariance(self) -> str:
-        """Whether a row's results depend on the batch around it: '' when the
-        last rows of a ubatch come out bit for bit the same (KV cache and
-        outputs: activations, or the last row's logits) computed in the
-        ubatch, one by one, and in a small batch; else what differed.
-        Kernels that switch with the batch size (llamafile's sgemm, repacked
-        weights, a tiled attention, GPU batch kernels) make a decode step's
-        KV differ from a prefill's; only where this holds may a new run keep
-        the positions the last run decoded (docs/worker.md, "Prefix reuse")."""
+    @property
+    def vocab_size(self) -> int:
         lib = self._lib
-        rows = min(self.n_ubatch, self.n_ctx)
-        tail = min(PROBE_ROWS, rows - 1)
-        random = np.random.default_rng(0)
-        n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
-        inputs: np.ndarray | list[int]
-        if self.shape.first:
-            inputs = random.integers(1, max(2, n_vocab), rows).tolist()
-        else:
-            inputs = random.standard_normal((rows, self.shape.hidden)).astype(np.float32)
+        return int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model)))
 
-        def result(outputs: list[Any]) -> tuple[bytes, bytes]:
-            """The KV cache and the outputs (activations, or the last row's logits)."""
-            if self.shape.last:
-                logits = lib.llama_get_logits_ith(self.context, -1)
-                out = np.ctypeslib.as_array(logits, shape=(n_vocab,)).tobytes()
-            else:
-                out = np.concatenate(outputs).tobytes()
-            return self._sequence_state(), out
+    def last_logits(self) -> bytes:
+        """The last row's logits after a step of the last stage."""
+        logits = self._lib.llama_get_logits_ith(self.context, -1)
+        return np.ctypeslib.as_array(logits, shape=(self.vocab_size,)).tobytes()
 
-        try:
-            self.reset(SamplingParams())
-            reference = result([self.step(inputs)])
-            if tail == 0:
-                return ""
-            self.reset(SamplingParams())
-            head = self.step(inputs[: rows - tail])
-            after_head = self._sequence_state()
-            arms = {"one by one": [1] * tail, "in a small batch": [tail] if tail > 1 else []}
-            for name, sizes in arms.items():
-                if not sizes:
-                    continue
-                self._restore_sequence(after_head, rows - tail)
-                outputs = [head]
-                begin = rows - tail
-                for size in sizes:
-                    outputs.append(self.step(inputs[begin : begin + size]))
-                    begin += size
-                cache, out = result(outputs)
-                if cache != reference[0]:
-                    return f"its KV cache differs when rows are computed {name} and in one ubatch"
-                if out != reference[1]:
-                    return f"its outputs differ when rows are computed {name} and in one ubatch"
-            return ""
-        finally:
-            self.reset(SamplingParams())
-
-    def _sequence_state(self) -> bytes:
+    def sequence_state(self) -> bytes:
         """The KV cache of the sequence, as llama.cpp serializes it."""
         lib = self._lib
         size = lib.llama_state_seq_get_size(self.context, self._seq)
@@ -623,13 +445,17 @@ class StageEngine:
         written = lib.llama_state_seq_get_data(self.context, buffer, size, self._seq)
         return ctypes.string_at(buffer, written)  # one copy (the KV cache may be large)
 
-    def _restore_sequence(self, state: bytes, positions: int) -> None:
+    def restore_sequence(self, state: bytes, positions: int, exact_end: int | None = None) -> None:
+        """Put back a :meth:`sequence_state` of ``positions`` positions (and,
+        given, the end of the positions computed as a cold run computes them)."""
         lib = self._lib
         self._clear()
         buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
         if lib.llama_state_seq_set_data(self.context, buffer, len(state), self._seq) != len(state):
             raise EngineError("llama.cpp could not restore a KV cache it saved")
         self._state.n_past = positions
+        if exact_end is not None:
+            self._state.exact_end = exact_end
 
     # -------------------------------------------------------------- cleanup
 

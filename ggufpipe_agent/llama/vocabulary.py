@@ -26,9 +26,9 @@ class Vocabulary:
     def __init__(self, path: str) -> None:
         import llama_cpp
 
-        from ggufpipe_agent.llama.engine import _init_backend
+        from ggufpipe_agent.llama.plumbing import init_backend
 
-        _init_backend()
+        init_backend()
         self._lib = llama_cpp
         self.path = str(read_model_files(path).first)
         params = llama_cpp.llama_model_default_params()

@@ -21,20 +21,19 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Protocol
 
-from ggufpipe_agent.delivery.service import serve_delivery
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
+from ggufpipe_agent.heartbeat import Silence
 from ggufpipe_agent.llama.slot import EngineSlot
-from ggufpipe_agent.process.heartbeat import Silence
+from ggufpipe_agent.process.data_streams import DataStreams, live
 from ggufpipe_agent.process.peer_links import Links
 from ggufpipe_agent.process.requests import answer_request
 from ggufpipe_agent.stage import slots
-from ggufpipe_agent.stage.fsm import EdgeEstablished, Provision, StageState, StopRunEvent
+from ggufpipe_agent.stage.fsm import Provision, StageState, StopRunEvent
 from ggufpipe_agent.stage.run import StageRun
 from ggufpipe_agent.stage.validation import fits_bits, validate_provision
 from ggufpipe_agent.tasks import TaskOwner
-from ggufpipe_agent.wire import objects
-from ggufpipe_agent.wire.delivery_messages import CacheRequest, ReceiveStage
-from ggufpipe_agent.wire.framing import FrameReader, FrameWriter, TruncatedFrame
+from ggufpipe_agent.wire.delivery_messages import CacheRequest
+from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
 from ggufpipe_agent.wire.protocol import (
     Heartbeat,
     Hello,
@@ -43,7 +42,6 @@ from ggufpipe_agent.wire.protocol import (
     LinkEdge,
     LinkListen,
     Message,
-    OpenEdge,
     ProvisionStage,
     Refused,
     RequestFailed,
@@ -96,12 +94,12 @@ class AgentProcess(Protocol):
 
     def hello(self, data_token: str, guest: bool) -> Hello: ...
 
+
 #: How long an agent waits for a word from its orchestrator before the first
 #: Heartbeat says how long to wait (the orchestrator's timeouts.heartbeat).
 DEFAULT_SILENCE_S = 120.0
 #: The range a Heartbeat's timeout is held to.
 SILENCE_RANGE_S = (0.5, 3600.0)
-
 
 
 class SeenRuns:
@@ -124,7 +122,6 @@ class SeenRuns:
 
     def __len__(self) -> int:
         return len(self._ids)
-
 
 
 class Session:
@@ -158,13 +155,14 @@ class Session:
         # order it was posted: a stage's StageFault is always read before the
         # refusal of an OpenEdge that arrived after the fault.
         self._outbox: asyncio.Queue[Message | None] = asyncio.Queue()
+        self.data = DataStreams(self.runs, self.seen_runs, self.refuse, lambda: agent.cache_dir)
         self.links = Links(
             agent.private_dir,
             self.post,
-            self.serve_data,
+            self.data.serve,
             self.tasks.spawn,
             self.runs.get,
-            self.inbound_object,
+            self.data.inbound_object,
         )
         self.silence = Silence(DEFAULT_SILENCE_S)
         self._beat_interval = 0.0
@@ -190,7 +188,7 @@ class Session:
 
     def live_runs(self) -> list[StageRun]:
         """The runs not stopped yet."""
-        return [run for run in self.runs.values() if run.fsm.state is not StageState.STOPPED]
+        return live(self.runs)
 
     def post(self, message: Message) -> None:
         """Queue a message to the orchestrator (sent in posting order)."""
@@ -408,128 +406,14 @@ class Session:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*(run.stopped.wait() for run in live)), timeout=30)
 
-    # --------------------------------------------------------------- data
-
-    async def serve_data(self, reader: asyncio.StreamReader, writer: Any, peer: int = -1) -> str:
-        """Edge streams: OpenEdge frames and inbound object records, from the
-        orchestrator or (``peer`` >= 0) over the link from stage ``peer``. A
-        frame that cannot be parsed loses the stream (it cannot be
-        resynchronised), and with it every run it carries. Returns why it ended."""
-        what = "data connection" if peer < 0 else f"link from stage {peer}"
-        frames = FrameReader(reader, what)
-        outbound = FrameWriter(writer, what="outbound edge")
-        while True:
-            live = self.live_runs()
-            extents = {run.provision.inbound.object_spec.max_extent for run in live}
-            limit = extents.pop() if len(extents) == 1 else objects.ABSOLUTE_MAX_PAYLOAD
-            payload = b""
-            try:
-                frame = await frames.frame(limit)
-                if isinstance(frame, objects.ObjectHeader):
-                    problem = self._object_problem(frame)
-                    if problem:
-                        # Refused at its header; the payload is skipped in
-                        # bounded chunks, never held: the stream stays in
-                        # step and memory stays flat whatever it claims.
-                        self.refuse("object", f"{frame.describe()}: {problem}")
-                        async for _chunk in frames.chunks(frame):
-                            pass
-                        continue
-                    payload = await frames.payload(frame)
-            except TruncatedFrame:
-                await self._data_fault(f"truncated frame: the {what} ended inside it", peer)
-                return "it ended inside a frame"
-            except ProtocolError as error:
-                await self._data_fault(str(error), peer)
-                return f"a malformed frame ({error})"
-            except (ConnectionError, OSError) as error:
-                return f"it broke ({error})"
-            if frame is None:
-                return "it was closed"
-            if isinstance(frame, OpenEdge):
-                await self.open_edge(frame, outbound, from_link=peer >= 0)
-            elif isinstance(frame, ReceiveStage) and peer < 0:
-                # A delivery connection (model send: true): a stage file, not edges.
-                await serve_delivery(frame, frames, outbound, self.agent.cache_dir)
-                return "the stage file was delivered"
-            elif isinstance(frame, Message):
-                self.refuse(frame.tag, f"not a message for the {what}")
-            else:
-                await self.inbound_object(frame, payload)
-
-    async def _data_fault(self, reason: str, peer: int = -1) -> None:
-        """A frame that cannot be parsed: the stream is lost, and with it
-        every run whose objects it carries."""
-        from ggufpipe_agent.stage.fsm import InboundFault
-
-        self.refuse("data frame", reason)
-        for run in self.live_runs():
-            if run.fsm.state in (StageState.READY, StageState.EXECUTING, StageState.PREPARING):
-                run.fault_peer = peer
-                run.apply(InboundFault(f"malformed frame on the inbound edge: {reason}"))
-
-    async def open_edge(self, message: OpenEdge, writer: Any, from_link: bool = False) -> None:
-        problem = self._run_problem(message.run_id)
-        if problem:
-            self.refuse("OpenEdge", problem, message.run_id)
-            return
-        run = self.runs[message.run_id]
-        expected = run.edge_ids(from_link).get(message.role)
-        if expected is None or expected != message.edge_id:
-            self.refuse(
-                "OpenEdge",
-                f"edge {message.edge_id} ({message.role}) is not in the provision message of run "
-                f"{run.run_id:016x}",
-                message.run_id,
-            )
-            return
-        if run.fsm.state is not StageState.PREPARING:
-            self.refuse("OpenEdge", f"edge {message.edge_id} set up outside Preparing", message.run_id)
-            return
-        if message.role == "outbound":
-            run.outbound = writer
-        elif message.role == "ring-out":
-            run.ring_out = writer
-        try:
-            run.apply(EdgeEstablished(message.role))
-        except GgufpipeError as error:
-            self.refuse("OpenEdge", str(error), message.run_id)
-
     async def link_edge(self, message: LinkEdge) -> None:
         """This run's outbound (or ring-out) end on the stage's link."""
-        problem = self._run_problem(message.run_id)
+        problem = self.data.run_problem(message.run_id)
         if problem:
             self.refuse("LinkEdge", problem, message.run_id)
             return
         run = self.runs[message.run_id]
-        await self.links.edge(run, message, self.refuse, self.inbound_object)
-
-    def _object_problem(self, header: objects.ObjectHeader) -> str:
-        """Why an inbound object is refused ('' when the run it names takes it)."""
-        problem = self._run_problem(header.run_id)
-        if problem:
-            return problem
-        run = self.runs[header.run_id]
-        ring = run.provision.ring
-        ring_edge = ring.edge_id if ring is not None and ring.consume else None
-        if header.edge_id not in (run.provision.inbound.edge_id, ring_edge):
-            return f"edge {header.edge_id} is not this stage's inbound edge"
-        return ""
-
-    async def inbound_object(self, header: objects.ObjectHeader, payload: bytes) -> None:
-        problem = self._object_problem(header)  # the run may have stopped since the header
-        if problem:
-            self.refuse("object", f"{header.describe()}: {problem}")
-            return
-        await self.runs[header.run_id].deliver(header, payload)
-
-    def _run_problem(self, run_id: int) -> str:
-        run = self.runs.get(run_id)
-        if run is not None and run.fsm.state is not StageState.STOPPED:
-            return ""
-        if run_id in self.seen_runs:
-            return f"stale run id {run_id:016x}"
-        return f"unknown run id {run_id:016x}"
+        await self.links.edge(run, message, self.refuse, self.data.inbound_object)
 
 
 # ------------------------------------------------------------------ entry

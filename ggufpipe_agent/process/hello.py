@@ -15,7 +15,7 @@ def make_hello(data_endpoint: str, data_token: str, share_endpoint: str = "", sh
     import llama_cpp
 
     from ggufpipe_agent.llama.devices import list_devices
-    from ggufpipe_agent.llama.engine import gpu_offload_supported
+    from ggufpipe_agent.llama.plumbing import gpu_offload_supported
     from ggufpipe_agent.process.host_memory import system_memory
 
     devices = tuple(list_devices())

@@ -37,7 +37,11 @@ from pathlib import Path
 from ggufpipe_agent import PROTOCOL_VERSION
 from ggufpipe_agent.errors import ProtocolError
 from ggufpipe_agent.process.control import Session
-from ggufpipe_agent.process.credential import (
+from ggufpipe_agent.process.credential import remove_key_file, write_key_file
+from ggufpipe_agent.process.runtime import Agent
+from ggufpipe_agent.wire.endpoints import parse_endpoint
+from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
+from ggufpipe_agent.wire.listen_key import (
     AGENT,
     NONCE_BYTES,
     ORCHESTRATOR,
@@ -45,13 +49,8 @@ from ggufpipe_agent.process.credential import (
     default_key_path,
     new_nonce,
     proof,
-    remove_key_file,
     verify,
-    write_key_file,
 )
-from ggufpipe_agent.process.runtime import Agent
-from ggufpipe_agent.wire.endpoints import parse_endpoint
-from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
 from ggufpipe_agent.wire.protocol import AuthChallenge, AuthProof, AuthResponse, Refused, encode_message
 
 log = logging.getLogger("ggufpipe.agent")

@@ -48,6 +48,7 @@ from ggufpipe_agent.stage.run import StageRun
 from ggufpipe_agent.stage.writers import Deliver, LocalFeed, RecordWriter
 from ggufpipe_agent.wire.endpoints import parse_endpoint
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
+from ggufpipe_agent.wire.link_messages import stage_name
 from ggufpipe_agent.wire.protocol import (
     LinkAttach,
     LinkConnect,
@@ -64,7 +65,6 @@ from ggufpipe_agent.wire.protocol import (
 
 log = logging.getLogger("ggufpipe.links")
 
-LINK_DOMAIN = "ggufpipe.invalid"
 #: How long a peer may take for its TLS handshake and its first frame.
 ATTACH_TIMEOUT = 10.0
 #: The attach frame each way is a token: nothing bigger is read before it.
@@ -82,11 +82,6 @@ ServeLink = Callable[[Any, Any, int], Awaitable[str]]
 #: consumer's delivery instead of through the socket (``LocalFeed``). Only
 #: while the listener waits for its producer.
 _IN_PROCESS: dict[str, tuple[ConsumerRun, Deliver]] = {}
-
-
-def stage_name(index: int) -> str:
-    """The name a stage's link certificate carries."""
-    return f"stage-{index}.{LINK_DOMAIN}"
 
 
 def _load_identity(context: ssl.SSLContext, credentials: LinkCredentials, directory: Path) -> None:

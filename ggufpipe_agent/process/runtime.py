@@ -106,7 +106,7 @@ class Agent:
             if session is None:
                 log.warning("refused a data connection without the data token")
                 return
-            await session.serve_data(reader, writer)
+            await session.data.serve(reader, writer)
         except (asyncio.TimeoutError, ProtocolError, ConnectionError) as error:
             log.warning("data connection closed: %s", error or type(error).__name__)
         except asyncio.CancelledError:

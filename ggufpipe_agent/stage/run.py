@@ -13,15 +13,12 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ggufpipe_agent.delivery.service import received_stage_file
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
-from ggufpipe_agent.gguf.architectures import check_architecture
-from ggufpipe_agent.gguf.facts import read_model_facts
-from ggufpipe_agent.llama.engine import StageEngine, StageShape
+from ggufpipe_agent.llama.engine import StageEngine
 from ggufpipe_agent.llama.slot import EngineSlot
 from ggufpipe_agent.stage.fsm import (
     CancelPrepare,
@@ -50,8 +47,8 @@ from ggufpipe_agent.stage.fsm import (
     transition,
 )
 from ggufpipe_agent.stage.handover import ConsumerRun, Precomputed, chain_next
+from ggufpipe_agent.stage.preparation import load_engine, stage_file
 from ggufpipe_agent.stage.writers import RecordWriter
-from ggufpipe_agent.stagefiles.writer import check_range, ensure_stage_file
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.protocol import (
@@ -76,40 +73,26 @@ STATS_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 0.1
 
 
-@dataclass
 class Counters:
-    steps: int = 0
-    last_ms: float = 0.0
-    total_ms: float = 0.0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    prefill_ms: float = 0.0
-    prefill_rows: int = 0
-    kept: int = 0
-    sent_at: float = field(default=0.0)
+    """A run's step counters as they grow (:class:`StepCounters`, the record
+    the orchestrator is sent, is frozen: each count makes the next one)."""
+
+    def __init__(self) -> None:
+        self._now = StepCounters()
+        self.sent_at = 0.0
+
+    def received(self, nbytes: int) -> None:
+        self._now = replace(self._now, bytes_in=self._now.bytes_in + nbytes)
 
     def count(self, sequence: int, elapsed_ms: float, sent: int, rows: int, position: int) -> None:
-        self.last_ms = elapsed_ms
-        self.bytes_out += sent
+        now = replace(self._now, last_ms=elapsed_ms, bytes_out=self._now.bytes_out + sent)
         if sequence == 0:
-            self.prefill_ms = elapsed_ms
-            self.prefill_rows = rows
-            self.kept = position
+            self._now = replace(now, prefill_ms=elapsed_ms, prefill_rows=rows, kept=position)
         else:
-            self.steps += 1
-            self.total_ms += elapsed_ms
+            self._now = replace(now, steps=now.steps + 1, total_ms=now.total_ms + elapsed_ms)
 
     def snapshot(self) -> StepCounters:
-        return StepCounters(
-            self.steps,
-            self.last_ms,
-            self.total_ms,
-            self.bytes_in,
-            self.bytes_out,
-            self.prefill_ms,
-            self.prefill_rows,
-            self.kept,
-        )
+        return self._now
 
 
 class StageRun:
@@ -266,31 +249,13 @@ class StageRun:
         p = self.provision
         loop = asyncio.get_running_loop()
         try:
-            if p.stage_file is not None:  # sent here by the orchestrator (model send: true)
-                stage_path = await loop.run_in_executor(
-                    self._worker, received_stage_file, self._cache_dir, p
-                )
-            else:
-                stage_path = await self._stage_file_from_source(loop)
-            shape = StageShape(
-                first=self.first,
-                last=self.last,
-                block_count=p.layer_end_exclusive - p.layer_start,
-                hidden=p.model.hidden_dim,
+            stage_path = await stage_file(
+                p, self._worker, self._cache_dir, lambda what: self._load_progress(loop, what)
             )
             progress = self._load_progress(loop, "loading into llama.cpp")
-
-            def load() -> tuple[StageEngine, PrefixHeld]:
-                slots = self._engines
-                engine, loaded = slots.get(stage_path, shape, p.engine, progress, self.run_id)
-                held = slots.held(engine, p.reuse, loaded, self.slot)
-                engine.use(self.slot)
-                engine.reset(p.sampling, keep=held.positions > 0)
-                if not held.positions:
-                    slots.forget(f"its cache was emptied for run {self.run_id:016x}", self.slot)
-                return engine, held
-
-            self.engine, self.held = await loop.run_in_executor(self._worker, load)
+            self.engine, self.held = await loop.run_in_executor(
+                self._worker, load_engine, self._engines, stage_path, p, progress
+            )
             held = self.held
             if held.run_id:
                 log.info(
@@ -313,29 +278,6 @@ class StageRun:
             return
         self._apply_if_alive(WorkerBound())
 
-    async def _stage_file_from_source(self, loop: asyncio.AbstractEventLoop) -> Path:
-        """The stage file written here from the host's own copy of the model."""
-        p = self.provision
-        facts = await loop.run_in_executor(self._worker, read_model_facts, p.gguf_source)
-        check_architecture(facts.architecture, facts.path)
-        check_range(p.layer_start, p.layer_end_exclusive, facts.block_count, facts.path)
-        if facts.hidden_dim != p.model.hidden_dim or facts.block_count != p.model.block_count:
-            raise ProtocolError(
-                f"{facts.path} has {facts.block_count} blocks of width {facts.hidden_dim}; "
-                f"the plan says {p.model.block_count} of width {p.model.hidden_dim} "
-                "(a different model file on this host?)"
-            )
-        return await loop.run_in_executor(
-            self._worker,
-            lambda: ensure_stage_file(
-                facts.path,
-                p.layer_start,
-                p.layer_end_exclusive,
-                self._cache_dir,
-                self._load_progress(loop, "writing stage file"),
-            ),
-        )
-
     def _apply_if_alive(self, event: StageEvent) -> None:
         if self.fsm.state is not StageState.STOPPED:
             self.apply(event)
@@ -346,7 +288,7 @@ class StageRun:
             await self._ready.wait()  # the next object stays in the ring until then
             item = await self.ring.get()
             self._current = item
-            self.counters.bytes_in += item[0].nbytes
+            self.counters.received(item[0].nbytes)
             self.apply(ObjectLoaded(item[0].sequence))
 
     async def deliver(self, header: objects.ObjectHeader, payload: bytes) -> None:
@@ -379,8 +321,12 @@ class StageRun:
             if ahead is not None and ahead.matches(header):
                 # The producer's worker ran this step already (stage/handover.py).
                 if not self.chained:
-                    log.info("run %016x stage %d: decode steps run on the worker right after the "
-                             "previous stage's (one process)", self.run_id, self.index)
+                    log.info(
+                        "run %016x stage %d: decode steps run on the worker right after the "
+                        "previous stage's (one process)",
+                        self.run_id,
+                        self.index,
+                    )
                 self.chained += 1
                 if ahead.error is not None:
                     raise ahead.error

@@ -175,6 +175,21 @@ def write_stage_entry(
     return target
 
 
+def _stamped(
+    sidecar: Sidecar, info: os.stat_result, samples: tuple[tuple[int, int, str], ...], **more: Any
+) -> Sidecar:
+    """``sidecar`` recording the file as ``info`` finds it, with its samples."""
+    return dataclasses.replace(
+        sidecar,
+        mtime_ns=info.st_mtime_ns,
+        ctime_ns=info.st_ctime_ns,
+        inode=info.st_ino,
+        samples=samples,
+        version=SIDECAR_VERSION,
+        **more,
+    )
+
+
 def record_entry(target: Path, sidecar: Sidecar) -> Sidecar:
     """Write the sidecar of a new entry: ``sidecar``'s digest, size, key,
     sources and boot, with the file's stat taken now, after the rename that
@@ -189,14 +204,7 @@ def record_entry(target: Path, sidecar: Sidecar) -> Sidecar:
         samples = sample_digests(fd, sample_spans(sidecar.key, sidecar.size))
     finally:
         os.close(fd)
-    recorded = dataclasses.replace(
-        sidecar,
-        mtime_ns=info.st_mtime_ns,
-        ctime_ns=info.st_ctime_ns,
-        inode=info.st_ino,
-        samples=samples,
-        version=SIDECAR_VERSION,
-    )
+    recorded = _stamped(sidecar, info, samples)
     write_sidecar(target, recorded)
     return recorded
 
@@ -376,15 +384,7 @@ def check_entry(target: Path, full: bool = False) -> Sidecar | None:
             os.fsync(fd)
     finally:
         os.close(fd)
-    renewed = dataclasses.replace(
-        sidecar,
-        mtime_ns=now.st_mtime_ns,
-        ctime_ns=now.st_ctime_ns,
-        inode=now.st_ino,
-        samples=samples,
-        unsynced_boot="",
-        version=SIDECAR_VERSION,
-    )
+    renewed = _stamped(sidecar, now, samples, unsynced_boot="")
     if renewed != sidecar:
         write_sidecar(target, renewed)
     return renewed

@@ -10,6 +10,14 @@ from dataclasses import dataclass
 
 from ggufpipe_agent.wire.codec import Message
 
+#: The domain of the names in the link certificates of a session.
+LINK_DOMAIN = "ggufpipe.invalid"
+
+
+def stage_name(index: int) -> str:
+    """The name a stage's link certificate carries."""
+    return f"stage-{index}.{LINK_DOMAIN}"
+
 
 @dataclass(frozen=True, slots=True)
 class LinkCredentials:

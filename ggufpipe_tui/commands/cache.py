@@ -20,8 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import IO
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.stagefiles.admin import CacheEntry
-from ggufpipe_agent.wire.delivery_messages import CacheReport, CacheRequest
+from ggufpipe_agent.wire.delivery_messages import CacheEntry, CacheReport, CacheRequest
 from ggufpipe_agent.wire.protocol import RequestFailed, Shutdown
 from ggufpipe_tui.core.format import format_bytes
 from ggufpipe_tui.core.inventory import HostSpec, Inventory

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from ggufpipe_agent.process.peer_links import stage_name
+from ggufpipe_agent.wire.link_messages import stage_name
 
 #: How long a session's certificates are valid: a session that runs longer
 #: keeps its links (certificates are checked when a link is set up).

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from ggufpipe_agent.errors import CacheError
-from ggufpipe_agent.stagefiles.private_files import private_directory
+from ggufpipe_agent.private_dirs import private_directory
 from ggufpipe_agent.wire.protocol import to_plain
 from ggufpipe_tui.core.events import AgentConnected, Event, PlanMade, RunFinished, StageStats, TokenStreamed
 

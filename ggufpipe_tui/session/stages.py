@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from ggufpipe_agent.errors import ProtocolError
-from ggufpipe_agent.process.heartbeat import Silence
+from ggufpipe_agent.heartbeat import Silence
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire.delivery_messages import CacheReport
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter

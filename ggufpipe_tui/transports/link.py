@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from ggufpipe_agent import PROTOCOL_VERSION, __version__
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
-from ggufpipe_agent.process import credential
 from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.wire import listen_key
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
 from ggufpipe_agent.wire.protocol import (
     AuthChallenge,
@@ -207,7 +207,7 @@ class AgentLink:
 
     @property
     def listen_key_path(self) -> str:
-        return self.host.listen_key or credential.default_key_path(self.host.listen)
+        return self.host.listen_key or listen_key.default_key_path(self.host.listen)
 
     async def read_listen_key(self, timeout: float) -> bytes:
         """The key file of the hand-started agent, read where it runs."""
@@ -295,15 +295,15 @@ class AgentLink:
                 "hand-started agent; nothing was sent to it"
             )
         self._check_protocol(challenge.protocol, "")
-        if len(challenge.nonce) != credential.NONCE_BYTES:
+        if len(challenge.nonce) != listen_key.NONCE_BYTES:
             raise TransportError(f"{self.label}: the endpoint {where} sent a malformed challenge")
         return challenge
 
     async def _prove(self, challenge: AuthChallenge, key: bytes, timeout: float) -> None:
         """Our answer to the challenge, then the agent's proof, checked."""
         where = f"{self.host.listen} on {self.host.name}"
-        nonce = credential.new_nonce()
-        response = AuthResponse(nonce, credential.proof(key, credential.ORCHESTRATOR, challenge.nonce, nonce))
+        nonce = listen_key.new_nonce()
+        response = AuthResponse(nonce, listen_key.proof(key, listen_key.ORCHESTRATOR, challenge.nonce, nonce))
         assert self.control is not None
         try:
             await asyncio.wait_for(self.control.send(response), timeout)
@@ -320,8 +320,8 @@ class AgentLink:
                 f"{self._refused(answer)}; the key file {self.listen_key_path} on {self.host.name} "
                 "is not the one that agent printed when it started (restarted since, or another one?)"
             )
-        if not isinstance(answer, AuthProof) or not credential.verify(
-            key, credential.AGENT, challenge.nonce, nonce, answer.proof
+        if not isinstance(answer, AuthProof) or not listen_key.verify(
+            key, listen_key.AGENT, challenge.nonce, nonce, answer.proof
         ):
             raise TransportError(
                 f"{self.label}: the endpoint {where} does not hold the listen key in "

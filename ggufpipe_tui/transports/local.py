@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ggufpipe_agent.process import credential
+from ggufpipe_agent.wire import listen_key
 from ggufpipe_agent.wire.endpoints import parse_endpoint
 from ggufpipe_agent.wire.protocol import Hello
 from ggufpipe_tui.core.inventory import HostSpec
@@ -81,8 +81,8 @@ class LocalAgent(AgentLink):
 
     async def read_listen_key(self, timeout: float) -> bytes:
         try:
-            return credential.read_key_file(Path(os.path.expanduser(self.listen_key_path)))
-        except credential.CredentialError as error:
+            return listen_key.read_key_file(Path(os.path.expanduser(self.listen_key_path)))
+        except listen_key.CredentialError as error:
             raise TransportError(
                 f"{self.label}: {error}; the agent started with --listen {self.host.listen} prints "
                 "the path of its key file (give it as listen_key: when it is not the default)"

@@ -29,8 +29,8 @@ from typing import Any
 
 import asyncssh
 
-from ggufpipe_agent import __version__, selfcheck
-from ggufpipe_agent.process import credential
+from ggufpipe_agent import UNFIT_MARKER, __version__
+from ggufpipe_agent.wire import listen_key
 from ggufpipe_agent.wire.endpoints import parse_endpoint
 from ggufpipe_agent.wire.protocol import Hello
 from ggufpipe_tui.core.inventory import HostSpec
@@ -220,8 +220,8 @@ class SshAgent(AgentLink):
                 "and log in as the user who started it)"
             )
         try:
-            return credential.parse_key(output_text(done.stdout).encode(), f"{path} on {name}")
-        except credential.CredentialError as error:
+            return listen_key.parse_key(output_text(done.stdout).encode(), f"{path} on {name}")
+        except listen_key.CredentialError as error:
             raise TransportError(f"{self.label}: {error}") from None
 
     async def _settle(self, process: asyncssh.SSHClientProcess[bytes]) -> None:
@@ -249,9 +249,9 @@ class SshAgent(AgentLink):
         status = self._status()
         if process.exit_status == provision.NOT_SET_UP and not self.host.agent:
             return AgentNotSetUp(f"{self.label}: no agent set up on {name} for this orchestrator yet")
-        unfit = [line for line in self.stderr_tail if selfcheck.MARKER in line]
+        unfit = [line for line in self.stderr_tail if UNFIT_MARKER in line]
         if unfit:
-            said = unfit[-1].split(selfcheck.MARKER, 1)[1].strip()
+            said = unfit[-1].split(UNFIT_MARKER, 1)[1].strip()
             if not self.host.agent:
                 return AgentNotSetUp(
                     f"{self.label}: the agent set up on {name} cannot run: {said}", broken=True
