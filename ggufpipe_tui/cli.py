@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel is not None and args.serve is None and not args.plan:
         parser.error("--parallel: only with --serve or --plan (a conversation runs one turn at a time)")
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, stream=sys.stderr)
-    from ggufpipe_tui.core.inventory import default_parallel, load_inventory, with_data_mode, with_run_options
+    from ggufpipe_tui.core.inventory import load_inventory, with_data_mode, with_run_options
+    from ggufpipe_tui.core.inventory_policy import default_parallel
 
     try:
         inventory = load_inventory(args.inventory)

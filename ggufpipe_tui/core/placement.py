@@ -39,7 +39,8 @@ from ggufpipe_agent.gguf.memory import (
     memory_facts_of,
 )
 from ggufpipe_agent.wire.protocol import EngineOptions, Hello, ModelFacts
-from ggufpipe_tui.core.inventory import Inventory, InventoryError, assign_layers
+from ggufpipe_tui.core.inventory import Inventory, InventoryError
+from ggufpipe_tui.core.inventory_policy import assign_layers
 from ggufpipe_tui.core.plan import engine_options
 
 #: Margin on every estimate (its calibrated error, rounded up).
