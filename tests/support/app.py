@@ -21,8 +21,8 @@ from ggufpipe_tui.core.events import (
     TokenStreamed,
 )
 from ggufpipe_tui.core.inventory import Inventory, load_inventory, parse_inventory
-from ggufpipe_tui.core.placement import place_stages
 from ggufpipe_tui.core.plan import build_plan
+from ggufpipe_tui.core.refusal import place_stages
 from ggufpipe_tui.views.app import GgufpipeApp, ScriptItem, UserPrompt
 from ggufpipe_tui.views.transcript import Exchange, Transcript
 
