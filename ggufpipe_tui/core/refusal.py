@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
-from ggufpipe_agent.gguf.memory import GIB, MIB, StageMemory, format_size, memory_facts_of
+from ggufpipe_agent.gguf.memory import GIB, MIB, StageMemory, Usage, format_size, memory_facts_of
 from ggufpipe_agent.wire.protocol import Hello, ModelFacts
 from ggufpipe_tui.core.inventory import Inventory, InventoryError
 from ggufpipe_tui.core.placement import (
@@ -38,11 +39,12 @@ def place_stages(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello
     return placement
 
 
-def _parts(memory: StageMemory, place: str) -> str:
-    usage = memory.host if place == RAM else next(d for d in memory.devices if d.place == place)
+def usage_text(usage: Usage, kv: str = "KV cache") -> str:
+    """An estimate in one place part by part (``weights 1.2 GiB, KV cache
+    64 MiB, ...``); ``kv`` names the KV cache."""
     parts = [
         ("weights", usage.weights),
-        ("KV cache", usage.kv),
+        (kv, usage.kv),
         ("compute", usage.compute),
         ("outputs", usage.outputs),
         ("agent", usage.runtime),
@@ -50,30 +52,37 @@ def _parts(memory: StageMemory, place: str) -> str:
     return ", ".join(f"{name} {format_size(count)}" for name, count in parts if count)
 
 
+def _parts(memory: StageMemory, place: str) -> str:
+    return usage_text(memory.host if place == RAM else next(d for d in memory.devices if d.place == place))
+
+
 def _largest_context(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None]) -> int:
     """The largest context (a multiple of 256) at which the plan fits; 0 if none."""
-    low, high = 1, (engine_options(inventory.run, facts).n_ctx - 1) // _CONTEXT_STEP
-    best = 0
-    while low <= high:
-        middle = (low + high) // 2
-        trial = replace(inventory, run=replace(inventory.run, context=middle * _CONTEXT_STEP))
-        try:
-            fits = evaluate(trial, facts, hellos).fits
-        except InventoryError:
-            fits = False
-        if fits:
-            best, low = middle * _CONTEXT_STEP, middle + 1
-        else:
-            high = middle - 1
-    return best
+    steps = (engine_options(inventory.run, facts).n_ctx - 1) // _CONTEXT_STEP
+    return _most_that_fits(inventory, facts, hellos, "context", steps, _CONTEXT_STEP)
 
 
 def _most_slots(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None]) -> int:
     """The most runs in flight (slots) below the inventory's at which the plan fits; 0 if none."""
-    low, high, best = 1, max(1, inventory.run.parallel) - 1, 0
+    return _most_that_fits(inventory, facts, hellos, "parallel", max(1, inventory.run.parallel) - 1)
+
+
+def _most_that_fits(
+    inventory: Inventory,
+    facts: ModelFacts,
+    hellos: Sequence[Hello | None],
+    option: str,
+    most: int,
+    step: int = 1,
+) -> int:
+    """The largest ``n * step`` (``n`` from 1 to ``most``) that, as the run
+    option ``option``, makes the plan fit; 0 if none. A binary search: the
+    plan needs more memory as the option grows."""
+    low, high, best = 1, most, 0
     while low <= high:
         middle = (low + high) // 2
-        trial = replace(inventory, run=replace(inventory.run, parallel=middle))
+        change: dict[str, Any] = {option: middle * step}
+        trial = replace(inventory, run=replace(inventory.run, **change))
         try:
             fits = evaluate(trial, facts, hellos).fits
         except InventoryError:
@@ -82,7 +91,7 @@ def _most_slots(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello 
             best, low = middle, middle + 1
         else:
             high = middle - 1
-    return best
+    return best * step
 
 
 def _most_layers(

@@ -3,7 +3,7 @@ entries (an exchange of a prompt and its streamed reply, a note) as parts
 of text, each wrapped to a width once and kept as lines drawn once.
 
 It renders from the app's plain data (the exchanges of
-:mod:`ggufpipe_tui.views.viewstate`); it does not know the orchestrator.
+:mod:`ggufpipe_tui.views.rows`); it does not know the orchestrator.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from rich.text import Text
 from textual.content import Content
 from textual.strip import Strip
 
-from ggufpipe_tui.views.viewstate import ExchangeView
+from ggufpipe_tui.views.rows import ExchangeView
 
 # Colours as hex: Rich's names (grey50, dodger_blue1) are not Textual's, and
 # a style string that reaches Textual's parser (Content.styled, a Text's base
@@ -124,7 +124,7 @@ class Reply(Part):
 
 class Exchange:
     """One prompt, its streamed reply and how the run ended, as lines of the
-    transcript: a view of an :class:`~ggufpipe_tui.views.viewstate.ExchangeView`."""
+    transcript: a view of an :class:`~ggufpipe_tui.views.rows.ExchangeView`."""
 
     def __init__(self, view: ExchangeView) -> None:
         self.view = view

@@ -26,9 +26,9 @@ from ggufpipe_tui.views.drawing import (
     PipelineEvent,
     PipelineEvents,
 )
+from ggufpipe_tui.views.rows import StageRow
 from ggufpipe_tui.views.threaded import ThreadedPipeline
 from ggufpipe_tui.views.transcript import Transcript
-from ggufpipe_tui.views.viewstate import StageRow
 from ggufpipe_tui.views.widgets import LogPane, StageTable
 from tests.support.app import REPLY, RUN_ID, inventory, running
 
