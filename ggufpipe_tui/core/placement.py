@@ -169,6 +169,30 @@ def host_pools(inventory: Inventory, hellos: Sequence[Hello | None]) -> dict[str
     return hosts
 
 
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    """What every trial placement of one plan is measured with: the
+    inventory, the model's memory facts, the run's llama.cpp sizes and the
+    hosts' pools."""
+
+    inventory: Inventory
+    memory: MemoryFacts
+    options: EngineOptions
+    hosts: dict[str, _Host]
+
+
+def sizing_of(
+    inventory: Inventory,
+    facts: ModelFacts,
+    hellos: Sequence[Hello | None],
+    options: EngineOptions | None = None,
+) -> Sizing:
+    """The sizing of ``inventory``'s plan (``options``: the run's llama.cpp
+    sizes, by default what the inventory's run options give)."""
+    engine = engine_options(inventory.run, facts) if options is None else options
+    return Sizing(inventory, memory_facts_of(facts), engine, host_pools(inventory, hellos))
+
+
 # -------------------------------------------------------------- evaluating
 
 
@@ -180,10 +204,7 @@ def usage_by_place(memory: StageMemory) -> dict[str, int]:
 
 
 def evaluate_ranges(
-    inventory: Inventory,
-    memory: MemoryFacts,
-    options: EngineOptions,
-    hosts: dict[str, _Host],
+    sizing: Sizing,
     ranges: Sequence[tuple[int, int]],
     automatic: bool,
 ) -> Placement:
@@ -191,9 +212,10 @@ def evaluate_ranges(
     ``experts:`` says; for ``auto``, a stage's routed experts go to RAM when
     its GPUs cannot hold its share and its host's RAM can hold them (stage by
     stage on a host, until its GPUs fit)."""
+    inventory = sizing.inventory
     specs = [inventory.hosts[stage.host] for stage in inventory.stages]
     in_ram = [spec.experts == "ram" for spec in specs]
-    placement = _evaluate_experts(inventory, memory, options, hosts, ranges, automatic, in_ram)
+    placement = _evaluate_experts(sizing, ranges, automatic, in_ram)
     for index, spec in enumerate(specs):
         if spec.experts != "auto" or placement.stages[index].experts != "gpu":
             continue
@@ -202,23 +224,21 @@ def evaluate_ranges(
         if all(pool.fits for pool in gpus):
             continue
         moved = [*in_ram[:index], True, *in_ram[index + 1 :]]
-        trial = _evaluate_experts(inventory, memory, options, hosts, ranges, automatic, moved)
+        trial = _evaluate_experts(sizing, ranges, automatic, moved)
         if trial.pool(host, RAM).fits:
             placement, in_ram = trial, moved
     return placement
 
 
 def _evaluate_experts(
-    inventory: Inventory,
-    memory: MemoryFacts,
-    options: EngineOptions,
-    hosts: dict[str, _Host],
+    sizing: Sizing,
     ranges: Sequence[tuple[int, int]],
     automatic: bool,
     in_ram: Sequence[bool],
 ) -> Placement:
     """The placement of ``ranges`` with stage ``i``'s routed experts in RAM
     where ``in_ram[i]``."""
+    inventory, memory, options, hosts = sizing.inventory, sizing.memory, sizing.options, sizing.hosts
     needed: dict[tuple[str, str], int] = {}
     members: dict[tuple[str, str], list[int]] = {}
     stages = []
@@ -267,10 +287,7 @@ def _block_cost(memory: MemoryFacts, block: int, options: EngineOptions) -> int:
 
 
 def _proportional(
-    inventory: Inventory,
-    memory: MemoryFacts,
-    options: EngineOptions,
-    hosts: dict[str, _Host],
+    sizing: Sizing,
     multiple: int = 1,
 ) -> list[tuple[int, int]]:
     """Contiguous ranges, each proportional to its stage's room after its
@@ -278,6 +295,7 @@ def _proportional(
     Every stage starts at a multiple of ``multiple`` (the architecture's
     :func:`~ggufpipe_agent.gguf.architectures.cut_multiple`) and the last one
     has at least ``multiple`` blocks (:func:`_last_start`)."""
+    inventory, memory, options, hosts = sizing.inventory, sizing.memory, sizing.options, sizing.hosts
     stages = inventory.stages
     count = len(stages)
     blocks = len(memory.block_bytes)
@@ -336,21 +354,19 @@ def _proportional(
 
 
 def _repair(
-    inventory: Inventory,
-    memory: MemoryFacts,
-    options: EngineOptions,
-    hosts: dict[str, _Host],
+    sizing: Sizing,
     ranges: list[tuple[int, int]],
     multiple: int = 1,
 ) -> list[tuple[int, int]]:
     """Move boundary blocks off stages whose pools overflow onto neighbours
     with room, ``multiple`` at a time (stages start only at its multiples),
     while that helps."""
+    memory = sizing.memory
 
     def overflow(placement: Placement) -> float:
         return sum(max(pool.needed * (1 + MARGIN) - pool.usable, 0) for pool in placement.pools if pool.known)
 
-    current = evaluate_ranges(inventory, memory, options, hosts, ranges, True)
+    current = evaluate_ranges(sizing, ranges, True)
     for _ in range(len(memory.block_bytes) * len(ranges)):
         if current.fits:
             break
@@ -363,7 +379,7 @@ def _repair(
                     continue
                 moved[boundary - 1] = (moved[boundary - 1][0], cut)
                 moved[boundary] = (cut, moved[boundary][1])
-                candidate = evaluate_ranges(inventory, memory, options, hosts, moved, True)
+                candidate = evaluate_ranges(sizing, moved, True)
                 score = overflow(candidate)
                 if best is None or score < best[0]:
                     best = (score, moved, candidate)
@@ -378,19 +394,17 @@ def _repair(
 
 def evaluate(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None]) -> Placement:
     """The placement whether it fits or not."""
-    memory = memory_facts_of(facts)
-    options = engine_options(inventory.run, facts)
-    hosts = host_pools(inventory, hellos)
+    sizing = sizing_of(inventory, facts, hellos)
     if inventory.stages[0].layers is not None:
         ranges = assign_layers(inventory, facts.block_count)  # checks the given ranges
-        return evaluate_ranges(inventory, memory, options, hosts, ranges, False)
+        return evaluate_ranges(sizing, ranges, False)
     if len(inventory.stages) > facts.block_count:
         assign_layers(inventory, facts.block_count)  # its error names the file and line
     multiple = _cut_multiple(facts)
     _check_stage_count(inventory, facts, multiple)
-    ranges = _proportional(inventory, memory, options, hosts, multiple)
-    ranges = _repair(inventory, memory, options, hosts, ranges, multiple)
-    return evaluate_ranges(inventory, memory, options, hosts, ranges, True)
+    ranges = _proportional(sizing, multiple)
+    ranges = _repair(sizing, ranges, multiple)
+    return evaluate_ranges(sizing, ranges, True)
 
 
 def _cut_multiple(facts: ModelFacts) -> int:

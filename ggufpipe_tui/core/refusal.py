@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from ggufpipe_agent.gguf.memory import GIB, MIB, StageMemory, Usage, format_size, memory_facts_of
+from ggufpipe_agent.gguf.memory import GIB, MIB, StageMemory, Usage, format_size
 from ggufpipe_agent.wire.protocol import Hello, ModelFacts
 from ggufpipe_tui.core.inventory import Inventory, InventoryError
 from ggufpipe_tui.core.placement import (
@@ -22,7 +22,7 @@ from ggufpipe_tui.core.placement import (
     PlacementError,
     evaluate,
     evaluate_ranges,
-    host_pools,
+    sizing_of,
     usage_by_place,
 )
 from ggufpipe_tui.core.plan import engine_options
@@ -103,14 +103,8 @@ def _most_layers(
     for blocks in range(1, end - start):
         ranges = list(placement.ranges)
         ranges[stage] = (start, start + blocks)
-        trial = evaluate_ranges(
-            inventory,
-            memory_facts_of(facts),
-            placement.engine,
-            host_pools(inventory, hellos),
-            ranges,
-            placement.automatic,
-        )
+        sizing = sizing_of(inventory, facts, hellos, placement.engine)
+        trial = evaluate_ranges(sizing, ranges, placement.automatic)
         host = placement.stages[stage].host
         if all(pool.fits for pool in trial.pools if pool.host == host):
             best = blocks
@@ -173,9 +167,7 @@ def refusal(
         # Its experts stayed on its GPUs: pinned there, or its RAM too short.
         hosts = {**inventory.hosts, host: replace(inventory.hosts[host], experts="ram")}
         moved = replace(inventory, hosts=hosts)
-        trial = evaluate_ranges(
-            moved, memory_facts_of(facts), placement.engine, host_pools(moved, hellos), placement.ranges, True
-        )
+        trial = evaluate_ranges(sizing_of(moved, facts, hellos, placement.engine), placement.ranges, True)
         gpus_fit = all(p.fits for p in trial.pools if p.host == host and p.place != RAM)
         ram = trial.pool(host, RAM)
         if inventory.hosts[host].experts == "gpu" and trial.fits:

@@ -376,9 +376,9 @@ def test_repair_moves_a_cut_by_the_architecture_multiple():
             "  - {host: a}\n  - {host: b}\n",
         )
         hosts = module.host_pools(inv, [hello()] * 2)
-        args = (inv, memory_facts_of(facts), engine_options(inv.run, facts), hosts)
-        assert not module.evaluate_ranges(*args, [(0, 12), (12, 20)], True).fits
-        assert module._repair(*args, [(0, 12), (12, 20)], 4) == repaired
+        sizing = module.Sizing(inv, memory_facts_of(facts), engine_options(inv.run, facts), hosts)
+        assert not module.evaluate_ranges(sizing, [(0, 12), (12, 20)], True).fits
+        assert module._repair(sizing, [(0, 12), (12, 20)], 4) == repaired
 
 
 # ------------------------------------------------------ mixtures of experts
