@@ -3,6 +3,9 @@
 Pure: parsing and checking do no I/O beyond reading the file. Every error
 names the file, the line and the key, e.g.
 ``inventory.yaml:7: stages[1].host: 'gpu-c' is not defined under hosts``.
+The nodes are read by :mod:`ggufpipe_tui.core.yamlnodes`; what ggufpipe
+decides where the inventory says nothing (the layer split, the runs in
+flight) is :mod:`ggufpipe_tui.core.inventory_policy`.
 """
 
 from __future__ import annotations
