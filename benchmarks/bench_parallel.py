@@ -412,7 +412,7 @@ def report(
             "flight on the same cores make llama.cpp's thread teams wait for each other. This is why, "
             "without --parallel or run.parallel, the server keeps one run in flight per machine, and one "
             "per stage only on this machine where each stage has `threads:` of its own "
-            "(`default_parallel` in ggufpipe_tui/core/inventory.py).",
+            "(`default_parallel` in ggufpipe_tui/core/inventory_policy.py).",
         ]
     if t1:
         t1_one = t1[1]["tok_s"]

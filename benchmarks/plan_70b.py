@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ggufpipe_agent.gguf.memory import GIB, MIB, format_size  # noqa: E402
 from ggufpipe_agent.wire.protocol import Device, Hello, MemoryFacts, ModelFacts  # noqa: E402
 from ggufpipe_tui.core.inventory import parse_inventory  # noqa: E402
-from ggufpipe_tui.core.placement import MARGIN, Placement, PlacementError, evaluate, place_stages  # noqa: E402
+from ggufpipe_tui.core.placement import MARGIN, Placement, PlacementError, evaluate  # noqa: E402
+from ggufpipe_tui.core.refusal import place_stages  # noqa: E402
 
 HIDDEN, BLOCKS, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 8192, 80, 64, 8, 128, 28672, 128256
 Q4_K, Q5_K, Q6_K, F32 = (GGMLQuantizationType[name] for name in ("Q4_K", "Q5_K", "Q6_K", "F32"))

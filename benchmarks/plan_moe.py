@@ -58,7 +58,8 @@ from ggufpipe_agent.gguf.memory import GIB, MIB, format_size  # noqa: E402
 from ggufpipe_agent.wire.protocol import Device, Hello, ModelFacts  # noqa: E402
 from ggufpipe_tui.commands.plan import placement_json, placement_text  # noqa: E402
 from ggufpipe_tui.core.inventory import Inventory, parse_inventory  # noqa: E402
-from ggufpipe_tui.core.placement import PlacementError, evaluate, place_stages  # noqa: E402
+from ggufpipe_tui.core.placement import PlacementError, evaluate  # noqa: E402
+from ggufpipe_tui.core.refusal import place_stages  # noqa: E402
 from tests.support.synthetic import add_keys  # noqa: E402
 
 Q4_K, Q5_0, Q6_K, F32 = (GGMLQuantizationType[name] for name in ("Q4_K", "Q5_0", "Q6_K", "F32"))

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from ggufpipe_agent import __version__
 from ggufpipe_agent.errors import GgufpipeError
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel is not None and args.serve is None and not args.plan:
         parser.error("--parallel: only with --serve or --plan (a conversation runs one turn at a time)")
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, stream=sys.stderr)
-    from ggufpipe_tui.core.inventory import default_parallel, load_inventory, with_data_mode, with_run_options
+    from ggufpipe_tui.core.inventory import load_inventory, with_data_mode, with_run_options
+    from ggufpipe_tui.core.inventory_policy import default_parallel
 
     try:
         inventory = load_inventory(args.inventory)
@@ -238,44 +240,23 @@ def main(argv: list[str] | None = None) -> int:
     except GgufpipeError as error:
         print(f"ggufpipe: error: {error}", file=sys.stderr)
         return 2
+    # What every front end without a screen takes from the command line.
+    printing: dict[str, Any] = {"verbose": args.verbose, "quiet": args.quiet, "log_dir": args.log_dir}
     if args.plan:
         from ggufpipe_agent import aio
         from ggufpipe_tui.commands.plan import run_plan
 
-        return aio.run(
-            run_plan(
-                inventory, as_json=args.json, quiet=args.quiet, verbose=args.verbose, log_dir=args.log_dir
-            )
-        )
+        return aio.run(run_plan(inventory, as_json=args.json, **printing))
     if args.prompt is not None:
         from ggufpipe_agent import aio
         from ggufpipe_tui.commands.headless import run_headless
 
-        return aio.run(
-            run_headless(
-                inventory,
-                args.prompt,
-                as_json=args.json,
-                verbose=args.verbose,
-                quiet=args.quiet,
-                log_dir=args.log_dir,
-            )
-        )
+        return aio.run(run_headless(inventory, args.prompt, as_json=args.json, **printing))
     if args.serve is not None:
         from ggufpipe_agent import aio
         from ggufpipe_tui.server.run import run_server
 
-        return aio.run(
-            run_server(
-                inventory,
-                args.serve,
-                api_key=args.api_key,
-                queue=args.queue,
-                verbose=args.verbose,
-                quiet=args.quiet,
-                log_dir=args.log_dir,
-            )
-        )
+        return aio.run(run_server(inventory, args.serve, api_key=args.api_key, queue=args.queue, **printing))
     from ggufpipe_tui.views.app import run_app
 
     return run_app(inventory, log_dir=args.log_dir)

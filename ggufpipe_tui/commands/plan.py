@@ -18,6 +18,7 @@ from ggufpipe_agent.wire.protocol import ModelFacts
 from ggufpipe_tui.core.events import AgentConnected, AgentLog, Event
 from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.core.placement import MARGIN, RAM, Placement, PlacementError
+from ggufpipe_tui.core.refusal import usage_text
 from ggufpipe_tui.session.pipeline import Pipeline
 
 EXIT_OK = 0
@@ -92,17 +93,6 @@ def placement_json(
     }
 
 
-def _usage_text(usage: Usage) -> str:
-    parts = [
-        ("weights", usage.weights),
-        ("KV", usage.kv),
-        ("compute", usage.compute),
-        ("outputs", usage.outputs),
-        ("agent", usage.runtime),
-    ]
-    return ", ".join(f"{name} {format_size(count)}" for name, count in parts if count)
-
-
 def placement_text(placement: Placement, inventory: Inventory, facts: ModelFacts) -> str:
     engine = placement.engine
     memory = memory_facts_of(facts)
@@ -127,7 +117,7 @@ def placement_text(placement: Placement, inventory: Inventory, facts: ModelFacts
             if usage.total:
                 split = usage.blocks and usage.blocks != stage.layers[1] - stage.layers[0]
                 blocks = f" ({usage.blocks} blocks)" if split else ""
-                lines.append(f"{'':>7}{usage.place}{blocks}: {_usage_text(usage)}")
+                lines.append(f"{'':>7}{usage.place}{blocks}: {usage_text(usage, 'KV')}")
         if stage.experts:
             where = "in RAM" if stage.experts_in_ram else "on GPU"
             size = format_size(sum(memory.expert_bytes[stage.layers[0] : stage.layers[1]]))

@@ -7,3 +7,7 @@ from ggufpipe_agent.errors import GgufpipeError
 
 class PipelineError(GgufpipeError):
     """The pipeline could not be set up (agents, model, plan) or run a prompt."""
+
+
+class InventoryError(GgufpipeError):
+    """A malformed inventory; the message names the file, line and key."""

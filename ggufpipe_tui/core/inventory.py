@@ -3,13 +3,15 @@
 Pure: parsing and checking do no I/O beyond reading the file. Every error
 names the file, the line and the key, e.g.
 ``inventory.yaml:7: stages[1].host: 'gpu-c' is not defined under hosts``.
+The nodes are read by :mod:`ggufpipe_tui.core.yamlnodes`; what ggufpipe
+decides where the inventory says nothing (the layer split, the runs in
+flight) is :mod:`ggufpipe_tui.core.inventory_policy`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -17,9 +19,10 @@ from typing import Any
 
 import yaml
 
-from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.wire.endpoints import parse_endpoint
 from ggufpipe_agent.wire.records import sampling_problem
+from ggufpipe_tui.core.errors import InventoryError
+from ggufpipe_tui.core.yamlnodes import NodeReader, field_type, fill, size_of
 
 ACTIVATION_DTYPES = ("float32", "float16")
 #: How activations move between stages (``data:``, globally or per host):
@@ -45,10 +48,6 @@ REUSE_MODES = ("cache", "exact")
 
 #: Who feeds each sampled token back to stage 0 (``run.feedback``).
 FEEDBACK_MODES = ("ring", "orchestrator")
-
-
-class InventoryError(GgufpipeError):
-    """A malformed inventory; the message names the file, line and key."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,116 +194,14 @@ class Inventory:
 # ------------------------------------------------------------------ parsing
 
 
-class _Reader:
-    """Typed access to YAML nodes, with the line of each for errors."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def fail(self, node: yaml.Node | None, key: str, message: str) -> InventoryError:
-        line = node.start_mark.line + 1 if node is not None else 1
-        return InventoryError(f"{self.path}:{line}: {key}: {message}")
-
-    def mapping(self, node: yaml.Node, key: str, allowed: tuple[str, ...]) -> dict[str, yaml.Node]:
-        if not isinstance(node, yaml.MappingNode):
-            raise self.fail(node, key, "expected a mapping")
-        result: dict[str, yaml.Node] = {}
-        for key_node, value_node in node.value:
-            name = key_node.value
-            full = name if key == "inventory" else f"{key}.{name}"
-            if not isinstance(key_node, yaml.ScalarNode) or name not in allowed:
-                known = ", ".join(allowed)
-                raise self.fail(key_node, full, f"unknown key (known: {known})")
-            if name in result:
-                raise self.fail(key_node, full, "given twice")
-            result[name] = value_node
-        return result
-
-    def scalar(self, node: yaml.Node, key: str, kind: type) -> Any:
-        if not isinstance(node, yaml.ScalarNode):
-            raise self.fail(node, key, f"expected {_kind_name(kind)}")
-        try:
-            value = yaml.safe_load(yaml.serialize(node)) if node.value != "" else None
-        except (yaml.YAMLError, ValueError, KeyError, AttributeError, TypeError, IndexError):
-            # A tag that does not fit its text (!!bool maybe, !!int abc) or
-            # that safe_load does not construct (!custom, !!python/...), or that
-            # its constructor trips over (!!int -).
-            got = f"{node.tag} {node.value!r}"
-            raise self.fail(node, key, f"expected {_kind_name(kind)}, got {got}") from None
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            try:
-                value = float(value)
-            except OverflowError:
-                raise self.fail(node, key, f"{node.value!r} is too large a number") from None
-        if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
-            value = str(node.value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise self.fail(node, key, f"expected {_kind_name(kind)}, got {node.value!r}")
-        return value
-
-    def strings(self, node: yaml.Node, key: str) -> tuple[str, ...]:
-        if isinstance(node, yaml.SequenceNode):
-            return tuple(self.scalar(item, f"{key}[{i}]", str) for i, item in enumerate(node.value))
-        return (self.scalar(node, key, str),)
-
-
-def _kind_name(kind: type) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[kind]
-
-
-def _fill(reader: _Reader, cls: type, node: yaml.Node, key: str, **extra: Any) -> Any:
-    """A frozen dataclass from a mapping node whose keys are its scalar fields."""
-    known = {f.name: f for f in fields(cls) if f.name not in extra}
-    values = dict(extra)
-    for name, value_node in reader.mapping(node, key, tuple(known)).items():
-        values[name] = reader.scalar(value_node, f"{key}.{name}", _field_type(known[name]))
-    return cls(**values)
-
-
-def _field_type(f: Any) -> type:
-    text = f.type if isinstance(f.type, str) else f.type.__name__
-    return {"int": int, "float": float, "str": str, "bool": bool}[text]
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``12GiB``, ``12 GB``, ``512MiB``, ``1.5T`` or a plain integer.
-    GiB/MiB/KiB/TiB are powers of 1024; GB/MB/KB/TB (and G/M/K/T) of 1000, as
-    written on the box. Raises ValueError."""
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"{text!r} is not a size (e.g. 12GiB, 16GB, 512MiB or bytes)")
-    number, unit = match.group(1), (match.group(2) or "").lower()
-    binary = "i" in unit
-    scale = 1024 ** "bkmgt".index(unit[0]) if binary else _UNITS[unit[:1]]
-    value = float(number) * scale
-    if value < 1:
-        raise ValueError(f"{text!r} is less than one byte")
-    if not math.isfinite(value) or value >= 1 << 62:
-        raise ValueError(f"{text!r} is more bytes than any host has")
-    return int(value)
-
-
-def _size(reader: _Reader, node: yaml.Node, key: str) -> int:
-    if not isinstance(node, yaml.ScalarNode):
-        raise reader.fail(node, key, "expected a size such as 12GiB")
-    try:
-        return parse_size(node.value)
-    except ValueError as error:
-        raise reader.fail(node, key, str(error)) from None
-
-
-_HOST_CONVERTERS: dict[str, Callable[[_Reader, yaml.Node, str], Any]] = {
+_HOST_CONVERTERS: dict[str, Callable[[NodeReader, yaml.Node, str], Any]] = {
     "identity": lambda r, n, k: tuple(os.path.expanduser(p) for p in r.strings(n, k)),
     "known_hosts": lambda r, n, k: tuple(os.path.expanduser(p) for p in r.strings(n, k)),
-    "memory": _size,
+    "memory": size_of,
 }
 
 
-def _host(reader: _Reader, name: str, node: yaml.Node) -> HostSpec:
+def _host(reader: NodeReader, name: str, node: yaml.Node) -> HostSpec:
     key = f"hosts.{name}"
     if isinstance(node, yaml.ScalarNode) and node.value in ("", "~", "null"):
         raise reader.fail(node, key, "give {local: true} or an address")
@@ -316,7 +213,7 @@ def _host(reader: _Reader, name: str, node: yaml.Node) -> HostSpec:
         if convert is not None:
             values[field_name] = convert(reader, value_node, field_key)
         else:
-            kind = _field_type(next(f for f in fields(HostSpec) if f.name == field_name))
+            kind = field_type(next(f for f in fields(HostSpec) if f.name == field_name))
             values[field_name] = reader.scalar(value_node, field_key, kind)
     host = HostSpec(name=name, line=node.start_mark.line + 1, **values)
     if host.local and host.address:
@@ -358,7 +255,7 @@ def _host(reader: _Reader, name: str, node: yaml.Node) -> HostSpec:
     return host
 
 
-def _stage(reader: _Reader, index: int, node: yaml.Node, hosts: dict[str, HostSpec]) -> StageSpec:
+def _stage(reader: NodeReader, index: int, node: yaml.Node, hosts: dict[str, HostSpec]) -> StageSpec:
     key = f"stages[{index}]"
     entries = reader.mapping(node, key, ("host", "layers"))
     if "host" not in entries:
@@ -382,7 +279,7 @@ def _stage(reader: _Reader, index: int, node: yaml.Node, hosts: dict[str, HostSp
 
 
 def parse_inventory(text: str, path: Path) -> Inventory:
-    reader = _Reader(path)
+    reader = NodeReader(path)
     try:
         root = yaml.compose(text)
     except RecursionError:
@@ -451,9 +348,9 @@ def parse_inventory(text: str, path: Path) -> Inventory:
             "stage, or on none to split automatically"
         )
 
-    run = _fill(reader, RunOptions, top["run"], "run") if "run" in top else RunOptions()
-    timeouts = _fill(reader, Timeouts, top["timeouts"], "timeouts") if "timeouts" in top else Timeouts()
-    recovery = _fill(reader, Recovery, top["recovery"], "recovery") if "recovery" in top else Recovery()
+    run = fill(reader, RunOptions, top["run"], "run") if "run" in top else RunOptions()
+    timeouts = fill(reader, Timeouts, top["timeouts"], "timeouts") if "timeouts" in top else Timeouts()
+    recovery = fill(reader, Recovery, top["recovery"], "recovery") if "recovery" in top else Recovery()
     if recovery.attempts < 0:
         raise reader.fail(top["recovery"], "recovery.attempts", "must be 0 (off) or more")
     if not 0 < recovery.deadline < math.inf:
@@ -483,7 +380,7 @@ def _names(node: yaml.Node) -> list[str]:
     return []
 
 
-def _run_error(node: yaml.Node | None, reader: _Reader, key: str, message: str) -> InventoryError:
+def _run_error(node: yaml.Node | None, reader: NodeReader, key: str, message: str) -> InventoryError:
     return reader.fail(node, f"run.{key}", message)
 
 
@@ -507,34 +404,6 @@ def check_run_options(run: RunOptions, fail: Callable[[str, str], Exception]) ->
         raise fail("reuse", f"must be one of {', '.join(REUSE_MODES)}")
     if not 0 <= run.parallel <= MAX_PARALLEL:
         raise fail("parallel", f"must be 1 to {MAX_PARALLEL} runs in flight at once, or 0 (auto)")
-
-
-def default_parallel(inventory: Inventory, cores: int) -> int:
-    """The server's runs in flight when neither ``--parallel`` nor
-    ``run.parallel`` says: one per machine the stages run on, so every machine
-    is busy. Stages that share a machine share its cores: each one's steps
-    use them all (``threads: 0``), and runs in flight on the same cores make
-    llama.cpp's thread teams wait for each other (3 local stages with 3 runs
-    in flight served 0.36x the requests/s of one at a time, docs/bench-server.md).
-    So a machine's stages count one each only where they cannot collide:
-    this machine (``local``), not one shared process, each stage's
-    ``threads`` given and together at most ``cores``. Say ``--parallel``
-    for anything else (an SSH host whose stages have cores of their own)."""
-    machines: dict[tuple[object, ...], list[HostSpec]] = {}
-    for stage in inventory.stages:
-        host = inventory.hosts[stage.host]
-        key: tuple[object, ...] = ("local",) if host.local else ("ssh", host.address, host.port)
-        machines.setdefault(key, []).append(host)
-    total = 0
-    for key, hosts in machines.items():
-        apart = (
-            key == ("local",)
-            and not any(host.share_process for host in hosts)
-            and all(host.threads > 0 for host in hosts)
-            and sum(host.threads for host in hosts) <= cores
-        )
-        total += len(hosts) if apart else 1
-    return max(1, total)
 
 
 def load_inventory(path: str | os.PathLike[str]) -> Inventory:
@@ -570,50 +439,3 @@ def with_data_mode(inventory: Inventory, mode: str | None) -> Inventory:
         raise InventoryError(f"--data: must be one of {', '.join(DATA_MODES)}")
     hosts = {name: replace(host, data=mode) for name, host in inventory.hosts.items()}
     return replace(inventory, hosts=hosts)
-
-
-# ------------------------------------------------------------------ layers
-
-
-def assign_layers(inventory: Inventory, block_count: int) -> list[tuple[int, int]]:
-    """Each stage's [start, end): as given (checked: no overlap, no gap, the
-    model's end reached) or split evenly by block count when no stage gives
-    layers. Runs split by memory instead (core.placement), which checks given
-    ranges here."""
-    stages = inventory.stages
-    if stages[0].layers is None:
-        if len(stages) > block_count:
-            raise InventoryError(
-                f"{inventory.where(stages[0].line)}: stages: {len(stages)} stages for a model of "
-                f"only {block_count} blocks"
-            )
-        base, extra = divmod(block_count, len(stages))
-        ranges, start = [], 0
-        for index in range(len(stages)):
-            end = start + base + (1 if index < extra else 0)
-            ranges.append((start, end))
-            start = end
-        return ranges
-    ranges = []
-    expected = 0
-    for index, stage in enumerate(stages):
-        assert stage.layers is not None
-        start, end = stage.layers
-        where = f"{inventory.where(stage.line)}: stages[{index}].layers"
-        if start < expected:
-            raise InventoryError(
-                f"{where}: [{start}, {end}) overlaps the previous stage (ends at {expected})"
-            )
-        if start > expected:
-            raise InventoryError(f"{where}: [{start}, {end}) leaves blocks [{expected}, {start}) unassigned")
-        if end > block_count:
-            raise InventoryError(f"{where}: [{start}, {end}) goes past the model's {block_count} blocks")
-        ranges.append((start, end))
-        expected = end
-    if expected != block_count:
-        last = stages[-1]
-        raise InventoryError(
-            f"{inventory.where(last.line)}: stages[{len(stages) - 1}].layers: the stages end at "
-            f"block {expected}, the model has {block_count} blocks"
-        )
-    return ranges

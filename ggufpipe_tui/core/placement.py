@@ -17,7 +17,8 @@ its pools. A pool may hold its stages' estimates plus a margin:
 Stages without ``layers`` get contiguous ranges proportional to the room each
 has after its fixed parts (embeddings, output layer, compute and output
 buffers, the agent); ranges given in the inventory are kept. Either way the
-result is checked, and a plan that does not fit is refused with what would.
+result is checked; :mod:`ggufpipe_tui.core.refusal` places the stages, or
+refuses a plan that does not fit with what would.
 """
 
 from __future__ import annotations
@@ -28,18 +29,17 @@ from dataclasses import dataclass, replace
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.gguf.architectures import cut_multiple, plan_metadata
 from ggufpipe_agent.gguf.memory import (
-    GIB,
     MIB,
     MemoryFacts,
     StageMemory,
     estimate_stage,
-    format_size,
     has_experts,
     kv_block_bytes,
     memory_facts_of,
 )
 from ggufpipe_agent.wire.protocol import EngineOptions, Hello, ModelFacts
-from ggufpipe_tui.core.inventory import Inventory, InventoryError, assign_layers
+from ggufpipe_tui.core.inventory import Inventory, InventoryError
+from ggufpipe_tui.core.inventory_policy import assign_layers
 from ggufpipe_tui.core.plan import engine_options
 
 #: Margin on every estimate (its calibrated error, rounded up).
@@ -48,7 +48,6 @@ MARGIN = 0.05
 RAM_RESERVE = 512 * MIB
 GPU_RESERVE = 512 * MIB
 RAM = "RAM"
-_CONTEXT_STEP = 256  # llama.cpp pads the context to this
 
 
 class PlacementError(GgufpipeError):
@@ -136,7 +135,7 @@ class _Host:
     devices: tuple[tuple[str, int], ...]  # what the host's stages offload to: (name, free)
 
 
-def _hosts(inventory: Inventory, hellos: Sequence[Hello | None]) -> dict[str, _Host]:
+def host_pools(inventory: Inventory, hellos: Sequence[Hello | None]) -> dict[str, _Host]:
     hosts: dict[str, _Host] = {}
     for index, stage in enumerate(inventory.stages):
         if stage.host in hosts:
@@ -170,21 +169,42 @@ def _hosts(inventory: Inventory, hellos: Sequence[Hello | None]) -> dict[str, _H
     return hosts
 
 
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    """What every trial placement of one plan is measured with: the
+    inventory, the model's memory facts, the run's llama.cpp sizes and the
+    hosts' pools."""
+
+    inventory: Inventory
+    memory: MemoryFacts
+    options: EngineOptions
+    hosts: dict[str, _Host]
+
+
+def sizing_of(
+    inventory: Inventory,
+    facts: ModelFacts,
+    hellos: Sequence[Hello | None],
+    options: EngineOptions | None = None,
+) -> Sizing:
+    """The sizing of ``inventory``'s plan (``options``: the run's llama.cpp
+    sizes, by default what the inventory's run options give)."""
+    engine = engine_options(inventory.run, facts) if options is None else options
+    return Sizing(inventory, memory_facts_of(facts), engine, host_pools(inventory, hellos))
+
+
 # -------------------------------------------------------------- evaluating
 
 
-def _usage_by_place(memory: StageMemory) -> dict[str, int]:
+def usage_by_place(memory: StageMemory) -> dict[str, int]:
     used = {RAM: memory.host.total}
     for device in memory.devices:
         used[device.place] = used.get(device.place, 0) + device.total
     return used
 
 
-def _evaluate(
-    inventory: Inventory,
-    memory: MemoryFacts,
-    options: EngineOptions,
-    hosts: dict[str, _Host],
+def evaluate_ranges(
+    sizing: Sizing,
     ranges: Sequence[tuple[int, int]],
     automatic: bool,
 ) -> Placement:
@@ -192,9 +212,10 @@ def _evaluate(
     ``experts:`` says; for ``auto``, a stage's routed experts go to RAM when
     its GPUs cannot hold its share and its host's RAM can hold them (stage by
     stage on a host, until its GPUs fit)."""
+    inventory = sizing.inventory
     specs = [inventory.hosts[stage.host] for stage in inventory.stages]
     in_ram = [spec.experts == "ram" for spec in specs]
-    placement = _evaluate_experts(inventory, memory, options, hosts, ranges, automatic, in_ram)
+    placement = _evaluate_experts(sizing, ranges, automatic, in_ram)
     for index, spec in enumerate(specs):
         if spec.experts != "auto" or placement.stages[index].experts != "gpu":
             continue
@@ -203,23 +224,21 @@ def _evaluate(
         if all(pool.fits for pool in gpus):
             continue
         moved = [*in_ram[:index], True, *in_ram[index + 1 :]]
-        trial = _evaluate_experts(inventory, memory, options, hosts, ranges, automatic, moved)
+        trial = _evaluate_experts(sizing, ranges, automatic, moved)
         if trial.pool(host, RAM).fits:
             placement, in_ram = trial, moved
     return placement
 
 
 def _evaluate_experts(
-    inventory: Inventory,
-    memory: MemoryFacts,
-    options: EngineOptions,
-    hosts: dict[str, _Host],
+    sizing: Sizing,
     ranges: Sequence[tuple[int, int]],
     automatic: bool,
     in_ram: Sequence[bool],
 ) -> Placement:
     """The placement of ``ranges`` with stage ``i``'s routed experts in RAM
     where ``in_ram[i]``."""
+    inventory, memory, options, hosts = sizing.inventory, sizing.memory, sizing.options, sizing.hosts
     needed: dict[tuple[str, str], int] = {}
     members: dict[tuple[str, str], list[int]] = {}
     stages = []
@@ -232,7 +251,7 @@ def _evaluate_experts(
             options, gpu_layers=inventory.hosts[stage.host].gpu_layers, experts_in_ram=experts == "ram"
         )
         estimate = estimate_stage(memory, start, end, engine, host.devices)
-        for place, count in _usage_by_place(estimate).items():
+        for place, count in usage_by_place(estimate).items():
             key = (stage.host, place)
             needed[key] = needed.get(key, 0) + count
             if count:
@@ -244,7 +263,7 @@ def _evaluate_experts(
         places = on_devices if on_devices and not in_host else (RAM, *on_devices)
         pools = [p for p in host.pools if p.place in places]
         available = -1 if any(not p.known for p in pools) else sum(p.usable for p in pools)
-        in_places = sum(count for place, count in _usage_by_place(estimate).items() if place in places)
+        in_places = sum(count for place, count in usage_by_place(estimate).items() if place in places)
         stages.append(
             StagePlacement(index, stage.host, (start, end), estimate, places, in_places, available, experts)
         )
@@ -268,10 +287,7 @@ def _block_cost(memory: MemoryFacts, block: int, options: EngineOptions) -> int:
 
 
 def _proportional(
-    inventory: Inventory,
-    memory: MemoryFacts,
-    options: EngineOptions,
-    hosts: dict[str, _Host],
+    sizing: Sizing,
     multiple: int = 1,
 ) -> list[tuple[int, int]]:
     """Contiguous ranges, each proportional to its stage's room after its
@@ -279,6 +295,7 @@ def _proportional(
     Every stage starts at a multiple of ``multiple`` (the architecture's
     :func:`~ggufpipe_agent.gguf.architectures.cut_multiple`) and the last one
     has at least ``multiple`` blocks (:func:`_last_start`)."""
+    inventory, memory, options, hosts = sizing.inventory, sizing.memory, sizing.options, sizing.hosts
     stages = inventory.stages
     count = len(stages)
     blocks = len(memory.block_bytes)
@@ -289,7 +306,7 @@ def _proportional(
         engine = replace(options, gpu_layers=inventory.hosts[stage.host].gpu_layers)
         one = estimate_stage(memory, block, block + 1, engine, hosts[stage.host].devices)
         cost = _block_cost(memory, block, options)
-        used = _usage_by_place(one)
+        used = usage_by_place(one)
         where = RAM if one.host.blocks else next(d.place for d in one.devices if d.blocks)
         used[where] -= cost
         fixed.append(used)
@@ -337,21 +354,19 @@ def _proportional(
 
 
 def _repair(
-    inventory: Inventory,
-    memory: MemoryFacts,
-    options: EngineOptions,
-    hosts: dict[str, _Host],
+    sizing: Sizing,
     ranges: list[tuple[int, int]],
     multiple: int = 1,
 ) -> list[tuple[int, int]]:
     """Move boundary blocks off stages whose pools overflow onto neighbours
     with room, ``multiple`` at a time (stages start only at its multiples),
     while that helps."""
+    memory = sizing.memory
 
     def overflow(placement: Placement) -> float:
         return sum(max(pool.needed * (1 + MARGIN) - pool.usable, 0) for pool in placement.pools if pool.known)
 
-    current = _evaluate(inventory, memory, options, hosts, ranges, True)
+    current = evaluate_ranges(sizing, ranges, True)
     for _ in range(len(memory.block_bytes) * len(ranges)):
         if current.fits:
             break
@@ -364,7 +379,7 @@ def _repair(
                     continue
                 moved[boundary - 1] = (moved[boundary - 1][0], cut)
                 moved[boundary] = (cut, moved[boundary][1])
-                candidate = _evaluate(inventory, memory, options, hosts, moved, True)
+                candidate = evaluate_ranges(sizing, moved, True)
                 score = overflow(candidate)
                 if best is None or score < best[0]:
                     best = (score, moved, candidate)
@@ -377,30 +392,19 @@ def _repair(
 # ----------------------------------------------------------------- placing
 
 
-def place_stages(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None]) -> Placement:
-    """The stages' layer ranges and memory figures; raises PlacementError when
-    the plan does not fit, InventoryError for ranges that do not tile the model."""
-    placement = evaluate(inventory, facts, hellos)
-    if not placement.fits:
-        raise PlacementError(refusal(inventory, facts, hellos, placement), placement, facts)
-    return placement
-
-
 def evaluate(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None]) -> Placement:
     """The placement whether it fits or not."""
-    memory = memory_facts_of(facts)
-    options = engine_options(inventory.run, facts)
-    hosts = _hosts(inventory, hellos)
+    sizing = sizing_of(inventory, facts, hellos)
     if inventory.stages[0].layers is not None:
         ranges = assign_layers(inventory, facts.block_count)  # checks the given ranges
-        return _evaluate(inventory, memory, options, hosts, ranges, False)
+        return evaluate_ranges(sizing, ranges, False)
     if len(inventory.stages) > facts.block_count:
         assign_layers(inventory, facts.block_count)  # its error names the file and line
     multiple = _cut_multiple(facts)
     _check_stage_count(inventory, facts, multiple)
-    ranges = _proportional(inventory, memory, options, hosts, multiple)
-    ranges = _repair(inventory, memory, options, hosts, ranges, multiple)
-    return _evaluate(inventory, memory, options, hosts, ranges, True)
+    ranges = _proportional(sizing, multiple)
+    ranges = _repair(sizing, ranges, multiple)
+    return evaluate_ranges(sizing, ranges, True)
 
 
 def _cut_multiple(facts: ModelFacts) -> int:
@@ -424,188 +428,3 @@ def _check_stage_count(inventory: Inventory, facts: ModelFacts, multiple: int) -
             f"{facts.architecture} model of {facts.block_count} blocks, whose stages start at multiples "
             f"of {multiple} blocks and have {multiple} or more: at most {most} stages"
         )
-
-
-# ---------------------------------------------------------------- refusing
-
-
-def _parts(memory: StageMemory, place: str) -> str:
-    usage = memory.host if place == RAM else next(d for d in memory.devices if d.place == place)
-    parts = [
-        ("weights", usage.weights),
-        ("KV cache", usage.kv),
-        ("compute", usage.compute),
-        ("outputs", usage.outputs),
-        ("agent", usage.runtime),
-    ]
-    return ", ".join(f"{name} {format_size(count)}" for name, count in parts if count)
-
-
-def _largest_context(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None]) -> int:
-    """The largest context (a multiple of 256) at which the plan fits; 0 if none."""
-    low, high = 1, (engine_options(inventory.run, facts).n_ctx - 1) // _CONTEXT_STEP
-    best = 0
-    while low <= high:
-        middle = (low + high) // 2
-        trial = replace(inventory, run=replace(inventory.run, context=middle * _CONTEXT_STEP))
-        try:
-            fits = evaluate(trial, facts, hellos).fits
-        except InventoryError:
-            fits = False
-        if fits:
-            best, low = middle * _CONTEXT_STEP, middle + 1
-        else:
-            high = middle - 1
-    return best
-
-
-def _most_slots(inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None]) -> int:
-    """The most runs in flight (slots) below the inventory's at which the plan fits; 0 if none."""
-    low, high, best = 1, max(1, inventory.run.parallel) - 1, 0
-    while low <= high:
-        middle = (low + high) // 2
-        trial = replace(inventory, run=replace(inventory.run, parallel=middle))
-        try:
-            fits = evaluate(trial, facts, hellos).fits
-        except InventoryError:
-            fits = False
-        if fits:
-            best, low = middle, middle + 1
-        else:
-            high = middle - 1
-    return best
-
-
-def _most_layers(
-    placement: Placement, inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None], stage: int
-) -> int:
-    """How many blocks from its start stage ``stage`` could run where it is."""
-    start, end = placement.stages[stage].layers
-    best = 0
-    for blocks in range(1, end - start):
-        ranges = list(placement.ranges)
-        ranges[stage] = (start, start + blocks)
-        trial = _evaluate(
-            inventory,
-            memory_facts_of(facts),
-            placement.engine,
-            _hosts(inventory, hellos),
-            ranges,
-            placement.automatic,
-        )
-        host = placement.stages[stage].host
-        if all(pool.fits for pool in trial.pools if pool.host == host):
-            best = blocks
-    return best
-
-
-def _round_up(count: int) -> str:
-    """A size to write in the inventory, rounded up to 64 MiB."""
-    step = 64 * MIB
-    rounded = -(-count // step) * step
-    return f"{rounded // GIB}GiB" if rounded % GIB == 0 else f"{rounded // MIB}MiB"
-
-
-def refusal(
-    inventory: Inventory, facts: ModelFacts, hellos: Sequence[Hello | None], placement: Placement
-) -> str:
-    """One message: each pool that overflows, its stages and their needs, what
-    the pool has, and what would fit."""
-    lines = []
-    for pool in placement.pools:
-        if pool.fits:
-            continue
-        stages = [placement.stages[i] for i in pool.stages]
-        what = "RAM" if pool.place == RAM else f"GPU {pool.place}"
-        if pool.description:
-            what += f" ({pool.description})"
-        needs = [
-            f"stage {stage.index} on {pool.host} ({inventory.hosts[pool.host].where}), layers "
-            f"[{stage.layers[0]}, {stage.layers[1]}), needs "
-            f"{format_size(_usage_by_place(stage.memory).get(pool.place, 0))} of {what} "
-            f"({_parts(stage.memory, pool.place)})"
-            for stage in stages
-        ]
-        if pool.place == RAM and pool.cap and pool.cap <= pool.free - RAM_RESERVE:
-            why = f"memory: {format_size(pool.cap)} in the inventory"
-        else:
-            reserve = RAM_RESERVE if pool.place == RAM else GPU_RESERVE
-            why = f"{format_size(pool.free)} free less {format_size(reserve)} kept free"
-        with_margin = format_size(int(pool.needed * (1 + MARGIN)))
-        lines.append(
-            " and ".join(needs)
-            + f"; {'together ' if len(stages) > 1 else ''}{with_margin} with the {MARGIN:.0%} margin, and "
-            f"{pool.host} has {format_size(pool.usable)} there for the plan ({why})"
-        )
-    advice = []
-    slots = placement.engine.parallel
-    fewer = _most_slots(inventory, facts, hellos) if slots > 1 else 0
-    if fewer:  # each slot (a run in flight) holds a KV cache of the whole context
-        advice.append(f"fewer runs in flight (--parallel {fewer}; now {slots}, a KV cache each)")
-    context = _largest_context(inventory, facts, hellos)
-    current = placement.engine.n_ctx
-    if context:
-        advice.append(f"a context of {context} tokens (--context {context}; now {current})")
-    failing = [
-        s
-        for s in placement.stages
-        if any(not p.fits for p in placement.pools if p.host == s.host and s.index in p.stages)
-    ]
-    for host in sorted({s.host for s in failing if s.experts == "gpu"}):
-        # Its experts stayed on its GPUs: pinned there, or its RAM too short.
-        hosts = {**inventory.hosts, host: replace(inventory.hosts[host], experts="ram")}
-        moved = replace(inventory, hosts=hosts)
-        trial = _evaluate(
-            moved, memory_facts_of(facts), placement.engine, _hosts(moved, hellos), placement.ranges, True
-        )
-        gpus_fit = all(p.fits for p in trial.pools if p.host == host and p.place != RAM)
-        ram = trial.pool(host, RAM)
-        if inventory.hosts[host].experts == "gpu" and trial.fits:
-            advice.append(f"experts: ram on {host} (its stages' routed experts in RAM, not on its GPUs)")
-        elif gpus_fit and not ram.fits and ram.known:
-            wanted = int(ram.needed * (1 + MARGIN))
-            more = (
-                f"memory: {_round_up(wanted)} or more on {host}"
-                if ram.cap and ram.cap <= ram.free - RAM_RESERVE
-                else f"{format_size(wanted + RAM_RESERVE - ram.free)} more free RAM on {host}"
-            )
-            advice.append(
-                f"{more} for its stages' routed experts (they would need {format_size(wanted)} of RAM "
-                "with the margin; experts: auto puts them there when the RAM holds them)"
-            )
-    if not placement.automatic:
-        for stage in failing:
-            most = _most_layers(placement, inventory, facts, hellos, stage.index)
-            if most:
-                advice.append(
-                    f"at most {most} layers on stage {stage.index} "
-                    f"([{stage.layers[0]}, {stage.layers[0] + most}) instead of "
-                    f"[{stage.layers[0]}, {stage.layers[1]}))"
-                )
-    else:
-        room = sum(p.usable for p in placement.pools if p.known)
-        total = sum(p.needed for p in placement.pools) * (1 + MARGIN)
-        if total > room:
-            advice.append(
-                f"more hosts or memory: the plan needs {format_size(int(total))}, "
-                f"the hosts have {format_size(room)} for it"
-            )
-    for pool in placement.pools:
-        if pool.fits:
-            continue
-        wanted = int(pool.needed * (1 + MARGIN))
-        if pool.place == RAM and pool.cap:
-            advice.append(
-                f"memory: {_round_up(wanted)} or more on {pool.host} (it has {format_size(pool.free)} free)"
-            )
-        else:
-            reserve = RAM_RESERVE if pool.place == RAM else GPU_RESERVE
-            what = "RAM" if pool.place == RAM else pool.place
-            advice.append(f"{format_size(wanted + reserve - pool.free)} more free {what} on {pool.host}")
-    return (
-        "the plan does not fit in memory: "
-        + "; ".join(lines)
-        + ". What would fit: "
-        + ", or ".join(advice)
-        + "."
-    )

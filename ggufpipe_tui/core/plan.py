@@ -170,7 +170,7 @@ def build_plan(
     edge_base: int | None = None,
     placement: Placed | None = None,
 ) -> RunPlan:
-    """The run plan. ``placement`` (:func:`ggufpipe_tui.core.placement.place_stages`)
+    """The run plan. ``placement`` (:func:`ggufpipe_tui.core.refusal.place_stages`)
     gives each stage its memory figures where its layers go; without it they
     are the CPU estimate and the available figure is unknown."""
     options = inventory.run

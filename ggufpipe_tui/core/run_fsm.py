@@ -259,6 +259,12 @@ def _fault(run: Run, reason: str, *cancel: str) -> tuple[Run, list[RunEffect]]:
     return replace(run, phase=RunPhase.FAULTED, outcome="faulted", failure=reason), effects
 
 
+def _complete(run: Run, stop_reason: str, effects: list[RunEffect]) -> tuple[Run, list[RunEffect]]:
+    """The run ends well (the end of its text, its max_tokens, or stopped)."""
+    completed = replace(run, phase=RunPhase.COMPLETED, outcome="completed", stop_reason=stop_reason)
+    return completed, [*effects, FinalizeOutput()]
+
+
 def _maybe_start(run: Run, became_ready: bool) -> tuple[Run, list[RunEffect]]:
     if run.all_ready and run.prompt_given:
         effects: list[RunEffect] = [CancelTimer("ready")] if became_ready else []
@@ -280,6 +286,14 @@ def _teardown(run: Run) -> tuple[Run, list[RunEffect]]:
     return replace(run, phase=RunPhase.DONE), effects
 
 
+#: The timer a stage's fault cancels in each phase where it faults the run.
+_TIMER_OF: dict[RunPhase, tuple[str, ...]] = {
+    RunPhase.PROVISIONING: (),
+    RunPhase.WAITING_READY: ("ready",),
+    RunPhase.RUNNING: ("step",),
+}
+
+
 def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
     P = RunPhase
     phase = run.phase
@@ -289,6 +303,12 @@ def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
             raise _reject(run, event)
         run = replace(run, prompt_given=True, max_tokens=event.max_tokens or run.max_tokens)
         return _maybe_start(run, became_ready=False) if phase is P.WAITING_READY else (run, [])
+
+    if isinstance(event, StopRequested) and phase in (P.PLANNING, P.PROVISIONING, P.WAITING_READY):
+        return _teardown(replace(run, outcome="torn down", failure=event.reason))
+
+    if isinstance(event, StageFaultEvent | StageLost | EdgeFault) and phase in _TIMER_OF:
+        return _fault(run, event.reason, *_TIMER_OF[phase])
 
     if phase is P.PLANNING:
         if isinstance(event, PlanValidated):
@@ -301,8 +321,6 @@ def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
             )
         if isinstance(event, PlanRejected):
             return _fault(run, event.reason)
-        if isinstance(event, StopRequested):
-            return _teardown(replace(run, outcome="torn down", failure=event.reason))
         raise _reject(run, event)
 
     if phase is P.PROVISIONING:
@@ -312,10 +330,6 @@ def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
             return _fault(replace(run, provisioned=run.provisioned - {event.stage}), event.reason)
         if isinstance(event, StageReadyEvent):
             return replace(run, ready=run.ready | {event.stage}), []
-        if isinstance(event, StageFaultEvent | StageLost | EdgeFault):
-            return _fault(run, event.reason)
-        if isinstance(event, StopRequested):
-            return _teardown(replace(run, outcome="torn down", failure=event.reason))
         raise _reject(run, event)
 
     if phase is P.WAITING_READY:
@@ -323,15 +337,11 @@ def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
             if event.stage in run.ready or event.stage >= run.stage_count:
                 raise _reject(run, event)
             return _maybe_start(replace(run, ready=run.ready | {event.stage}), became_ready=True)
-        if isinstance(event, StageFaultEvent | StageLost | EdgeFault):
-            return _fault(run, event.reason, "ready")
         if isinstance(event, Timeout) and event.kind == "ready":
             waiting = sorted(set(range(run.stage_count)) - run.ready)
             return _fault(
                 run, f"readiness timeout: stage(s) {', '.join(map(str, waiting))} never became ready"
             )
-        if isinstance(event, StopRequested):
-            return _teardown(replace(run, outcome="torn down", failure=event.reason))
         raise _reject(run, event)
 
     if phase is P.RUNNING:
@@ -345,25 +355,14 @@ def transition(run: Run, event: RunEvent) -> tuple[Run, list[RunEffect]]:
             run = replace(run, consumed=run.consumed + 1)
             accepted: list[RunEffect] = [CancelTimer("step"), AcceptToken(event.sequence, event.token)]
             if event.token in run.eog:
-                return replace(run, phase=P.COMPLETED, outcome="completed", stop_reason="eos"), [
-                    *accepted,
-                    FinalizeOutput(),
-                ]
+                return _complete(run, "eos", accepted)
             if run.consumed >= run.max_tokens:
-                return replace(run, phase=P.COMPLETED, outcome="completed", stop_reason="max_tokens"), [
-                    *accepted,
-                    FinalizeOutput(),
-                ]
+                return _complete(run, "max_tokens", accepted)
             if run.ring:  # the last stage has fed it to stage 0 already
                 return run, [*accepted, StartTimer("step")]
             return run, [*accepted, InjectToken(run.consumed, event.token), StartTimer("step")]
         if isinstance(event, StopRequested):
-            return replace(run, phase=P.COMPLETED, outcome="completed", stop_reason="stopped"), [
-                CancelTimer("step"),
-                FinalizeOutput(),
-            ]
-        if isinstance(event, StageFaultEvent | StageLost | EdgeFault):
-            return _fault(run, event.reason, "step")
+            return _complete(run, "stopped", [CancelTimer("step")])
         if isinstance(event, StageStoppedEvent):
             return _fault(run, f"stage {event.stage} stopped during the run", "step")
         if isinstance(event, Timeout) and event.kind == "step":

@@ -14,7 +14,6 @@ from typing import IO
 from aiohttp import web
 
 from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_tui.commands.headless import EXIT_FAULTED, EXIT_OK, EXIT_SETUP, Printer
 from ggufpipe_tui.core.events import (
     AgentConnected,
     Event,
@@ -25,6 +24,7 @@ from ggufpipe_tui.core.events import (
     StageStateChanged,
 )
 from ggufpipe_tui.core.inventory import Inventory
+from ggufpipe_tui.core.printer import EXIT_FAULTED, EXIT_OK, EXIT_SETUP, Printer
 from ggufpipe_tui.server.http import IDLE_SECONDS, Server
 from ggufpipe_tui.session.pipeline import Pipeline
 

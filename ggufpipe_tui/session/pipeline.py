@@ -58,8 +58,9 @@ from ggufpipe_tui.core.events import (
     RunResult,
 )
 from ggufpipe_tui.core.inventory import HostSpec, Inventory, RunOptions
-from ggufpipe_tui.core.placement import Placement, place_stages
+from ggufpipe_tui.core.placement import Placement
 from ggufpipe_tui.core.plan import GgufModelPlan, PlanError, RunPlan, build_plan, new_run_id, validate_plan
+from ggufpipe_tui.core.refusal import place_stages
 from ggufpipe_tui.dataplane import DataPlane, DataPlaneEvents
 from ggufpipe_tui.dataplane.direct import DirectPlane
 from ggufpipe_tui.session.delivery import Delivered, deliver_stages, with_stage_files

@@ -59,10 +59,11 @@ from ggufpipe_tui.session.runs import ContextOverflow
 from ggufpipe_tui.session.stages import PipelineError
 from ggufpipe_tui.views.drawing import STREAMS, DrawnApp, Subscriber
 from ggufpipe_tui.views.priority import lower_ui
+from ggufpipe_tui.views.rows import ExchangeView, StageRow
 from ggufpipe_tui.views.threaded import AppHandle, AppPipeline, ThreadedPipeline
 from ggufpipe_tui.views.transcript import Transcript
 from ggufpipe_tui.views.turns import Turn, Turns
-from ggufpipe_tui.views.viewstate import ExchangeView, StageRow, ViewState
+from ggufpipe_tui.views.viewstate import ViewState
 from ggufpipe_tui.views.widgets import LogPane, StageTable, StatusBar, SteadyFooter
 
 PipelineFactory = Callable[..., AppPipeline]

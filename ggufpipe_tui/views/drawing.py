@@ -28,8 +28,9 @@ from textual.css.query import NoMatches
 from textual.message import Message
 
 from ggufpipe_tui.core.events import AgentLog, Event, StageStats, TokenStreamed
+from ggufpipe_tui.views.entries import Exchange
 from ggufpipe_tui.views.threaded import AppPipeline
-from ggufpipe_tui.views.transcript import Exchange, Transcript
+from ggufpipe_tui.views.transcript import Transcript
 from ggufpipe_tui.views.turns import Turns
 from ggufpipe_tui.views.viewstate import ViewState
 from ggufpipe_tui.views.widgets import LogPane, StageTable, StatusBar, StatusView

@@ -22,8 +22,8 @@ from ggufpipe_tui.core.conversation import Conversation
 from ggufpipe_tui.core.events import RunResult
 from ggufpipe_tui.session.runs import REFUSE, ContextOverflow, Prompt
 from ggufpipe_tui.session.stages import PipelineError
+from ggufpipe_tui.views.rows import ExchangeView
 from ggufpipe_tui.views.threaded import AppHandle, AppPipeline
-from ggufpipe_tui.views.viewstate import ExchangeView
 
 
 @dataclass(eq=False)

@@ -13,12 +13,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from rich.text import Text
 
-from ggufpipe_agent.wire.protocol import StepCounters
 from ggufpipe_tui.core import format as fmt
 from ggufpipe_tui.core.events import (
     AgentConnected,
@@ -46,104 +44,14 @@ from ggufpipe_tui.core.events import (
 from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.core.recovery import recovery_line
 from ggufpipe_tui.core.run_fsm import RunPhase
+from ggufpipe_tui.views.rows import PHASE_STYLES, STAGE_STYLES, ExchangeView, RunStats, StageRow
 
-STAGE_STYLES = {
-    "Unprovisioned": "grey58",
-    "Preparing": "bold yellow",
-    "Ready": "bold green",
-    "Executing": "bold cyan",
-    "Faulted": "bold white on red3",
-    "Stopping": "magenta",
-    "Stopped": "grey58",
-    "Lost": "bold white on red3",  # not an FSM state: the agent process is gone
-    "Recovering": "bold black on yellow",  # not an FSM state: its agent is being started again
-    "Broken": "bold white on red3",  # not an FSM state: recovery gave up
-    "Setting up": "bold yellow",  # not an FSM state: its host is being given an agent
-}
 #: What a long session keeps: the newest exchanges in the transcript (older
 #: ones scroll out, their widgets unmounted), run records, and each stage's
 #: state history. The log pane keeps its own last lines (widgets.LogPane).
 MAX_EXCHANGES = 200
 MAX_RUNS = 200
 MAX_HISTORY = 64
-
-PHASE_STYLES = {
-    "Connecting": "bold black on yellow",
-    "Planning": "bold black on yellow",
-    "Provisioning": "bold black on yellow",
-    "WaitingReady": "bold black on dodger_blue1",
-    "Running": "bold black on green3",
-    "Completed": "bold black on green3",
-    "Faulted": "bold white on red3",
-    "TearingDown": "bold black on magenta",
-    "Done": "bold black on grey62",
-    "Closing": "bold black on magenta",
-}
-
-
-@dataclass
-class StageRow:
-    """What the table shows of one stage."""
-
-    index: int
-    host: str
-    where: str = ""
-    layers: tuple[int, int] | None = None
-    estimated_bytes: int = 0  # what the stage needs where its layers go (the plan's estimate)
-    available_bytes: int = 0  # what the plan may use there, shared by the host's stages; 0: unknown
-    device: str = ""
-    state: str = "Unprovisioned"
-    connected: bool = False
-    fault: str = ""
-    load_detail: str = ""
-    load_fraction: float | None = None
-    counters: StepCounters | None = None
-    delivery: StageDelivery | None = None  # sending its stage file (model send: true)
-    activity: int = 0  # StageStats received while the run is running
-    history: list[str] = field(default_factory=list)  # every state it passed through
-
-
-@dataclass(eq=False)
-class ExchangeView:
-    """One prompt, its reply as it streamed in, and how its run ended."""
-
-    prompt: str
-    run_id: int | None = None
-    parts: list[str] = field(default_factory=list)
-    appended_at: list[float] = field(default_factory=list)  # time.monotonic() of each piece
-    finished: bool = False
-    summary: Text | None = None
-    shown: bool = False  # in the output pane yet
-    submitted: float = field(default_factory=time.perf_counter)  # for the time to first token
-    recovered: list[str] = field(default_factory=list)  # a line per recovery of its run
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-
-@dataclass
-class RunStats:
-    """One run as the header shows it: elapsed time and tokens per second."""
-
-    run_id: int
-    started: float
-    first_token: float | None = None
-    last_token: float | None = None
-    tokens: int = 0
-    ended: float | None = None
-    result: RunResult | None = None
-
-    def elapsed(self, now: float) -> float:
-        return (self.ended if self.ended is not None else now) - self.started
-
-    def rate(self) -> float | None:
-        if self.result is not None and self.result.timings.decode_tokens_per_s:
-            return self.result.timings.decode_tokens_per_s
-        first, last = self.first_token, self.last_token
-        if first is not None and last is not None and last > first:
-            return (self.tokens - 1) / (last - first)
-        return None
 
 
 class ViewState:
@@ -360,11 +268,7 @@ class ViewState:
             self._load_detail.pop(event.stage, None)
         if event.state == "Faulted":
             row.fault = event.detail
-        line = Text(f"stage {event.stage} → ")
-        line.append(event.state, style=STAGE_STYLES.get(event.state, ""))
-        if event.detail:
-            line.append(f": {event.detail}")
-        self.note(event.stage, line)
+        self.note(event.stage, _state_line(f"stage {event.stage}", event.state, event.detail))
         self.dirty = True
 
     def _load(self, event: StageLoadProgress, now: float) -> None:
@@ -422,11 +326,7 @@ class ViewState:
         row.state = event.state
         row.fault = event.detail if event.state in ("Lost", "Broken") else ""
         self._record(row, event.state)
-        line = Text(f"stage {event.stage} on {event.host} → ")
-        line.append(event.state, style=STAGE_STYLES.get(event.state, ""))
-        if event.detail:
-            line.append(f": {event.detail}")
-        self.note(event.stage, line)
+        self.note(event.stage, _state_line(f"stage {event.stage} on {event.host}", event.state, event.detail))
         self.dirty = True
 
     def _interrupted(self, event: RunInterrupted, now: float) -> None:
@@ -499,3 +399,12 @@ class ViewState:
         if self.running:
             return "generating · esc stops" + (f" · {self.queued} queued" if self.queued else "")
         return ""
+
+
+def _state_line(head: str, state: str, detail: str) -> Text:
+    """A log line of a stage entering ``state``: ``stage 1 → Faulted: why``."""
+    line = Text(f"{head} → ")
+    line.append(state, style=STAGE_STYLES.get(state, ""))
+    if detail:
+        line.append(f": {detail}")
+    return line

@@ -29,7 +29,7 @@ from textual.widgets._footer import FooterKey
 
 from ggufpipe_tui.core.format import delivery_line, format_bytes, format_seconds
 from ggufpipe_tui.core.placement import MARGIN
-from ggufpipe_tui.views.viewstate import PHASE_STYLES, STAGE_STYLES, StageRow
+from ggufpipe_tui.views.rows import PHASE_STYLES, STAGE_STYLES, StageRow
 
 SPINNER = "◐◓◑◒"
 

@@ -24,8 +24,8 @@ from ggufpipe_agent.wire.delivery_messages import (
     StageStored,
 )
 from ggufpipe_agent.wire.protocol import StageFileRef, decode_message, encode_message
-from ggufpipe_tui.commands import headless
 from ggufpipe_tui.core import format as fmt
+from ggufpipe_tui.core import printer as printing
 from ggufpipe_tui.core.events import StageDelivery
 from ggufpipe_tui.core.plan import provision_message
 from ggufpipe_tui.session.delivery import with_stage_files
@@ -106,9 +106,9 @@ def test_the_stage_table_shows_a_stage_file_being_sent():
 
 def test_headless_prints_a_few_lines_a_second_and_nothing_with_quiet(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr(headless.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(printing.time, "monotonic", lambda: clock[0])
     err = io.StringIO()
-    printer = headless.Printer(inventory(stages=2), io.StringIO(), err, as_json=True, verbose=False, quiet=False)
+    printer = printing.Printer(inventory(stages=2), io.StringIO(), err, as_json=True, verbose=False, quiet=False)
     printer(event("checking", 0))
     for step in range(1, 41):  # four seconds of updates, ten a second, for two stages
         clock[0] = step / 10
@@ -125,7 +125,7 @@ def test_headless_prints_a_few_lines_a_second_and_nothing_with_quiet(monkeypatch
         "bytes_sent": 40 << 20, "seconds": 0, "outcome": "sent",
     }
     quiet = io.StringIO()
-    silent = headless.Printer(inventory(stages=2), io.StringIO(), quiet, as_json=False, verbose=False, quiet=True)
+    silent = printing.Printer(inventory(stages=2), io.StringIO(), quiet, as_json=False, verbose=False, quiet=True)
     silent(event("sending", 1))
     silent(event("done", 40 << 20, outcome="sent"))
     assert quiet.getvalue() == ""

@@ -11,8 +11,9 @@ import pytest
 from ggufpipe_agent.gguf.facts import read_model_facts
 from ggufpipe_agent.gguf.memory import estimate_stage, memory_facts_of
 from ggufpipe_agent.process.host_memory import system_memory
-from ggufpipe_tui.core.inventory import InventoryError, RunOptions, parse_inventory, parse_size
+from ggufpipe_tui.core.inventory import InventoryError, RunOptions, parse_inventory
 from ggufpipe_tui.core.plan import engine_options
+from ggufpipe_tui.core.yamlnodes import parse_size
 from tests.support.llama_buffers import load_and_report, resident_anonymous
 from tests.support.stage_chain import even_splits
 

@@ -11,11 +11,11 @@ import pytest
 from ggufpipe_agent.wire.protocol import ModelFacts
 from ggufpipe_tui.core.inventory import (
     InventoryError,
-    assign_layers,
     parse_inventory,
     with_data_mode,
     with_run_options,
 )
+from ggufpipe_tui.core.inventory_policy import assign_layers
 from ggufpipe_tui.core.plan import EdgeEndpoint, PlanError, build_plan, provision_message, validate_plan
 
 FACTS = ModelFacts(

@@ -21,10 +21,11 @@ from ggufpipe_tui.core.events import (
     TokenStreamed,
 )
 from ggufpipe_tui.core.inventory import Inventory, load_inventory, parse_inventory
-from ggufpipe_tui.core.placement import place_stages
 from ggufpipe_tui.core.plan import build_plan
+from ggufpipe_tui.core.refusal import place_stages
 from ggufpipe_tui.views.app import GgufpipeApp, ScriptItem, UserPrompt
-from ggufpipe_tui.views.transcript import Exchange, Transcript
+from ggufpipe_tui.views.entries import Exchange
+from ggufpipe_tui.views.transcript import Transcript
 
 READY_TIMEOUT = 180.0  # agents start and load; generous, the test machine is shared
 

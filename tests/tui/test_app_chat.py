@@ -8,9 +8,12 @@ Italian culture (greedy, checked against llama.cpp)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from textual.pilot import Pilot
 from textual.widgets import Input
 
 from ggufpipe_tui.views.app import GgufpipeApp
@@ -31,15 +34,22 @@ FRANCE = "What is the capital of France? Answer in one short sentence."
 ITALY = "And of Italy?"
 
 
+@contextlib.asynccontextmanager
+async def loaded_app(tmp_path: Path, model_path: Path, run: str) -> AsyncIterator[tuple[GgufpipeApp, Pilot[int]]]:
+    """The app on the real pipeline with ``run:`` options, its stages loaded."""
+    inventory = write_inventory(tmp_path, model_path, run)
+    app = GgufpipeApp(inventory, log_dir=tmp_path / "runs")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: ready_for_prompt(app), READY_TIMEOUT, "the stages to load")
+        yield app, pilot
+
+
 async def test_the_second_answer_uses_the_first_and_ctrl_n_starts_fresh(
     tmp_path: Path, model_path: Path, no_agent_left: None
 ) -> None:
     # ubatch 32: SmolLM2's CPU kernels give a row the same bits in any batch
     # there, so a stage may keep every position it holds (docs/worker.md).
-    inventory = write_inventory(tmp_path, model_path, "{max_tokens: 40, ubatch: 32}")
-    app = GgufpipeApp(inventory, log_dir=tmp_path / "runs")
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: ready_for_prompt(app), READY_TIMEOUT, "the stages to load")
+    async with loaded_app(tmp_path, model_path, "{max_tokens: 40, ubatch: 32}") as (app, pilot):
         first = await type_prompt(pilot, FRANCE)
         await wait_for(pilot, lambda: len(app.results) == 1, RUN_TIMEOUT, "the first turn")
         france = app.results[0]
@@ -89,10 +99,7 @@ async def test_a_conversation_that_would_overflow_is_refused_before_it_runs(
 ) -> None:
     # The first turn is 43 prompt tokens: 43 + 72 fit a context of 128. The
     # second is 65 (the first turn, its reply, the new question): 65 + 72 do not.
-    inventory = write_inventory(tmp_path, model_path, "{max_tokens: 72, context: 128}")
-    app = GgufpipeApp(inventory, log_dir=tmp_path / "runs")
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: ready_for_prompt(app), READY_TIMEOUT, "the stages to load")
+    async with loaded_app(tmp_path, model_path, "{max_tokens: 72, context: 128}") as (app, pilot):
         await type_prompt(pilot, FRANCE)
         await wait_for(pilot, lambda: len(app.results) == 1, RUN_TIMEOUT, "the first turn")
         assert app.results[0].ok and app.results[0].stop_reason == "eos"

@@ -9,9 +9,12 @@ per wake-up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 
+from textual.pilot import Pilot
 from textual.selection import Selection
 from textual.widgets import Input
 
@@ -26,11 +29,26 @@ from ggufpipe_tui.views.drawing import (
     PipelineEvent,
     PipelineEvents,
 )
+from ggufpipe_tui.views.rows import StageRow
 from ggufpipe_tui.views.threaded import ThreadedPipeline
 from ggufpipe_tui.views.transcript import Transcript
-from ggufpipe_tui.views.viewstate import StageRow
 from ggufpipe_tui.views.widgets import LogPane, StageTable
 from tests.support.app import REPLY, RUN_ID, inventory, running
+
+
+def scripted_app() -> GgufpipeApp:
+    """The app over a scripted pipeline whose run streams REPLY."""
+    inv = inventory()
+    return GgufpipeApp(inv, script=running(inv))
+
+
+@contextlib.asynccontextmanager
+async def running_app(size: tuple[int, int]) -> AsyncIterator[tuple[GgufpipeApp, Pilot[int]]]:
+    """:func:`scripted_app` started on a screen of ``size``, settled."""
+    app = scripted_app()
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        yield app, pilot
 
 
 async def drawn(app: GgufpipeApp) -> None:
@@ -80,8 +98,7 @@ async def test_a_stream_of_short_lines_is_drawn_whole_without_laying_the_screen_
     screen in order, in a few frames, the newest in view, and no layout pass
     of the screen for any of it (the transcript's line API takes new lines),
     nor for the log lines, stage numbers and states that come meanwhile."""
-    inv = inventory()
-    app = GgufpipeApp(inv, script=running(inv))
+    app = scripted_app()
     lines = 100
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
@@ -130,10 +147,7 @@ async def test_the_streams_wait_in_the_inbox_for_their_frame_in_order() -> None:
     """Events from the pipeline's subscriber: tokens that come while a frame
     is due wait for it (no message each), anything else is handled at once,
     after the tokens before it."""
-    inv = inventory()
-    app = GgufpipeApp(inv, script=running(inv))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
+    async with running_app((120, 40)) as (app, pilot):
         messages = 0
         handled = app.on_pipeline_events
 
@@ -161,10 +175,7 @@ async def test_the_streams_wait_in_the_inbox_for_their_frame_in_order() -> None:
 
 
 async def test_scrolled_up_the_transcript_stays_and_text_can_be_selected() -> None:
-    inv = inventory()
-    app = GgufpipeApp(inv, script=running(inv))
-    async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause()
+    async with running_app((80, 24)) as (app, pilot):
         transcript = app.query_one(Transcript)
         sequence = post(app, *[f"line {number}\n" for number in range(40)])
         await drawn(app)
@@ -201,10 +212,7 @@ async def test_scrolled_up_the_transcript_stays_and_text_can_be_selected() -> No
 
 
 async def test_a_resize_wraps_every_line_again() -> None:
-    inv = inventory()
-    app = GgufpipeApp(inv, script=running(inv))
-    async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause()
+    async with running_app((80, 24)) as (app, pilot):
         transcript = app.query_one(Transcript)
         post(app, " word" * 60)
         await drawn(app)
@@ -305,10 +313,7 @@ async def test_streams_the_subscriber_defers_wait_for_a_fetch_without_waking_the
 
 
 async def test_the_app_defers_the_streams_of_its_session_while_a_frame_is_due() -> None:
-    inv = inventory()
-    app = GgufpipeApp(inv, script=running(inv))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
+    async with running_app((120, 40)) as (app, pilot):
         subscriber = app._subscriber(app.session)
         old = app._subscriber(app.session - 1)
         token = TokenStreamed(RUN_ID, 500, 500, " x")
@@ -329,10 +334,7 @@ async def test_the_app_defers_the_streams_of_its_session_while_a_frame_is_due() 
 async def test_the_stage_table_is_drawn_at_most_once_a_second_while_streaming_and_a_state_at_once() -> None:
     """With a frame (a frame that costs more than its share waits longer:
     frames come at most FRAME_SECONDS_MAX apart)."""
-    inv = inventory()
-    app = GgufpipeApp(inv, script=running(inv))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
+    async with running_app((120, 40)) as (app, pilot):
         table = app.query_one(StageTable)
         shows = 0
         shown = table.show
@@ -360,10 +362,7 @@ async def test_the_stage_table_is_drawn_at_most_once_a_second_while_streaming_an
 
 
 async def test_a_mouse_drag_selects_the_text_under_it() -> None:
-    inv = inventory()
-    app = GgufpipeApp(inv, script=running(inv))
-    async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause()
+    async with running_app((80, 24)) as (app, pilot):
         transcript = app.query_one(Transcript)
         # Row 0 is the pane's border, column 0 its padding: from "Write" through the
         # reply's 10th character (the cell under the mouse, as in a Static).
@@ -377,10 +376,7 @@ async def test_a_mouse_drag_selects_the_text_under_it() -> None:
 
 async def test_the_prompt_cursor_stays_on_while_a_prompt_runs() -> None:
     """A blink is a screen update of its own: none while a reply streams."""
-    inv = inventory()
-    app = GgufpipeApp(inv, script=running(inv))
-    async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause()
+    async with running_app((80, 24)) as (app, pilot):
         prompt = app.query_one("#prompt", Input)
         assert not prompt.cursor_blink, "a screenshot: no blink"
         app.script = None  # as a live session
@@ -397,8 +393,7 @@ def test_a_frame_that_costs_more_than_its_share_puts_the_next_one_off() -> None:
     three over the budget (a one-off such as a layout pass does not count),
     never longer than FRAME_SECONDS_MAX; after a pause or a change drawn at
     once, nothing is owed."""
-    inv = inventory()
-    app = GgufpipeApp(inv, script=running(inv))
+    app = scripted_app()
     app._frame_at = (time.monotonic(), 0.0)
     assert app._frame_delay() == FRAME_SECONDS, "nothing spent yet"
     cheap = FRAME_BUDGET * FRAME_SECONDS / 2
@@ -428,10 +423,7 @@ async def test_log_lines_wait_while_a_run_streams_and_come_with_a_change_drawn_a
     once LOG_SECONDS_MAX has gone by."""
     from ggufpipe_tui.views import drawing
 
-    inv = inventory()
-    app = GgufpipeApp(inv, script=running(inv))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
+    async with running_app((120, 40)) as (app, pilot):
         assert app.state.running
         log = app.query_one(LogPane)
         emit = app._subscriber(app.session)
@@ -463,10 +455,7 @@ async def test_the_stop_key_is_dimmed_and_lit_without_composing_the_footer_anew(
     which would land in the first frames of every reply)."""
     from textual.widgets._footer import FooterKey
 
-    inv = inventory()
-    app = GgufpipeApp(inv, script=running(inv))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
+    async with running_app((120, 40)) as (app, pilot):
 
         def stop_key() -> FooterKey:
             return next(key for key in app.query(FooterKey) if key.action == "stop")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ggufpipe_tui.core.inventory import InventoryError, default_parallel, parse_inventory
+from ggufpipe_tui.core.inventory import InventoryError, parse_inventory
+from ggufpipe_tui.core.inventory_policy import default_parallel
 
 
 def test_listen_key_needs_listen(tmp_path):

@@ -12,8 +12,9 @@ import pytest
 from ggufpipe_agent.gguf.memory import GIB, MIB, estimate_stage
 from ggufpipe_agent.wire.protocol import Device, EngineOptions, Hello, MemoryFacts, ModelFacts
 from ggufpipe_tui.core.inventory import InventoryError, parse_inventory
-from ggufpipe_tui.core.placement import MARGIN, RAM, Placement, PlacementError, evaluate, place_stages
+from ggufpipe_tui.core.placement import MARGIN, RAM, Placement, PlacementError, evaluate
 from ggufpipe_tui.core.plan import build_plan
+from ggufpipe_tui.core.refusal import place_stages
 
 BLOCKS = 20
 MEMORY = MemoryFacts(
@@ -374,10 +375,10 @@ def test_repair_moves_a_cut_by_the_architecture_multiple():
             f"  a: {{local: true, memory: {cap}}}\n  b: {{local: true, memory: 6GiB}}\n",
             "  - {host: a}\n  - {host: b}\n",
         )
-        hosts = module._hosts(inv, [hello()] * 2)
-        args = (inv, memory_facts_of(facts), engine_options(inv.run, facts), hosts)
-        assert not module._evaluate(*args, [(0, 12), (12, 20)], True).fits
-        assert module._repair(*args, [(0, 12), (12, 20)], 4) == repaired
+        hosts = module.host_pools(inv, [hello()] * 2)
+        sizing = module.Sizing(inv, memory_facts_of(facts), engine_options(inv.run, facts), hosts)
+        assert not module.evaluate_ranges(sizing, [(0, 12), (12, 20)], True).fits
+        assert module._repair(sizing, [(0, 12), (12, 20)], 4) == repaired
 
 
 # ------------------------------------------------------ mixtures of experts

@@ -7,7 +7,7 @@ from rich.text import Text
 from textual.content import Content
 from textual.style import Style
 
-from ggufpipe_tui.views.transcript import MUTED_ITALIC, PROMPT_MARK
+from ggufpipe_tui.views.entries import MUTED_ITALIC, PROMPT_MARK
 
 
 def test_the_transcripts_styles_parse_in_textual():

@@ -9,8 +9,8 @@ from ggufpipe_agent.wire.protocol import ChatMessage
 from ggufpipe_tui.core.events import RunResult, Timings
 from ggufpipe_tui.session.runs import REFUSE, ContextOverflow, Prompt, RunHandle
 from ggufpipe_tui.session.stages import PipelineError
+from ggufpipe_tui.views.rows import ExchangeView
 from ggufpipe_tui.views.turns import Turns
-from ggufpipe_tui.views.viewstate import ExchangeView
 from tests.support.fakes import FACTS
 
 
