@@ -1,104 +1,22 @@
-"""The session policy (ggufpipe_tui.session.runs) with fake stages: prompts
-become runs one at a time, in order; a run can be prepared ahead; a withdrawn
+"""Prompts to runs one at a time (ggufpipe_tui.session.serving) with fake
+stages: prompts become runs one at a time, in order; a run can be prepared ahead; a withdrawn
 prompt never runs; a fault stops the queue and fails what waits."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 import pytest
 
 from ggufpipe_agent.wire.protocol import ChatMessage
-from ggufpipe_tui.core.events import Event, PromptAssigned, RunFinished, RunResult, TokenStreamed
-from ggufpipe_tui.core.inventory import RunOptions
-from ggufpipe_tui.session.driver import RunDriver
-from ggufpipe_tui.session.runs import (
-    REFUSE,
-    SHORTEN,
-    ContextOverflow,
-    Prompt,
-    RunHandle,
-    RunOverrides,
-    RunQueue,
-)
+from ggufpipe_tui.core.events import PromptAssigned, RunFinished, TokenStreamed
+from ggufpipe_tui.session.runs import REFUSE, SHORTEN, ContextOverflow, Prompt, RunOverrides
 from ggufpipe_tui.session.stages import PipelineError
-from tests.support.fakes import Autopilot, Rig, inventory, plan_for
-
-
-class FakePipeline:
-    """What the queue needs of a pipeline, with autopiloted fake stages."""
-
-    def __init__(
-        self, prepare_ahead: bool = False, fault_at: dict[int, int] | None = None, feedback: str = "orchestrator"
-    ) -> None:
-        self.inventory = inventory(max_tokens=3, feedback=feedback)
-        self.broken = ""
-        self.events: list[Event] = []
-        self.rigs: list[Rig] = []
-        self.fault_at = fault_at or {}
-        self.queue = RunQueue(self, prepare_ahead)
-        self.handles: dict[int, RunHandle] = {}
-
-    def model_plan(self):
-        return plan_for(self.inventory, 1).model
-
-    async def prepare_run(
-        self, options: RunOptions | None = None, *, slot: int = 0, reuse: bool = True
-    ) -> RunDriver:
-        number = len(self.rigs)
-        run_id = 0x100 + number + 1
-
-        def emit(event: Event) -> None:
-            self.events.append(event)
-            handle = self.handles.get(run_id)
-            if handle is not None:
-                handle.push(event)
-
-        rig = Rig(max_tokens=3, run_id=run_id, emit=emit, feedback=self.inventory.run.feedback, run=options)
-        Autopilot(rig, self.fault_at.get(number))
-        self.rigs.append(rig)
-        rig.start()
-        return rig.driver
-
-    def route(self, driver: RunDriver, handle: RunHandle) -> None:
-        self.handles[driver.plan.run_id] = handle
-
-    async def tokenize(self, text: str, chat: bool, messages: Sequence[ChatMessage] = ()) -> tuple[list[int], str]:
-        if text == "unreadable":
-            raise PipelineError("tokenizing on a: the chat template failed")
-        return [len(text)] * (40 if text == "long" else 1), text
-
-    async def run_prompt(self, driver: RunDriver, tokens: list[int], submitted: float, max_tokens: int = 0):
-        if len(tokens) >= driver.plan.model.max_seq_len:
-            driver.stop("prompt too long")
-            await driver.done.wait()
-            raise PipelineError("the prompt is too long")
-        driver.give_prompt(tokens, submitted, max_tokens)
-        await driver.done.wait()
-        return driver.result
-
-    def take_interrupted(self, run_id: int) -> RunResult | None:
-        return None  # no recovery here: tests/e2e/test_recovery.py
-
-    async def recover(self) -> None:
-        raise PipelineError(self.broken)
-
-    def replaying(self, replay: RunDriver, old: RunResult) -> None:
-        raise AssertionError("no replay in these tests")
-
-    def give_up(self, old: RunResult, reason: str) -> RunResult:
-        raise AssertionError("no replay in these tests")
-
-    def remember(self, tokens: list[int], options: RunOptions, result: RunResult) -> None:
-        pass
-
-    async def replay_history(self, old: RunResult) -> None:
-        raise AssertionError("no replay in these tests")
+from tests.support.fakes import FakePipeline
 
 
 async def served(pipeline: FakePipeline) -> asyncio.Task[None]:
-    return asyncio.ensure_future(pipeline.queue.serve())
+    return asyncio.ensure_future(pipeline.runner.serve())
 
 
 async def test_prompts_run_one_at_a_time_in_order():
@@ -250,7 +168,7 @@ async def test_a_bug_in_the_queue_fails_every_prompt_instead_of_leaving_them_wai
     async def broken(*args, **kwargs):
         raise ValueError("a bug")
 
-    monkeypatch.setattr(pipeline.queue, "_tokens", broken)
+    monkeypatch.setattr(pipeline.runner, "_tokens", broken)
     serving = await served(pipeline)
     first = pipeline.queue.submit(Prompt(text="a"))
     waiting = pipeline.queue.submit(Prompt(text="b"))
@@ -296,18 +214,11 @@ async def test_on_the_token_ring_a_prompt_with_another_reply_limit_gets_a_run_pr
 
 
 async def test_cache_prompt_false_prepares_a_run_that_keeps_nothing():
-    """llama-server's cache_prompt: false (issue 29), one run at a time too."""
-    asked: list[bool] = []
-
-    class Recording(FakePipeline):
-        async def prepare_run(self, options=None, *, slot=0, reuse=True):
-            asked.append(reuse)
-            return await super().prepare_run(options, slot=slot, reuse=reuse)
-
-    pipeline = Recording()
+    """llama-server's cache_prompt: false, one run at a time too."""
+    pipeline = FakePipeline()
     serving = await served(pipeline)
     assert (await asyncio.wait_for(pipeline.queue.submit(Prompt(text="a", cache_prompt=False)).result(), 5)).ok
     assert (await asyncio.wait_for(pipeline.queue.submit(Prompt(text="b")).result(), 5)).ok
-    assert asked == [False, True]
+    assert pipeline.reused == [False, True]
     pipeline.queue.stop("done")
     await asyncio.wait_for(serving, 5)
