@@ -107,7 +107,7 @@ class Recovery:
         """A stage is lost and recovery has not given up or repaired it yet."""
         return self.state.active
 
-    def _move(self, event: rec.RecoveryEvent) -> None:
+    def _step(self, event: rec.RecoveryEvent) -> None:
         self.state = rec.transition(self.state, event, self.policy)
 
     def ended(self, result: RunResult, final: bool = False) -> RunInterrupted | None:
@@ -126,10 +126,12 @@ class Recovery:
             self._repair_times = (0.0, 0.0, time.perf_counter(), "")
             return RunInterrupted(result.run_id, result.failure, len(result.tokens))
         if result.ok:
-            self._move(rec.Settled())
+            self._step(rec.Settled())
         return None
 
     async def report_lost(self, stage: StageHandle, symptom: str) -> None:
+        """``stage`` is lost (``symptom``): said once, with its root cause; the
+        runs in flight fault, and the repair begins (or the session stops)."""
         reason = await stage.diagnose(symptom)
         stage.lost = reason
         pipeline = self.pipeline
@@ -152,10 +154,10 @@ class Recovery:
             # (a recovery would race the teardown of what was started).
             pipeline.stop_serving(reason)
             return
-        self._move(rec.Loss(reason, now))
+        self._step(rec.Loss(reason, now))
         if before.phase is rec.Phase.READY:
             self._loss = (f"{stage.label}", now, at_token)
-        self._move(rec.Begin(now))
+        self._step(rec.Begin(now))
         if self.state.phase is rec.Phase.BROKEN:
             failure = self.state.reason
             if self.policy.attempts > 0:
@@ -289,13 +291,13 @@ class Recovery:
             how, self._how = await asyncio.wait_for(self.pipeline.rebuild(), max(left, 1.0))
         except (GgufpipeError, OSError, asyncio.TimeoutError) as error:
             why = str(error) or f"it took more than the {left:.0f} s left of recovery.deadline"
-            self._move(rec.RepairFailed(why))
-            self._move(rec.Begin(time.perf_counter()))
+            self._step(rec.RepairFailed(why))
+            self._step(rec.Begin(time.perf_counter()))
             if self.state.phase is rec.Phase.BROKEN:
                 self.pipeline.broken = self.state.reason
                 self.pipeline.emit(Notice("error", self.state.reason))
             return
-        self._move(rec.Repaired(how))
+        self._step(rec.Repaired(how))
         self.pipeline.broken = ""
         self._repair_times = (started, time.perf_counter(), self._repair_times[2], self._how)
 

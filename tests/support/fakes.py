@@ -7,7 +7,8 @@ llama.cpp."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -190,6 +191,20 @@ class Rig:
             self.agent_says(index, StageProgress(run_id, index, "Preparing", "", -1.0))
             self.agent_says(index, StageReady(run_id, index, "a", held[index] if held else PrefixHeld()))
 
+    async def prompted(self, prompt: list[int] | None = None, held: list[PrefixHeld] | None = None) -> None:
+        """Started, every stage ready (holding ``held``), ``prompt`` given
+        (token 5 alone unless said), and settled."""
+        self.start()
+        self.make_ready(held)
+        self.driver.give_prompt([5] if prompt is None else prompt)
+        await settle()
+
+    async def tokens(self, *tokens: int) -> None:
+        """The last stage's ``tokens``, sequence 0 on, each settled."""
+        for sequence, token in enumerate(tokens):
+            self.driver.on_token(sequence, token)
+            await settle()
+
     async def timed_out(self) -> None:
         """Until the run has faulted (a timeout fired)."""
         while self.driver.run.phase.value not in ("Faulted", "TearingDown", "Done"):
@@ -345,3 +360,12 @@ class FakePipeline:
 
     async def repaired(self, driver: RunDriver) -> bool:
         return False
+
+
+@contextlib.asynccontextmanager
+async def served(pipeline: FakePipeline) -> AsyncIterator[asyncio.Future[None]]:
+    """The pipeline's runner serving its queue; after: stopped ("done") and ended."""
+    serving = asyncio.ensure_future(pipeline.runner.serve())
+    yield serving
+    pipeline.queue.stop("done")
+    await asyncio.wait_for(serving, 5)
