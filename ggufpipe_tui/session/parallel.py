@@ -35,7 +35,7 @@ from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core.inventory import RunOptions
 from ggufpipe_tui.core.slots import choose_slot
 from ggufpipe_tui.session.driver import RunDriver
-from ggufpipe_tui.session.runs import RunHandle, RunQueue, first_of, serves
+from ggufpipe_tui.session.runs import RunHandle, RunQueue, Turn, first_of, serves
 from ggufpipe_tui.session.serving import Runner, Serving, pipeline_error, queue_failure
 from ggufpipe_tui.session.stages import PipelineError
 
@@ -130,7 +130,7 @@ class ParallelRunner(Runner):
                     self.prepared[slot] = driver
                 return
             self.last_options = options
-            result = await pipeline.run(handle, driver, tokens, limit, options, slot)
+            result = await pipeline.run(driver, Turn(handle, tokens, limit, options, slot))
             source = driver.next_source()
             self.held[slot] = source.fed if source is not None else ()
             if pipeline.broken or result.outcome == "faulted":

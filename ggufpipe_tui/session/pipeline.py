@@ -63,7 +63,7 @@ from ggufpipe_tui.session.parallel import ParallelRunner
 from ggufpipe_tui.session.rebuild import rebuild
 from ggufpipe_tui.session.recovery import Recovery
 from ggufpipe_tui.session.runlog import RunLog
-from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
+from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue, Turn
 from ggufpipe_tui.session.serving import SerialRunner
 from ggufpipe_tui.session.stages import PipelineError, StageHandle, agent_set_up
 from ggufpipe_tui.transports.link import AgentLink
@@ -381,24 +381,15 @@ class Pipeline:
     def assign(self, handle: RunHandle, driver: RunDriver, replaces: int = 0) -> None:
         self.events.assign(handle, driver, replaces)
 
-    async def run(
-        self,
-        handle: RunHandle,
-        driver: RunDriver,
-        tokens: list[int],
-        limit: int,
-        options: RunOptions,
-        slot: int = 0,
-    ) -> RunResult:
-        """Run ``handle``'s prompt on ``driver`` (prepared on ``slot``) to its
-        end, replayed after a lost stage is repaired (Recovery.carry_on), and
-        finish ``handle``."""
-        prompt = handle.prompt
+    async def run(self, driver: RunDriver, turn: Turn) -> RunResult:
+        """Run ``turn``'s prompt on ``driver`` to its end, replayed after a
+        lost stage is repaired (Recovery.carry_on), and finish its handle."""
+        handle, prompt = turn.handle, turn.handle.prompt
         self.assign(handle, driver)
         driver.emit(PromptAssigned(driver.plan.run_id, prompt.text, handle.ticket))
         try:
-            result = await self.run_prompt(driver, tokens, prompt.submitted, limit)
-            result = await self.recovery.carry_on(handle, driver, result, tokens, limit, options, slot)
+            result = await self.run_prompt(driver, turn.tokens, prompt.submitted, turn.limit)
+            result = await self.recovery.carry_on(turn, driver, result)
         except GgufpipeError as error:  # refused at the last moment: the run is torn down
             driver = handle.driver or driver
             if not driver.done.is_set():
@@ -408,7 +399,7 @@ class Pipeline:
             handle.fail(error if isinstance(error, PipelineError) else PipelineError(str(error)))
             return driver.result
         handle.finish(result)
-        self.recovery.remember(tokens, options, result)
+        self.recovery.remember(turn.tokens, turn.options, result)
         return result
 
     async def repaired(self, driver: RunDriver) -> bool:

@@ -31,7 +31,7 @@ from ggufpipe_tui.core.events import (
 )
 from ggufpipe_tui.core.inventory import RunOptions
 from ggufpipe_tui.session.driver import RunDriver
-from ggufpipe_tui.session.runs import RunHandle
+from ggufpipe_tui.session.runs import RunHandle, Turn
 from ggufpipe_tui.session.stages import PipelineError, StageHandle
 
 #: Runs of a conversation recovery replays at most (beyond: a cold replay).
@@ -234,33 +234,25 @@ class Recovery:
                     f"replaying turn {index + 1} of the conversation before the lost run: {why}"
                 )
 
-    async def carry_on(
-        self,
-        handle: RunHandle,
-        driver: RunDriver,
-        result: RunResult,
-        tokens: list[int],
-        limit: int,
-        options: RunOptions,
-        slot: int,
-    ) -> RunResult:
-        """``driver``'s run of ``handle``'s prompt ended with ``result``. A
+    async def carry_on(self, turn: Turn, driver: RunDriver, result: RunResult) -> RunResult:
+        """``driver``'s run of ``turn``'s prompt ended with ``result``. A
         stage lost mid-run: once the pipeline is repaired, the prompt runs
-        again with the same sampling (and seed), cold, on ``slot``, and the
-        tokens already streamed are regenerated, checked and not streamed
+        again with the same sampling (and seed), cold, on the turn's slot, and
+        the tokens already streamed are regenerated, checked and not streamed
         again (docs/recovery.md). Bounded by recovery.attempts."""
+        handle = turn.handle
         while (old := self.take_interrupted(driver.plan.run_id)) is not None:
             try:
                 if handle.done:
                     raise PipelineError("the prompt was withdrawn")
                 await self.recover()
                 await self.replay_history(old)
-                driver = await self.pipeline.prepare_run(options, slot=slot)
+                driver = await self.pipeline.prepare_run(turn.options, slot=turn.slot)
             except GgufpipeError as error:
                 return self.give_up(old, str(error))
             self.replaying(driver, old)
             self.pipeline.assign(handle, driver, replaces=old.run_id)
-            result = await self.pipeline.run_prompt(driver, tokens, handle.prompt.submitted, limit)
+            result = await self.pipeline.run_prompt(driver, turn.tokens, handle.prompt.submitted, turn.limit)
         return result
 
     def take_interrupted(self, run_id: int) -> RunResult | None:

@@ -126,6 +126,18 @@ def reply_limit(prompt: Prompt, prompt_tokens: int, options: RunOptions, context
     return options.max_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A prompt's turn to run: its handle, its tokens, the most its reply may
+    take, its run options and the slot it runs on."""
+
+    handle: RunHandle
+    tokens: list[int]
+    limit: int
+    options: RunOptions
+    slot: int = 0
+
+
 class RunHandle:
     """One submitted prompt and, once it has one, its run."""
 

@@ -34,7 +34,7 @@ from ggufpipe_tui.core.events import RunResult
 from ggufpipe_tui.core.inventory import Inventory, RunOptions
 from ggufpipe_tui.core.plan import GgufModelPlan
 from ggufpipe_tui.session.driver import RunDriver
-from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue, prompt_tokens, run_options, serves
+from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue, Turn, prompt_tokens, run_options, serves
 from ggufpipe_tui.session.stages import PipelineError
 
 log = logging.getLogger(__name__)
@@ -62,16 +62,8 @@ class Serving(Protocol):
         """The model as every run's plan has it (vocabulary, context)."""
         ...
 
-    async def run(
-        self,
-        handle: RunHandle,
-        driver: RunDriver,
-        tokens: list[int],
-        limit: int,
-        options: RunOptions,
-        slot: int = 0,
-    ) -> RunResult:
-        """``handle``'s prompt run on ``driver`` to its end, and ``handle``
+    async def run(self, driver: RunDriver, turn: Turn) -> RunResult:
+        """``turn``'s prompt run on ``driver`` to its end, and its handle
         finished (or failed, when the run was refused at the last moment)."""
         ...
 
@@ -182,7 +174,8 @@ class SerialRunner(Runner):
                         break
                     driver = await pipeline.prepare_run(replace(options, max_tokens=limit), reuse=keep)
                 self.last_options = options
-                result = await pipeline.run(handle, driver, tokens, limit, replace(options, max_tokens=limit))
+                turn = Turn(handle, tokens, limit, replace(options, max_tokens=limit))
+                result = await pipeline.run(driver, turn)
                 if pipeline.broken or result.outcome == "faulted":
                     reason = result.failure or pipeline.broken
                     break

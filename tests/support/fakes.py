@@ -31,7 +31,7 @@ from ggufpipe_tui.core.plan import GgufModelPlan, RunPlan, build_plan
 from ggufpipe_tui.core.reuse import ReuseSource
 from ggufpipe_tui.session.driver import RunDriver
 from ggufpipe_tui.session.parallel import ParallelRunner
-from ggufpipe_tui.session.runs import RunHandle, RunQueue
+from ggufpipe_tui.session.runs import RunHandle, RunQueue, Turn
 from ggufpipe_tui.session.serving import SerialRunner
 from ggufpipe_tui.session.stages import PipelineError
 
@@ -191,6 +191,13 @@ class Rig:
             self.agent_says(index, StageProgress(run_id, index, "Preparing", "", -1.0))
             self.agent_says(index, StageReady(run_id, index, "a", held[index] if held else PrefixHeld()))
 
+    async def ready(self, held: list[PrefixHeld] | None = None) -> None:
+        """Started, every stage ready (holding ``held``), and settled: the run
+        waits for its prompt."""
+        self.start()
+        self.make_ready(held)
+        await settle()
+
     async def prompted(self, prompt: list[int] | None = None, held: list[PrefixHeld] | None = None) -> None:
         """Started, every stage ready (holding ``held``), ``prompt`` given
         (token 5 alone unless said), and settled."""
@@ -333,15 +340,8 @@ class FakePipeline:
             raise PipelineError("tokenizing on a: the chat template failed")
         return [len(text)] * (40 if text == "long" else 1), text
 
-    async def run(
-        self,
-        handle: RunHandle,
-        driver: RunDriver,
-        tokens: list[int],
-        limit: int,
-        options: RunOptions,
-        slot: int = 0,
-    ) -> RunResult:
+    async def run(self, driver: RunDriver, turn: Turn) -> RunResult:
+        handle = turn.handle
         handle.driver, handle.run_id = driver, driver.plan.run_id
         self.handles[driver.plan.run_id] = handle
         driver.emit(PromptAssigned(driver.plan.run_id, handle.prompt.text, handle.ticket))
@@ -350,7 +350,7 @@ class FakePipeline:
         try:
             if self.delay:
                 await asyncio.sleep(self.delay)  # the other runs overlap this one
-            driver.give_prompt(tokens, handle.prompt.submitted, limit)
+            driver.give_prompt(turn.tokens, handle.prompt.submitted, turn.limit)
             await driver.done.wait()
         finally:
             self.in_flight -= 1

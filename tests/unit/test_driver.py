@@ -114,9 +114,7 @@ async def test_the_step_timeout_names_the_token_it_waited_for():
 
 async def test_a_stop_before_the_prompt_tears_the_run_down():
     rig = Rig()
-    rig.start()
-    rig.make_ready()
-    await settle()
+    await rig.ready()
     rig.driver.stop("no prompt after all")
     await finish(rig)
     result = rig.driver.result
@@ -248,9 +246,7 @@ async def test_a_run_keeps_what_every_stage_holds_of_the_last_run():
 async def test_what_a_run_leaves_for_the_next_one():
     source = ReuseSource(0x99, (5, 6))
     torn = Rig(source=source)
-    torn.start()
-    torn.make_ready([PrefixHeld(0x99, 2)] * 2)
-    await settle()
+    await torn.ready([PrefixHeld(0x99, 2)] * 2)
     torn.driver.stop("no prompt after all")
     await finish(torn)
     assert torn.driver.next_source() == source, "a run that wrote nothing leaves the stages as they were"
@@ -260,9 +256,7 @@ async def test_what_a_run_leaves_for_the_next_one():
     await finish(faulted)
     assert faulted.driver.next_source() is None
     offered_nothing = Rig()
-    offered_nothing.start()
-    offered_nothing.make_ready()
-    await settle()
+    await offered_nothing.ready()
     offered_nothing.driver.stop("no prompt")
     await finish(offered_nothing)
     assert offered_nothing.driver.next_source() is None
