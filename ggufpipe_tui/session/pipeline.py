@@ -64,7 +64,7 @@ from ggufpipe_tui.session.rebuild import rebuild
 from ggufpipe_tui.session.recovery import Recovery
 from ggufpipe_tui.session.runlog import RunLog
 from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue, Turn
-from ggufpipe_tui.session.serving import SerialRunner
+from ggufpipe_tui.session.serving import SerialRunner, pipeline_error
 from ggufpipe_tui.session.stages import PipelineError, StageHandle, agent_set_up
 from ggufpipe_tui.transports.link import AgentLink
 from ggufpipe_tui.transports.shared import ProcessSharing, SharedAgent
@@ -396,7 +396,7 @@ class Pipeline:
                 driver.stop(f"no prompt: {error}")
             await driver.done.wait()
             assert driver.result is not None
-            handle.fail(error if isinstance(error, PipelineError) else PipelineError(str(error)))
+            handle.fail(pipeline_error(error))
             return driver.result
         handle.finish(result)
         self.recovery.remember(turn.tokens, turn.options, result)
