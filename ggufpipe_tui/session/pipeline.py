@@ -3,29 +3,24 @@
 A :class:`Pipeline` starts an agent per stage (in parallel), reads the model's
 facts and vocabulary from where the model lives, opens the data plane and then
 serves prompts: :meth:`Pipeline.submit` queues a :class:`~.runs.Prompt` and
-returns its :class:`~.runs.RunHandle`; the :class:`~.runs.RunQueue` turns
-prompts into runs one at a time (with ``run.parallel`` K > 1, the
-:class:`~.parallel.ParallelQueue` up to K at once, each on its own slot of
+returns its :class:`~.runs.RunHandle`; a runner turns prompts into runs one
+at a time (:class:`~.serving.SerialRunner`; with ``run.parallel`` K > 1, the
+:class:`~.parallel.ParallelRunner` up to K at once, each on its own slot of
 every stage), each with its own run id and plan, driven by a
 :class:`~.driver.RunDriver`. Agents keep their loaded stage between runs, so
-a second prompt reloads nothing. Every event goes to the run log and to the
-subscribers (the views); a run's events also go to its handle.
+a second prompt reloads nothing. Events go out through session/fanout.py.
 
-Recovery of a lost stage is the other half of the class, in
-:mod:`~ggufpipe_tui.session.recovery` (:class:`~.recovery.Recovering`).
-
-What it is made of: a :class:`~.stages.StageHandle` per stage (link, control
-reader, requests, lost state), a data plane (:mod:`ggufpipe_tui.dataplane`),
-and one :class:`~ggufpipe_agent.tasks.TaskOwner` for every background task: a
-task that fails is a fault of the run, never silence.
+It owns a :class:`~.stages.StageHandle` per stage, a data plane
+(:mod:`ggufpipe_tui.dataplane`), the recovery of a lost stage
+(:class:`~.recovery.Recovery`; the repair in session/rebuild.py), and one
+:class:`~ggufpipe_agent.tasks.TaskOwner` for every background task: a task
+that fails is a fault of the run, never silence.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -37,7 +32,6 @@ from ggufpipe_agent.wire.protocol import (
     ChatMessage,
     Message,
     ModelFacts,
-    Refused,
     Shutdown,
     StageFileRef,
 )
@@ -46,14 +40,12 @@ from ggufpipe_tui.core import run_fsm as fsm
 from ggufpipe_tui.core.events import (
     AgentConnected,
     AgentLog,
-    AgentSetup,
     Emit,
     Event,
     ModelInspected,
-    Notice,
     PlanMade,
+    PromptAssigned,
     RunFinished,
-    RunInterrupted,
     RunRecovered,
     RunResult,
 )
@@ -63,19 +55,20 @@ from ggufpipe_tui.core.plan import GgufModelPlan, PlanError, RunPlan, build_plan
 from ggufpipe_tui.core.refusal import place_stages
 from ggufpipe_tui.dataplane import DataPlane, DataPlaneEvents
 from ggufpipe_tui.dataplane.direct import DirectPlane
+from ggufpipe_tui.session.control import to_run
 from ggufpipe_tui.session.delivery import Delivered, deliver_stages, with_stage_files
 from ggufpipe_tui.session.driver import RunDriver
+from ggufpipe_tui.session.fanout import Fanout
 from ggufpipe_tui.session.modelsource import LocalModel, ModelSource, model_source
-from ggufpipe_tui.session.parallel import ParallelQueue
-from ggufpipe_tui.session.recovery import Recovering
+from ggufpipe_tui.session.parallel import ParallelRunner
+from ggufpipe_tui.session.rebuild import rebuild
+from ggufpipe_tui.session.recovery import Recovery
 from ggufpipe_tui.session.runlog import RunLog
-from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
-from ggufpipe_tui.session.stages import PipelineError, StageHandle
-from ggufpipe_tui.transports.link import AgentLink, AgentNotSetUp
+from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue, Turn
+from ggufpipe_tui.session.serving import SerialRunner, pipeline_error
+from ggufpipe_tui.session.stages import PipelineError, StageHandle, agent_set_up
+from ggufpipe_tui.transports.link import AgentLink
 from ggufpipe_tui.transports.shared import ProcessSharing, SharedAgent
-
-log = logging.getLogger("ggufpipe.orchestrator")
-
 
 LinkFactory = Callable[[HostSpec, int, Callable[[str], None]], AgentLink]
 DataPlaneFactory = Callable[[Sequence[StageHandle], TaskOwner, DataPlaneEvents], DataPlane]
@@ -92,7 +85,7 @@ def default_link_factory(host: HostSpec, stage: int, on_log: Callable[[str], Non
     return SshAgent(host, stage, on_log)
 
 
-class Pipeline(Recovering):
+class Pipeline:
     def __init__(
         self,
         inventory: Inventory,
@@ -128,88 +121,47 @@ class Pipeline(Recovering):
         self.closing = False
         self.serving = False  # start() has finished: the queue serves runs
         self.runlog = RunLog(log_dir)
+        self.events = Fanout(self.runlog, emit)
         self.tasks = TaskOwner(self._task_failed, "pipeline")
-        self.queue: RunQueue = (
-            RunQueue(self, prepare_ahead)
+        self.queue = RunQueue()
+        self.runner = (
+            SerialRunner(self, self.queue, prepare_ahead)
             if self.parallel == 1
-            else ParallelQueue(self, self.parallel, prepare_ahead)
+            else ParallelRunner(self, self.queue, self.parallel, prepare_ahead)
         )
         # Each stage keeps its KV cache between runs; a run keeps the prefix
         # it shares with the one before (core/reuse.py). False: every run
         # starts from an empty cache (a cold run, for comparisons).
         self.prefix_reuse = prefix_reuse
-        self._subscribers: list[Emit] = [emit] if emit is not None else []
-        self._handles: dict[int, RunHandle] = {}
         # Recovery of a lost stage (docs/recovery.md, core/recovery.py).
-        self.policy = rec.Policy(inventory.recovery.attempts, inventory.recovery.deadline)
-        self.recovery = rec.Recovery()
-        self.recoveries: list[RunRecovered] = []
+        policy = rec.Policy(inventory.recovery.attempts, inventory.recovery.deadline)
+        self.recovery = Recovery(self, policy, self.tasks)
         self._plane = 0  # the data plane's generation: a replaced one's reports are ignored
-        self._repairing: asyncio.Task[None] | None = None
-        self._interrupted: dict[int, RunResult] = {}  # faulted runs that recovery replays
-        # The runs since the caches were last empty: (prompt, options, tokens).
-        self._history: list[tuple[list[int], RunOptions, tuple[int, ...]]] = []
-        self._loss: tuple[str, float, int] = ("", 0.0, -1)  # who was lost first, when, at which token
-        self._repair_times = (0.0, 0.0, 0.0, "")  # repair start, end, teardown done, how
-        self._how = ""  # the last repair in a few words: "restarted", "moved to gpu-c"
 
     @property
     def links(self) -> list[AgentLink]:
         return [stage.link for stage in self.stages]
 
+    @property
+    def recovering(self) -> bool:
+        return self.recovery.active
+
+    @property
+    def recoveries(self) -> list[RunRecovered]:
+        return self.recovery.recoveries
+
     # ------------------------------------------------------------- events
 
     def subscribe(self, callback: Emit) -> Callable[[], None]:
         """``callback(event)`` for every event of the session; returns the unsubscribe."""
-        self._subscribers.append(callback)
-        return lambda: self._subscribers.remove(callback)
+        return self.events.subscribe(callback)
 
     def emit(self, event: Event) -> None:
-        try:
-            self.runlog.write(event)
-        except OSError as error:  # a full disk must not stop the run
-            self.runlog.disable(f"{error.strerror or error}")
-            self.emit(Notice("warning", f"run log disabled: cannot write {self.runlog.path} ({error})"))
-        for callback in list(self._subscribers):
-            try:
-                callback(event)
-            except Exception:  # noqa: BLE001 - a view's bug must not break the run
-                log.exception("event consumer failed")
+        self.events.emit(event)
 
     def _run_emitter(self, run_id: int, final: bool = False) -> Emit:
         """``final``: a RunFinished ends the run even while recovering (give_up)."""
-
-        def emit(event: Event) -> None:
-            if (
-                not final
-                and isinstance(event, RunFinished)
-                and event.result.outcome == "faulted"
-                and self.recovery.phase is rec.Phase.RECOVERING
-                and not self.closing
-            ):
-                # A lost stage that recovery repairs: the run is replayed, and
-                # the replay's RunFinished ends it (RunQueue._run).
-                self._interrupted[run_id] = event.result
-                self._repair_times = (0.0, 0.0, time.perf_counter(), "")
-                interrupted = RunInterrupted(run_id, event.result.failure, len(event.result.tokens))
-                self.emit(interrupted)
-                self.runlog.close(run_id)  # its replay has a log of its own
-                handle = self._handles.get(run_id)
-                if handle is not None:
-                    handle.push(interrupted)
-                return
-            if isinstance(event, RunFinished) and event.result.ok:
-                # A run completed: the next loss gets recovery's whole budget.
-                self.recovery = rec.transition(self.recovery, rec.Settled(), self.policy)
-            self.emit(event)
-            handle = self._handles.get(run_id)
-            if handle is not None:
-                handle.push(event)
-            if isinstance(event, RunFinished):
-                self.runlog.close(run_id)
-                self._handles.pop(run_id, None)
-
-        return emit
+        return self.events.run_emitter(run_id, lambda result: self.recovery.ended(result, final))
 
     def _task_failed(self, name: str, error: BaseException) -> None:
         """A pipeline task that dies of a bug must not leave a run waiting
@@ -231,8 +183,8 @@ class Pipeline(Recovering):
         if any(inventory.hosts[spec.host].share_process for spec in inventory.stages):
             # Recovery cannot start a shared agent process again yet: a loss
             # there is the fault it was before recovery (docs/recovery.md).
-            self.policy = rec.Policy(0, self.policy.deadline)
-        starting = (self._start_stage(stage, timeout) for stage in self.stages)
+            self.recovery.policy = rec.Policy(0, self.recovery.policy.deadline)
+        starting = (self.start_stage(stage, timeout) for stage in self.stages)
         results = await asyncio.gather(*starting, return_exceptions=True)
         failures = [result for result in results if isinstance(result, BaseException)]
         if failures:
@@ -242,22 +194,35 @@ class Pipeline(Recovering):
                 raise first
             raise PipelineError(f"starting the agents failed: {first!r}") from first
         for stage in self.stages:
-            self._watch_stage(stage)
+            self.watch_stage(stage)
         try:
             await self._inspect()
             await self._deliver()
-            await self._open_data_plane(timeout)
+            await self.open_data_plane(timeout)
         except BaseException:
             await self.close()
             raise
         self.serving = True  # from now on a lost stage is recovered (before: start() fails)
-        self.tasks.spawn(self.queue.serve(), "run queue")
+        self.tasks.spawn(self.runner.serve(), "run queue")
 
-    def _watch_stage(self, stage: StageHandle) -> None:
+    def watch_stage(self, stage: StageHandle) -> None:
         stage.start_heartbeat(self.tasks, self.inventory.timeouts.heartbeat)
         self.tasks.spawn(stage.read_control(), f"control reader of stage {stage.index}")
 
-    async def _open_data_plane(self, timeout: float) -> None:
+    def new_stage(self, index: int, host: HostSpec) -> StageHandle:
+        link = self.link_factory(host, index, self._log_sink(index, host.name))
+        return StageHandle(index, link, self._on_message, self._stage_lost)
+
+    def close_data_plane(self) -> None:
+        if self.data is not None:
+            self._plane += 1  # the old plane's reports (its streams closing) are ignored
+            self.data.close()
+            self.data = None
+
+    async def rebuild(self) -> tuple[str, str]:
+        return await rebuild(self)
+
+    async def open_data_plane(self, timeout: float) -> None:
         """A data plane over the current stages; whatever an older one still
         reports (its streams closed by a repair) is ignored."""
         self._plane += 1
@@ -285,28 +250,9 @@ class Pipeline(Recovering):
     def _log_at(self, stage: int, line: str) -> None:
         self.emit(AgentLog(stage, self.stages[stage].host.name, line))
 
-    async def _start_stage(self, stage: StageHandle, timeout: float) -> None:
-        hello = await stage.start(timeout, self._set_up)
+    async def start_stage(self, stage: StageHandle, timeout: float) -> None:
+        hello = await stage.start(timeout, agent_set_up(self.inventory.timeouts, self.emit))
         self.emit(AgentConnected(stage.index, stage.host.name, stage.host.where, hello))
-
-    async def _set_up(self, stage: StageHandle, missing: AgentNotSetUp) -> None:
-        """Give the stage's host its agent (provision/hosts.py), step by step in events."""
-        index, name = stage.index, stage.host.name
-
-        def progress(detail: str) -> None:
-            self.emit(AgentSetup(index, name, "setting up", detail))
-
-        progress(str(missing).split(": ", 1)[-1])
-        bound = self.inventory.timeouts.setup
-        try:
-            done = await asyncio.wait_for(
-                stage.link.set_up(progress, self.inventory.timeouts.connect, redo=missing.broken), bound
-            )
-        except asyncio.TimeoutError:
-            raise PipelineError(
-                f"{stage.label}: setting up the agent on {name} took more than timeouts.setup ({bound:g} s)"
-            ) from None
-        self.emit(AgentSetup(index, name, "done", "", done.how, done.seconds, done.bytes_sent))
 
     async def _inspect(self) -> None:
         # Through the hosts' copies (every copy checked to be stage 0's model),
@@ -382,9 +328,9 @@ class Pipeline(Recovering):
         ``slot`` of every stage (it offers what the slot's last run left
         there, unless ``reuse`` is False: llama-server's cache_prompt).
         ``quiet``: its events go nowhere (a run of the history replayed by
-        recovery, :meth:`replay_history`)."""
+        recovery, :meth:`Recovery.replay_history <.recovery.Recovery.replay_history>`)."""
         if self.recovery.active and not self.closing:
-            await self.recover()  # a stage lost between runs: repaired first
+            await self.recovery.recover()  # a stage lost between runs: repaired first
         if self.closing or self.data is None:
             raise PipelineError("the pipeline is not running")
         if not 0 <= slot < self.parallel:
@@ -405,15 +351,12 @@ class Pipeline(Recovering):
             self.tasks,
             (lambda event: None) if quiet else self._run_emitter(plan.run_id),
             self.pieces,
-            log_path=lambda: "" if self.runlog.disabled else str(self.runlog.path_of(plan.run_id) or ""),
+            log_path=lambda: self.events.log_path(plan.run_id),
             source=source,
         )
         self.on_slot[slot] = self.drivers[plan.run_id] = driver
         if not quiet:
-            try:
-                self.runlog.open(plan.run_id)
-            except OSError as error:
-                self.emit(Notice("warning", f"run log disabled: cannot write {self.runlog.path} ({error})"))
+            self.events.open_log(plan.run_id)
             self.emit(PlanMade(plan, tuple(stage.host for stage in self.inventory.stages)))
         self.data.bind(plan, driver.on_token)
         try:
@@ -436,9 +379,43 @@ class Pipeline(Recovering):
         """The runs in flight (not done)."""
         return [driver for driver in self.drivers.values() if not driver.done.is_set()]
 
-    def route(self, driver: RunDriver, handle: RunHandle) -> None:
-        """From now on the run's events also go to ``handle``."""
-        self._handles[driver.plan.run_id] = handle
+    def assign(self, handle: RunHandle, driver: RunDriver, replaces: int = 0) -> None:
+        self.events.assign(handle, driver, replaces)
+
+    async def run(self, driver: RunDriver, turn: Turn) -> RunResult:
+        """Run ``turn``'s prompt on ``driver`` to its end, replayed after a
+        lost stage is repaired (Recovery.carry_on), and finish its handle."""
+        handle, prompt = turn.handle, turn.handle.prompt
+        self.assign(handle, driver)
+        driver.emit(PromptAssigned(driver.plan.run_id, prompt.text, handle.ticket))
+        try:
+            result = await self.run_prompt(driver, turn.tokens, prompt.submitted, turn.limit)
+            result = await self.recovery.carry_on(turn, driver, result)
+        except GgufpipeError as error:  # refused at the last moment: the run is torn down
+            driver = handle.driver or driver
+            if not driver.done.is_set():
+                driver.stop(f"no prompt: {error}")
+            await driver.done.wait()
+            assert driver.result is not None
+            handle.fail(pipeline_error(error))
+            return driver.result
+        handle.finish(result)
+        self.recovery.remember(turn.tokens, turn.options, result)
+        return result
+
+    async def repaired(self, driver: RunDriver) -> bool:
+        """``driver`` ended before its prompt: True when a lost stage ended it
+        and the pipeline is repaired now (raises when recovery gives up)."""
+        if self.recovery.take_interrupted(driver.plan.run_id) is None:
+            return False
+        await self.recovery.recover()
+        return True
+
+    def end_run(self, result: RunResult) -> None:
+        self._run_emitter(result.run_id, final=True)(RunFinished(result))
+
+    def stop_serving(self, reason: str) -> None:
+        self.queue.stop(reason)
 
     async def run_prompt(
         self, driver: RunDriver, tokens: list[int], submitted: float, max_tokens: int = 0
@@ -466,29 +443,7 @@ class Pipeline(Recovering):
         driver = self.drivers.get(getattr(message, "run_id", 0) or 0)
         if self.data is not None and self.data.on_message(stage.index, message):
             return
-        if isinstance(message, Refused):
-            self.emit(AgentLog(stage.index, stage.host.name, f"refused {message.what}: {message.reason}"))
-            setting_up = (fsm.RunPhase.PROVISIONING, fsm.RunPhase.WAITING_READY)
-            if (
-                driver is not None
-                and message.run_id == driver.plan.run_id  # not about a run replaced since
-                and driver.run.phase in setting_up
-                and message.what in ("ProvisionStage", "OpenEdge", "LinkEdge")
-                # A stage that faulted refuses its later edge ends; its own
-                # fault (which may wait for a peer's loss report) is the reason.
-                and driver.stage_states.get(stage.index) != "Faulted"
-            ):
-                # The stage will never become ready: say why now, not at the readiness timeout.
-                reason = f"{stage.label} refused {message.what}: {message.reason}"
-                if message.what == "ProvisionStage":
-                    driver.provision_refused(stage.index, reason)
-                else:
-                    driver.feed(fsm.StageFaultEvent(stage.index, reason))
-            return
-        if driver is None:
-            self.emit(AgentLog(stage.index, stage.host.name, f"ignored {message.tag} for an old run"))
-            return
-        driver.on_stage_message(stage.index, message)
+        to_run(stage, message, driver, self.emit)
 
     def _lost_at(self, stage: int, symptom: str) -> None:
         self._stage_lost(self.stages[stage], symptom)
@@ -499,7 +454,7 @@ class Pipeline(Recovering):
         if self.closing or stage.lost or self.stages[stage.index] is not stage:
             return
         stage.lost = symptom
-        self.tasks.spawn(self._report_lost(stage, symptom), f"loss report of stage {stage.index}")
+        self.tasks.spawn(self.recovery.report_lost(stage, symptom), f"loss report of stage {stage.index}")
 
     def _edge_fault(self, reason: str) -> None:
         if not self.broken:

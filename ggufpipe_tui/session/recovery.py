@@ -1,181 +1,196 @@
-"""A pipeline's recovery of a lost stage (docs/recovery.md), the half of
-:class:`~ggufpipe_tui.session.pipeline.Pipeline` that is about it: a loss
-reported and the recovery FSM (core/recovery.py) moved, the repair (every
-lost stage's agent started again on its host or moved to a spare, the model
-checked, stage files delivered, a new data plane), and the replay of what
-was in flight (a conversation's earlier runs first, at one run at a time).
+"""A pipeline's recovery of a lost stage (docs/recovery.md): a loss
+reported and the recovery FSM (core/recovery.py) moved, the repair (the
+pipeline's :meth:`~Recoverable.rebuild`, session/rebuild.py) begun and
+bounded, and the replay of what was in flight: a run that a lost stage
+interrupted is replayed on a new run once the pipeline is repaired, a
+conversation's earlier runs first (at one run at a time).
 
-:class:`Recovering` is a mixin: :class:`Pipeline` is the only class made of
-it, and the attributes and methods it declares without defining are the
-pipeline's.
+:class:`Recovery` is an object the pipeline owns and calls; what it needs of
+the pipeline is :class:`Recoverable`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import replace
+from typing import Protocol
 
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.tasks import TaskOwner
-from ggufpipe_agent.wire.protocol import Message, ModelFacts
 from ggufpipe_tui.core import recovery as rec
 from ggufpipe_tui.core import run_fsm as fsm
 from ggufpipe_tui.core.events import (
-    Emit,
     Event,
     Notice,
-    RunFinished,
+    RunInterrupted,
     RunRecovered,
     RunReplaying,
     RunResult,
     StageRecovery,
 )
-from ggufpipe_tui.core.inventory import HostSpec, Inventory, RunOptions
-from ggufpipe_tui.core.placement import Placement
-from ggufpipe_tui.core.spares import moved_inventory, spare_candidates, spare_placement, spare_problem
-from ggufpipe_tui.dataplane import DataPlane
-from ggufpipe_tui.session.delivery import Delivered, deliver_stages
+from ggufpipe_tui.core.inventory import RunOptions
 from ggufpipe_tui.session.driver import RunDriver
-from ggufpipe_tui.session.modelsource import LocalModel, ModelSource
-from ggufpipe_tui.session.runs import RunHandle, RunQueue
+from ggufpipe_tui.session.runs import RunHandle, Turn
 from ggufpipe_tui.session.stages import PipelineError, StageHandle
-from ggufpipe_tui.transports.link import AgentLink, HostUnreachable
-from ggufpipe_tui.transports.shared import SharedAgent
 
 #: Runs of a conversation recovery replays at most (beyond: a cold replay).
 MAX_HISTORY = 64
 
 
-class Recovering:
-    # The pipeline's, used here.
-    inventory: Inventory
-    stages: list[StageHandle]
-    data: DataPlane | None
-    facts: ModelFacts | None
-    model: ModelSource | None
-    placement: Placement | None
-    ranges: list[tuple[int, int]]
-    delivered: list[Delivered]
-    closing: bool
-    serving: bool
-    broken: str
-    parallel: int
-    prefix_reuse: bool
-    tasks: TaskOwner
-    queue: RunQueue
-    policy: rec.Policy
-    recovery: rec.Recovery
-    recoveries: list[RunRecovered]
-    _plane: int
-    _repairing: asyncio.Task[None] | None
-    _interrupted: dict[int, RunResult]
-    _history: list[tuple[list[int], RunOptions, tuple[int, ...]]]
-    _loss: tuple[str, float, int]
-    _repair_times: tuple[float, float, float, str]
-    _how: str
-    _handles: dict[int, RunHandle]
+class Recoverable(Protocol):
+    """What recovery needs of the pipeline (session/pipeline.py's Pipeline)."""
 
-    link_factory: Callable[[HostSpec, int, Callable[[str], None]], AgentLink]
+    broken: str  # why the pipeline cannot carry another run ("" when it can)
 
-    # The pipeline's methods (Pipeline defines each; never called on this class).
-    def emit(self, event: Event) -> None:
-        raise NotImplementedError
+    @property
+    def closing(self) -> bool: ...
 
-    def live_drivers(self) -> list[RunDriver]:
-        raise NotImplementedError
+    @property
+    def serving(self) -> bool:
+        """start() has finished (before: a loss fails the start)."""
+        ...
 
-    def _run_emitter(self, run_id: int, final: bool = False) -> Emit:
-        raise NotImplementedError
+    @property
+    def parallel(self) -> int: ...
 
-    async def _start_stage(self, stage: StageHandle, timeout: float) -> None:
-        raise NotImplementedError
+    @property
+    def prefix_reuse(self) -> bool: ...
 
-    def _watch_stage(self, stage: StageHandle) -> None:
-        raise NotImplementedError
+    def emit(self, event: Event) -> None: ...
 
-    async def _open_data_plane(self, timeout: float) -> None:
-        raise NotImplementedError
+    def live_drivers(self) -> list[RunDriver]: ...
 
-    def _log_sink(self, stage: int, host: str) -> Callable[[str], None]:
-        raise NotImplementedError
+    def stop_serving(self, reason: str) -> None:
+        """No more prompts: every one waiting fails with ``reason``."""
+        ...
 
-    def _on_message(self, stage: StageHandle, message: Message) -> None:
-        raise NotImplementedError
-
-    def _stage_lost(self, stage: StageHandle, symptom: str) -> None:
-        raise NotImplementedError
+    def end_run(self, result: RunResult) -> None:
+        """The run of ``result`` ends now, with it (its RunFinished)."""
+        ...
 
     async def prepare_run(
         self, options: RunOptions | None = None, quiet: bool = False, *, slot: int = 0, reuse: bool = True
-    ) -> RunDriver:
-        raise NotImplementedError
+    ) -> RunDriver: ...
 
     async def run_prompt(
         self, driver: RunDriver, tokens: list[int], submitted: float, max_tokens: int = 0
-    ) -> RunResult:
-        raise NotImplementedError
+    ) -> RunResult: ...
 
-    async def _report_lost(self, stage: StageHandle, symptom: str) -> None:
+    def assign(self, handle: RunHandle, driver: RunDriver, replaces: int = 0) -> None:
+        """``driver`` runs ``handle``'s prompt, instead of run ``replaces``."""
+        ...
+
+    async def rebuild(self) -> tuple[str, str]:
+        """Every lost stage started again (or moved) and a new data plane:
+        how, in a sentence and in a few words; raises when it cannot."""
+        ...
+
+
+class Recovery:
+    def __init__(self, pipeline: Recoverable, policy: rec.Policy, tasks: TaskOwner) -> None:
+        self.pipeline = pipeline
+        self.policy = policy
+        self.tasks = tasks
+        self.state = rec.Recovery()
+        self.recoveries: list[RunRecovered] = []
+        self._repairing: asyncio.Task[None] | None = None
+        self._interrupted: dict[int, RunResult] = {}  # faulted runs to be replayed
+        # The runs since the caches were last empty: (prompt, options, tokens).
+        self._history: list[tuple[list[int], RunOptions, tuple[int, ...]]] = []
+        self._loss: tuple[str, float, int] = ("", 0.0, -1)  # who was lost first, when, at which token
+        self._repair_times = (0.0, 0.0, 0.0, "")  # repair start, end, teardown done, how
+        self._how = ""  # the last repair in a few words: "restarted", "moved to gpu-c"
+
+    @property
+    def active(self) -> bool:
+        """A stage is lost and recovery has not given up or repaired it yet."""
+        return self.state.active
+
+    def _step(self, event: rec.RecoveryEvent) -> None:
+        self.state = rec.transition(self.state, event, self.policy)
+
+    def ended(self, result: RunResult, final: bool = False) -> RunInterrupted | None:
+        """A run that ended with ``result``: when a lost stage that recovery
+        repairs faulted it (and it is not ``final``: given up), it is kept to
+        be replayed (its replay's RunFinished ends it) and this is what to say
+        instead; else None, and a completed run gives the next loss
+        recovery's whole budget."""
+        if (
+            not final
+            and result.outcome == "faulted"
+            and self.state.phase is rec.Phase.RECOVERING
+            and not self.pipeline.closing
+        ):
+            self._interrupted[result.run_id] = result
+            self._repair_times = (0.0, 0.0, time.perf_counter(), "")
+            return RunInterrupted(result.run_id, result.failure, len(result.tokens))
+        if result.ok:
+            self._step(rec.Settled())
+        return None
+
+    async def report_lost(self, stage: StageHandle, symptom: str) -> None:
+        """``stage`` is lost (``symptom``): said once, with its root cause; the
+        runs in flight fault, and the repair begins (or the session stops)."""
         reason = await stage.diagnose(symptom)
         stage.lost = reason
-        if self.closing:
+        pipeline = self.pipeline
+        if pipeline.closing:
             return
-        repeated = reason == self.broken  # another stage of a shared process that died
-        if not self.broken:
-            self.broken = reason
+        repeated = reason == pipeline.broken  # another stage of a shared process that died
+        if not pipeline.broken:
+            pipeline.broken = reason
         if not repeated:
-            self.emit(Notice("error", reason))
+            pipeline.emit(Notice("error", reason))
         stage.fail_requests(reason)
-        live = self.live_drivers()
+        live = pipeline.live_drivers()
         running = bool(live)
         prompted = [driver for driver in live if driver.prompt]  # not a run prepared ahead
         at_token = len(prompted[0].tokens) if prompted else len(live[0].tokens) if live else -1
         now = time.perf_counter()
-        before = self.recovery
-        if not self.serving:
+        before = self.state
+        if not pipeline.serving:
             # Lost while the pipeline starts: start() fails with the reason
             # (a recovery would race the teardown of what was started).
-            self.queue.stop(reason)
+            pipeline.stop_serving(reason)
             return
-        self.recovery = rec.transition(before, rec.Loss(reason, now), self.policy)
+        self._step(rec.Loss(reason, now))
         if before.phase is rec.Phase.READY:
             self._loss = (f"{stage.label}", now, at_token)
-        self.recovery = rec.transition(self.recovery, rec.Begin(now), self.policy)
-        if self.recovery.phase is rec.Phase.BROKEN:
-            failure = self.recovery.reason
+        self._step(rec.Begin(now))
+        if self.state.phase is rec.Phase.BROKEN:
+            failure = self.state.reason
             if self.policy.attempts > 0:
-                self.broken = failure
-                self.emit(StageRecovery(stage.index, stage.host.name, "Broken", failure, at_token))
+                pipeline.broken = failure
+                pipeline.emit(StageRecovery(stage.index, stage.host.name, "Broken", failure, at_token))
         else:
             failure = reason
             if before.phase is not rec.Phase.RECOVERING:
-                self.emit(StageRecovery(stage.index, stage.host.name, "Lost", reason, at_token))
-                self.emit(StageRecovery(stage.index, stage.host.name, "Recovering", "", at_token))
+                pipeline.emit(StageRecovery(stage.index, stage.host.name, "Lost", reason, at_token))
+                pipeline.emit(StageRecovery(stage.index, stage.host.name, "Recovering", "", at_token))
         if running:
             for driver in live:  # every run in flight needs the stage
                 driver.feed(fsm.StageLost(stage.index, failure))
-            # A run with its prompt is repaired and replayed by its queue
-            # (RunQueue also repairs when its prepared run is lost); runs that
-            # slots only prepared ahead have no one waiting: repaired now.
-            if self.parallel == 1 or prompted:
+            # A run with its prompt is repaired and replayed (Pipeline.run;
+            # Pipeline.repaired when a runner's prepared run is lost); runs
+            # that slots only prepared ahead have no one waiting: repaired now.
+            if pipeline.parallel == 1 or prompted:
                 return
-        if self.recovery.phase is rec.Phase.BROKEN:
+        if self.state.phase is rec.Phase.BROKEN:
             # Between runs (no run to fault): the session can serve no more.
-            self.queue.stop(failure)
-        elif self.recovery.phase is rec.Phase.RECOVERING and self._repairing is None:
+            pipeline.stop_serving(failure)
+        elif self.state.phase is rec.Phase.RECOVERING and self._repairing is None:
             self.tasks.spawn(self._recover_between_runs(), "recovery between runs")
 
     async def _recover_between_runs(self) -> None:
-        # Let a faulting prepared run (the queue's) settle first.
+        # Let a faulting prepared run (a runner's) settle first.
         await asyncio.sleep(0)
         try:
             await self.recover()
         except PipelineError as error:
-            self.queue.stop(str(error))
+            self.pipeline.stop_serving(str(error))
 
-    # ------------------------------------------------------------ recovery
+    # ------------------------------------------------------------ replay
 
     def remember(self, tokens: list[int], options: RunOptions, result: RunResult) -> None:
         """A run that ended: the runs since the stages' caches were last empty
@@ -185,11 +200,11 @@ class Recovering:
         replayable = (
             result.ok
             and result.stop_reason in ("max_tokens", "eos")
-            and self.prefix_reuse
+            and self.pipeline.prefix_reuse
             and self.policy.attempts > 0  # else nothing is ever replayed: keep nothing
             # With slots, each slot's runs interleave with the others': an
             # interrupted run is replayed on its slot, cold (docs/recovery.md).
-            and self.parallel == 1
+            and self.pipeline.parallel == 1
         )
         if not replayable or (result.prompt_reused and not self._history):
             self._history = []  # a chain that cannot be replayed exactly
@@ -210,196 +225,78 @@ class Recovering:
         if not old.prompt_reused or not self._history:
             return
         for index, (tokens, options, recorded) in enumerate(list(self._history)):
-            driver = await self.prepare_run(options, quiet=True)
+            driver = await self.pipeline.prepare_run(options, quiet=True)
             driver.replay = recorded
-            result = await self.run_prompt(driver, tokens, time.monotonic(), options.max_tokens)
+            result = await self.pipeline.run_prompt(driver, tokens, time.monotonic(), options.max_tokens)
             if not result.ok or tuple(result.tokens) != recorded:
                 why = result.failure or "other tokens"
                 raise PipelineError(
                     f"replaying turn {index + 1} of the conversation before the lost run: {why}"
                 )
 
+    async def carry_on(self, turn: Turn, driver: RunDriver, result: RunResult) -> RunResult:
+        """``driver``'s run of ``turn``'s prompt ended with ``result``. A
+        stage lost mid-run: once the pipeline is repaired, the prompt runs
+        again with the same sampling (and seed), cold, on the turn's slot, and
+        the tokens already streamed are regenerated, checked and not streamed
+        again (docs/recovery.md). Bounded by recovery.attempts."""
+        handle = turn.handle
+        while (old := self.take_interrupted(driver.plan.run_id)) is not None:
+            try:
+                if handle.done:
+                    raise PipelineError("the prompt was withdrawn")
+                await self.recover()
+                await self.replay_history(old)
+                driver = await self.pipeline.prepare_run(turn.options, slot=turn.slot)
+            except GgufpipeError as error:
+                return self.give_up(old, str(error))
+            self.replaying(driver, old)
+            self.pipeline.assign(handle, driver, replaces=old.run_id)
+            result = await self.pipeline.run_prompt(driver, turn.tokens, handle.prompt.submitted, turn.limit)
+        return result
+
     def take_interrupted(self, run_id: int) -> RunResult | None:
         """Run ``run_id``'s result when it faulted by a lost stage that
-        recovery repairs: it is to be replayed (RunQueue._run), not finished."""
+        recovery repairs: it is to be replayed (:meth:`carry_on`), not finished."""
         return self._interrupted.pop(run_id, None)
-
-    @property
-    def recovering(self) -> bool:
-        return self.recovery.active
 
     async def recover(self) -> None:
         """Repair the pipeline after a lost stage (every lost stage's agent
         started again, the model checked, its stage file delivered, a new data
         plane); returns when it can carry runs, raises PipelineError with the
         one reason when recovery gives up."""
-        while self.recovery.phase is rec.Phase.RECOVERING and not self.closing:
+        while self.state.phase is rec.Phase.RECOVERING and not self.pipeline.closing:
             if self._repairing is None or self._repairing.done():
                 self._repairing = self.tasks.spawn(self._repair(), "recovery")
             await asyncio.wait({self._repairing})
-        if self.recovery.phase is rec.Phase.BROKEN:
-            raise PipelineError(self.recovery.reason)
-        if self.closing:
+        if self.state.phase is rec.Phase.BROKEN:
+            raise PipelineError(self.state.reason)
+        if self.pipeline.closing:
             raise PipelineError("the pipeline closed")
-        if self.broken:
-            raise PipelineError(self.broken)
+        if self.pipeline.broken:
+            raise PipelineError(self.pipeline.broken)
 
     async def _repair(self) -> None:
         started = time.perf_counter()
-        left = rec.time_left(self.recovery, self.policy, started)
+        left = rec.time_left(self.state, self.policy, started)
         try:
-            how = await asyncio.wait_for(self._rebuild(), max(left, 1.0))
-            again = next((stage for stage in self.stages if stage.lost), None)
-            if again is not None:
-                raise PipelineError(f"lost while repairing: {again.lost}")
+            how, self._how = await asyncio.wait_for(self.pipeline.rebuild(), max(left, 1.0))
         except (GgufpipeError, OSError, asyncio.TimeoutError) as error:
             why = str(error) or f"it took more than the {left:.0f} s left of recovery.deadline"
-            self.recovery = rec.transition(self.recovery, rec.RepairFailed(why), self.policy)
-            self.recovery = rec.transition(self.recovery, rec.Begin(time.perf_counter()), self.policy)
-            if self.recovery.phase is rec.Phase.BROKEN:
-                self.broken = self.recovery.reason
-                self.emit(Notice("error", self.recovery.reason))
+            self._step(rec.RepairFailed(why))
+            self._step(rec.Begin(time.perf_counter()))
+            if self.state.phase is rec.Phase.BROKEN:
+                self.pipeline.broken = self.state.reason
+                self.pipeline.emit(Notice("error", self.state.reason))
             return
-        self.recovery = rec.transition(self.recovery, rec.Repaired(how), self.policy)
-        self.broken = ""
+        self._step(rec.Repaired(how))
+        self.pipeline.broken = ""
         self._repair_times = (started, time.perf_counter(), self._repair_times[2], self._how)
-
-    async def _rebuild(self) -> str:
-        """Every lost stage's agent started again on its host, or, where its
-        host does not answer, on a spare host (:meth:`_move`); the model
-        checked there and its stage file delivered (from its cache when it has
-        it), and a new data plane (new links, new credentials) over all stages."""
-        timeout = self.inventory.timeouts.connect
-        lost = [stage for stage in self.stages if stage.lost or not stage.alive()]
-        for stage in lost:
-            if stage.link.share_process or isinstance(stage.link, SharedAgent):
-                raise PipelineError(
-                    f"{stage.label} runs in a shared agent process (share_process: true), "
-                    "which recovery cannot start again yet"
-                )
-        if self.data is not None:
-            self._plane += 1  # the old plane's reports (its streams closing) are ignored
-            self.data.close()
-            self.data = None
-        await asyncio.gather(*(stage.close(1.0) for stage in lost), return_exceptions=True)
-        fresh: list[StageHandle] = []
-        for old in lost:
-            fresh.append(self._handle(old.index, old.host))
-            self.stages[old.index] = fresh[-1]
-        results = await asyncio.gather(
-            *(self._start_stage(stage, timeout) for stage in fresh), return_exceptions=True
-        )
-        # Stages whose host does not answer, by host: they move together.
-        gone: dict[str, tuple[HostUnreachable, list[StageHandle]]] = {}
-        failures: list[BaseException] = []
-        for stage, result in zip(fresh, results, strict=True):
-            if isinstance(result, HostUnreachable):
-                gone.setdefault(stage.host.name, (result, []))[1].append(stage)
-            elif isinstance(result, BaseException):
-                failures.append(result)
-            else:
-                self._watch_stage(stage)
-        if failures:
-            first = failures[0]
-            raise first if isinstance(first, GgufpipeError) else PipelineError(f"restarting: {first!r}")
-        moves: list[tuple[str, str]] = []  # (the stages moved, to which host)
-        restarted = [stage for stage in fresh if stage.hello is not None]
-        for error, stages in gone.values():
-            await asyncio.gather(*(stage.close(1.0) for stage in stages), return_exceptions=True)
-            moved = await self._move([stage.index for stage in stages], error, timeout)
-            moves.append((", ".join(stage.label for stage in stages), moved[0].host.name))
-            fresh = [stage for stage in fresh if stage not in stages] + moved
-        assert self.model is not None
-        await asyncio.gather(*(self.model.check(stage, max(60.0, timeout)) for stage in restarted))
-        if self.delivered and isinstance(self.model, LocalModel) and self.model.files is not None:
-            files, timeouts = self.model.files, self.inventory.timeouts
-            again = await deliver_stages(fresh, files, self.ranges, self.emit, timeouts)
-            by_stage = {done.stage: done for done in again}
-            self.delivered = [by_stage.get(done.stage, done) for done in self.delivered]
-        await self._open_data_plane(timeout)
-        for stage in sorted(fresh, key=lambda stage: stage.index):
-            detail = "restarted" if stage in restarted else f"moved to {stage.host.name}"
-            self.emit(StageRecovery(stage.index, stage.host.name, "Ready", detail))
-        short = ["restarted"] if restarted else []
-        if moves:
-            short.append("moved to " + ", ".join(dict.fromkeys(to for _, to in moves)))
-        self._how = ", ".join(short) or "reopened the data plane"
-        how = [f"moved {stages} to {to}" for stages, to in moves]
-        if restarted:
-            how.insert(0, "restarted " + ", ".join(stage.label for stage in restarted))
-        return "; ".join(how) or "reopened the data plane"
-
-    def _handle(self, index: int, host: HostSpec) -> StageHandle:
-        link = self.link_factory(host, index, self._log_sink(index, host.name))
-        return StageHandle(index, link, self._on_message, self._stage_lost)
-
-    async def _move(self, indexes: list[int], error: HostUnreachable, timeout: float) -> list[StageHandle]:
-        """The stages ``indexes`` of a host that does not answer (``error``)
-        started on the first spare host no stage uses that can hold them (the
-        memory plan's figures, core/spares.py) and whose model is stage 0's,
-        with their layer ranges; raises PipelineError naming each spare
-        tried, and why not, when none can."""
-        assert self.facts is not None and self.model is not None
-        what = "stage" + ("s " if len(indexes) > 1 else " ") + ", ".join(map(str, indexes))
-        in_use = {stage.host.name for stage in self.stages}
-        candidates = spare_candidates(self.inventory, in_use)
-        if not candidates:
-            raise PipelineError(f"{error}; no spare host (spare: true) to move {what} to")
-        refused: list[str] = []
-        for name in candidates:
-            trial = [self._handle(index, self.inventory.hosts[name]) for index in indexes]
-            try:
-                problem, placement = await self._try_spare(trial, name, timeout)
-            except BaseException:  # cancelled (recovery.deadline): no agent is left behind
-                await asyncio.gather(*(stage.close(1.0) for stage in trial), return_exceptions=True)
-                raise
-            if problem or placement is None:
-                refused.append(f"{name}: {problem}")
-                await asyncio.gather(*(stage.close(1.0) for stage in trial), return_exceptions=True)
-                continue
-            for stage in trial:
-                self.stages[stage.index] = stage
-                stage.start_heartbeat(self.tasks, self.inventory.timeouts.heartbeat)
-            self.inventory = moved_inventory(self.inventory, dict.fromkeys(indexes, name))
-            self.placement = placement
-            return trial
-        raise PipelineError(f"{error}; no spare host could take {what}: {'; '.join(refused)}")
-
-    async def _try_spare(
-        self, trial: list[StageHandle], name: str, timeout: float
-    ) -> tuple[str, Placement | None]:
-        """Start ``trial`` (stages on the spare ``name``) and check that it can
-        hold them and has stage 0's model: ("", its placement), or why not."""
-        assert self.facts is not None and self.model is not None
-        try:
-            started = await asyncio.gather(
-                *(self._start_stage(stage, timeout) for stage in trial), return_exceptions=True
-            )
-            for result in started:
-                if isinstance(result, GgufpipeError | OSError):
-                    return str(result), None
-                if isinstance(result, BaseException):
-                    raise result
-            for stage in trial:  # its replies (the model check); heartbeats once it is taken
-                self.tasks.spawn(stage.read_control(), f"control reader of stage {stage.index}")
-            hellos = [stage.hello for stage in self.stages]
-            indexes = [stage.index for stage in trial]
-            placement = spare_placement(
-                self.inventory, self.facts, hellos, self.ranges, indexes, name, trial[0].hello
-            )
-            problem = spare_problem(placement, name)
-            if problem:
-                return problem, None
-            await asyncio.gather(*(self.model.check(stage, max(60.0, timeout)) for stage in trial))
-        except (GgufpipeError, OSError) as failure:
-            return str(failure), None
-        return "", placement
 
     def replaying(self, replay: RunDriver, old: RunResult) -> None:
         """``replay`` carries the interrupted run's prompt on (``old``: its
         result): it regenerates the tokens already streamed (checked, not
         streamed again) and goes on."""
-        self._handles.pop(old.run_id, None)
         replay.replay = old.tokens
         prepared = time.perf_counter()
         who, lost_at, at_token = self._loss
@@ -430,5 +327,5 @@ class Recovering:
         """An interrupted run that recovery could not carry on (``old``: its
         result): it ends now, faulted with ``reason``."""
         result = replace(old, failure=reason)
-        self._run_emitter(old.run_id, final=True)(RunFinished(result))
+        self.pipeline.end_run(result)
         return result

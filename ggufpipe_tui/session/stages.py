@@ -29,8 +29,9 @@ from ggufpipe_agent.wire.protocol import (
     RequestFailed,
     Tokenized,
 )
-from ggufpipe_tui.core.errors import PipelineError  # noqa: F401 - this module's API too
-from ggufpipe_tui.core.inventory import HostSpec
+from ggufpipe_tui.core.errors import PipelineError
+from ggufpipe_tui.core.events import AgentSetup, Emit
+from ggufpipe_tui.core.inventory import HostSpec, Timeouts
 from ggufpipe_tui.dataplane import DataStream
 from ggufpipe_tui.transports.link import AgentLink, AgentNotSetUp, TransportError
 
@@ -46,8 +47,32 @@ def heartbeat_interval(timeout: float) -> float:
     return timeout / 5
 
 
-#: Gives a stage's host its agent (the pipeline's, with its progress events).
+#: Gives a stage's host its agent (:func:`agent_set_up`).
 SetUp = Callable[["StageHandle", AgentNotSetUp], Awaitable[None]]
+
+
+def agent_set_up(timeouts: Timeouts, emit: Emit) -> SetUp:
+    """Gives the stage's host its agent (provision/hosts.py), step by step in
+    AgentSetup events, within timeouts.setup."""
+
+    async def set_up(stage: StageHandle, missing: AgentNotSetUp) -> None:
+        index, name = stage.index, stage.host.name
+
+        def progress(detail: str) -> None:
+            emit(AgentSetup(index, name, "setting up", detail))
+
+        progress(str(missing).split(": ", 1)[-1])
+        bound = timeouts.setup
+        try:
+            setting_up = stage.link.set_up(progress, timeouts.connect, redo=missing.broken)
+            done = await asyncio.wait_for(setting_up, bound)
+        except asyncio.TimeoutError:
+            raise PipelineError(
+                f"{stage.label}: setting up the agent on {name} took more than timeouts.setup ({bound:g} s)"
+            ) from None
+        emit(AgentSetup(index, name, "done", "", done.how, done.seconds, done.bytes_sent))
+
+    return set_up
 
 
 class StagePort(Protocol):

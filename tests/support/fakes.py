@@ -1,16 +1,20 @@
-"""Fake stage handles and edges for fast tests of the run driver and the run
-queue: what the driver sends is recorded, and the test plays the agents'
-part by feeding their messages back. No processes, no llama.cpp."""
+"""Fake stage handles and edges for fast tests of the run driver, and a fake
+pipeline for the runners (session/serving.py, session/parallel.py): what the
+driver sends is recorded, and the test plays the agents' part by feeding
+their messages back (or an :class:`Autopilot` does). No processes, no
+llama.cpp."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire.protocol import (
+    ChatMessage,
     Message,
     ModelFacts,
     PrefixHeld,
@@ -21,11 +25,15 @@ from ggufpipe_agent.wire.protocol import (
     StepCounters,
     StopRun,
 )
-from ggufpipe_tui.core.events import Event
+from ggufpipe_tui.core.events import Event, PromptAssigned, RunResult
 from ggufpipe_tui.core.inventory import Inventory, RunOptions, Timeouts, parse_inventory
-from ggufpipe_tui.core.plan import RunPlan, build_plan
+from ggufpipe_tui.core.plan import GgufModelPlan, RunPlan, build_plan
 from ggufpipe_tui.core.reuse import ReuseSource
 from ggufpipe_tui.session.driver import RunDriver
+from ggufpipe_tui.session.parallel import ParallelRunner
+from ggufpipe_tui.session.runs import RunHandle, RunQueue, Turn
+from ggufpipe_tui.session.serving import SerialRunner
+from ggufpipe_tui.session.stages import PipelineError
 
 FACTS = ModelFacts(
     path="/models/m.gguf",
@@ -183,6 +191,27 @@ class Rig:
             self.agent_says(index, StageProgress(run_id, index, "Preparing", "", -1.0))
             self.agent_says(index, StageReady(run_id, index, "a", held[index] if held else PrefixHeld()))
 
+    async def ready(self, held: list[PrefixHeld] | None = None) -> None:
+        """Started, every stage ready (holding ``held``), and settled: the run
+        waits for its prompt."""
+        self.start()
+        self.make_ready(held)
+        await settle()
+
+    async def prompted(self, prompt: list[int] | None = None, held: list[PrefixHeld] | None = None) -> None:
+        """Started, every stage ready (holding ``held``), ``prompt`` given
+        (token 5 alone unless said), and settled."""
+        self.start()
+        self.make_ready(held)
+        self.driver.give_prompt([5] if prompt is None else prompt)
+        await settle()
+
+    async def tokens(self, *tokens: int) -> None:
+        """The last stage's ``tokens``, sequence 0 on, each settled."""
+        for sequence, token in enumerate(tokens):
+            self.driver.on_token(sequence, token)
+            await settle()
+
     async def timed_out(self) -> None:
         """Until the run has faulted (a timeout fired)."""
         while self.driver.run.phase.value not in ("Faulted", "TearingDown", "Done"):
@@ -249,3 +278,94 @@ class Autopilot:
             return
         for fed in range(ring.max_tokens):  # the last stage stops where its provision says
             self.rig.driver.on_token(fed, 9 + fed)
+
+
+class FakePipeline:
+    """What the runners need of a pipeline (session/serving.py's Serving),
+    with autopiloted fake stages: run i (0 on) faults at sequence
+    ``fault_at[i]``. ``slots`` > 0: a ParallelRunner of that many slots
+    (else a SerialRunner), each prompt ``delay`` seconds long so that runs
+    overlap. No recovery here: tests/e2e/test_recovery.py."""
+
+    def __init__(
+        self,
+        prepare_ahead: bool = False,
+        fault_at: dict[int, int] | None = None,
+        feedback: str = "orchestrator",
+        slots: int = 0,
+        delay: float = 0.0,
+    ) -> None:
+        self.inventory = inventory(max_tokens=3, feedback=feedback)
+        self.broken = ""
+        self.events: list[Event] = []
+        self.rigs: list[Rig] = []
+        self.fault_at = fault_at or {}
+        self.delay = delay
+        self.handles: dict[int, RunHandle] = {}
+        self.slots: list[int] = []  # each prepared run's slot
+        self.reused: list[bool] = []  # and whether it may reuse what its slot holds
+        self.in_flight = self.most = 0  # runs with their prompt now, and the most at once
+        self.queue = RunQueue()
+        self.runner: SerialRunner | ParallelRunner = (
+            ParallelRunner(self, self.queue, slots, prepare_ahead)
+            if slots
+            else SerialRunner(self, self.queue, prepare_ahead)
+        )
+
+    def model_plan(self) -> GgufModelPlan:
+        return plan_for(self.inventory, 1).model
+
+    async def prepare_run(
+        self, options: RunOptions | None = None, *, slot: int = 0, reuse: bool = True
+    ) -> RunDriver:
+        self.slots.append(slot)
+        self.reused.append(reuse)
+        number = len(self.rigs)
+        run_id = 0x100 + number + 1
+
+        def emit(event: Event) -> None:
+            self.events.append(event)
+            handle = self.handles.get(run_id)
+            if handle is not None:
+                handle.push(event)
+
+        rig = Rig(max_tokens=3, run_id=run_id, emit=emit, feedback=self.inventory.run.feedback, run=options)
+        Autopilot(rig, self.fault_at.get(number))
+        self.rigs.append(rig)
+        rig.start()
+        return rig.driver
+
+    async def tokenize(self, text: str, chat: bool, messages: Sequence[ChatMessage] = ()) -> tuple[list[int], str]:
+        if text == "unreadable":
+            raise PipelineError("tokenizing on a: the chat template failed")
+        return [len(text)] * (40 if text == "long" else 1), text
+
+    async def run(self, driver: RunDriver, turn: Turn) -> RunResult:
+        handle = turn.handle
+        handle.driver, handle.run_id = driver, driver.plan.run_id
+        self.handles[driver.plan.run_id] = handle
+        driver.emit(PromptAssigned(driver.plan.run_id, handle.prompt.text, handle.ticket))
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)  # the other runs overlap this one
+            driver.give_prompt(turn.tokens, handle.prompt.submitted, turn.limit)
+            await driver.done.wait()
+        finally:
+            self.in_flight -= 1
+        assert driver.result is not None
+        handle.finish(driver.result)
+        return driver.result
+
+    async def repaired(self, driver: RunDriver) -> bool:
+        return False
+
+
+@contextlib.asynccontextmanager
+async def served(pipeline: FakePipeline) -> AsyncIterator[asyncio.Future[None]]:
+    """The pipeline's runner serving its queue; after: stopped ("done") and ended."""
+    serving = asyncio.ensure_future(pipeline.runner.serve())
+    yield serving
+    pipeline.queue.stop("done")
+    await asyncio.wait_for(serving, 5)

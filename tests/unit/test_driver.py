@@ -43,9 +43,7 @@ async def test_a_run_from_provision_to_done():
     rig.driver.give_prompt([5, 6, 7])
     await settle()
     assert rig.edges.written == [(0, [5, 6, 7])]
-    for sequence, token in enumerate((9, 10, 11)):
-        rig.driver.on_token(sequence, token)
-        await settle()
+    await rig.tokens(9, 10, 11)
     # Each token is fed back as the next decode input, until max_tokens.
     assert rig.edges.written == [(0, [5, 6, 7]), (1, [9]), (2, [10])]
     assert all(isinstance(s.sent[-1], StopRun) for s in rig.stages)
@@ -61,13 +59,8 @@ async def test_a_run_from_provision_to_done():
 
 async def test_end_of_generation_stops_without_feeding_it_back():
     rig = Rig(max_tokens=10)
-    rig.start()
-    rig.make_ready()
-    rig.driver.give_prompt([5])
-    await settle()
-    rig.driver.on_token(0, 9)
-    await settle()
-    rig.driver.on_token(1, 2)  # the model's EOS
+    await rig.prompted()
+    await rig.tokens(9, 2)  # then the model's EOS
     await finish(rig)
     assert rig.edges.written == [(0, [5]), (1, [9])]
     assert rig.driver.result is not None and rig.driver.result.stop_reason == "eos"
@@ -76,12 +69,8 @@ async def test_end_of_generation_stops_without_feeding_it_back():
 
 async def test_a_stage_fault_faults_the_run_and_every_stage_is_stopped():
     rig = Rig(stages=3)
-    rig.start()
-    rig.make_ready()
-    rig.driver.give_prompt([5])
-    await settle()
-    rig.driver.on_token(0, 9)
-    await settle()
+    await rig.prompted()
+    await rig.tokens(9)
     rig.agent_says(1, StageFault(rig.plan.run_id, 1, "a", "step 1: out of memory"))
     await finish(rig)
     result = rig.driver.result
@@ -94,11 +83,8 @@ async def test_a_stage_fault_faults_the_run_and_every_stage_is_stopped():
 
 async def test_a_broken_token_in_edge_reports_stage_0_lost():
     rig = Rig()
-    rig.start()
-    rig.make_ready()
     rig.edges.fail_writes = True
-    rig.driver.give_prompt([5])
-    await settle()
+    await rig.prompted()
     assert rig.stages[0].lost == ["token-in edge: token-in gone"]
 
 
@@ -118,10 +104,7 @@ async def test_a_provision_that_cannot_be_sent_faults_the_run():
 
 async def test_the_step_timeout_names_the_token_it_waited_for():
     rig = Rig(step=0.05)
-    rig.start()
-    rig.make_ready()
-    rig.driver.give_prompt([5])
-    await settle()
+    await rig.prompted()
     rig.driver.on_token(0, 9)
     await asyncio.sleep(0.2)
     await finish(rig)
@@ -131,9 +114,7 @@ async def test_the_step_timeout_names_the_token_it_waited_for():
 
 async def test_a_stop_before_the_prompt_tears_the_run_down():
     rig = Rig()
-    rig.start()
-    rig.make_ready()
-    await settle()
+    await rig.ready()
     rig.driver.stop("no prompt after all")
     await finish(rig)
     result = rig.driver.result
@@ -143,10 +124,7 @@ async def test_a_stop_before_the_prompt_tears_the_run_down():
 
 async def test_a_dead_stage_counts_as_stopped_in_teardown():
     rig = Rig(stages=2)
-    rig.start()
-    rig.make_ready()
-    rig.driver.give_prompt([5])
-    await settle()
+    await rig.prompted()
     rig.stages[1].up = False
     rig.driver.stop()
     await settle()
@@ -158,10 +136,7 @@ async def test_a_dead_stage_counts_as_stopped_in_teardown():
 
 async def test_step_statistics_reach_the_views_and_the_result():
     rig = Rig(max_tokens=2)
-    rig.start()
-    rig.make_ready()
-    rig.driver.give_prompt([5])
-    await settle()
+    await rig.prompted()
     counters = StepCounters(steps=4, last_ms=2.0, total_ms=10.0)
     rig.agent_says(1, StepStats(rig.plan.run_id, 1, counters))
     rig.driver.on_token(0, 9)
@@ -187,17 +162,12 @@ async def test_a_rejected_plan_faults_before_anything_is_sent():
 
 async def test_in_a_token_ring_the_orchestrator_reads_and_never_injects():
     rig = Rig(stages=3, max_tokens=3, feedback="ring")
-    rig.start()
-    rig.make_ready()
-    rig.driver.give_prompt([5])
-    await settle()
+    await rig.prompted()
     first, middle, last = (rig.provisioned(i).ring for i in range(3))
     assert first is not None and first.consume and not first.produce
     assert middle is None, "only the ends of the chain are on the ring"
     assert last is not None and last.produce and last.max_tokens == 3 and last.eog_token_ids == (2,)
-    for sequence, token in enumerate((9, 10, 11)):
-        rig.driver.on_token(sequence, token)
-        await settle()
+    await rig.tokens(9, 10, 11)
     assert rig.edges.written == [(0, [5])], "the prompt only: the last stage feeds stage 0 itself"
     await finish(rig)
     result = rig.driver.result
@@ -209,14 +179,9 @@ async def test_on_the_token_ring_a_run_leaves_every_token_it_read_but_the_last_f
     """The last stage fed stage 0 each token but the one it ended on, so the
     stages hold the prompt and those: the next run's prefix offer."""
     rig = Rig(stages=2, max_tokens=3, feedback="ring")
-    rig.start()
-    rig.make_ready()
-    rig.driver.give_prompt([5, 6])
-    await settle()
+    await rig.prompted([5, 6])
     assert rig.edges.written == [(0, [5, 6])] and rig.edges.positions == [0]
-    for sequence, token in enumerate((9, 10, 11)):
-        rig.driver.on_token(sequence, token)
-        await settle()
+    await rig.tokens(9, 10, 11)
     await finish(rig)
     assert rig.edges.written == [(0, [5, 6])], "nothing fed back by the orchestrator"
     assert rig.driver.next_source() == ReuseSource(rig.plan.run_id, (5, 6, 9, 10))
@@ -229,10 +194,7 @@ async def test_a_broken_link_to_a_dead_peer_is_reported_as_the_peer_lost(monkeyp
     monkeypatch.setattr(driver_module, "LINK_GRACE_SECONDS", 0.2)
     monkeypatch.setattr(driver_module, "LOSS_REPORT_SECONDS", 0.2)
     rig = Rig(stages=3, feedback="ring")
-    rig.start()
-    rig.make_ready()
-    rig.driver.give_prompt([5])
-    await settle()
+    await rig.prompted()
     rig.stages[0].up = False  # its agent was SIGKILLed: the ring write of stage 2 broke
     rig.agent_says(2, StageFault(rig.plan.run_id, 2, "a", "token ring edge 9: broken pipe", link_peer=0))
     await asyncio.sleep(0.1)
@@ -248,10 +210,7 @@ async def test_a_broken_link_between_live_stages_is_the_reason(monkeypatch):
 
     monkeypatch.setattr(driver_module, "LINK_GRACE_SECONDS", 0.1)
     rig = Rig(stages=2, feedback="ring")
-    rig.start()
-    rig.make_ready()
-    rig.driver.give_prompt([5])
-    await settle()
+    await rig.prompted()
     rig.agent_says(0, StageFault(rig.plan.run_id, 0, "a", "outbound edge 5: link reset", link_peer=1))
     await asyncio.sleep(0.3)
     await finish(rig)
@@ -270,9 +229,7 @@ async def test_a_run_keeps_what_every_stage_holds_of_the_last_run():
     rig.driver.give_prompt([5, 6, 7, 9, 10, 11, 12])
     await settle()
     assert rig.edges.written == [(0, [10, 11, 12])] and rig.edges.positions == [4]
-    rig.driver.on_token(0, 20)
-    rig.driver.on_token(1, 21)
-    await settle()
+    await rig.tokens(20, 21)
     assert rig.edges.positions == [4, 7, 8], "each fed token at the position after the ones before"
     rig.driver.on_token(2, 22)
     await finish(rig)
@@ -289,24 +246,17 @@ async def test_a_run_keeps_what_every_stage_holds_of_the_last_run():
 async def test_what_a_run_leaves_for_the_next_one():
     source = ReuseSource(0x99, (5, 6))
     torn = Rig(source=source)
-    torn.start()
-    torn.make_ready([PrefixHeld(0x99, 2)] * 2)
-    await settle()
+    await torn.ready([PrefixHeld(0x99, 2)] * 2)
     torn.driver.stop("no prompt after all")
     await finish(torn)
     assert torn.driver.next_source() == source, "a run that wrote nothing leaves the stages as they were"
     faulted = Rig(source=source)
-    faulted.start()
-    faulted.make_ready([PrefixHeld(0x99, 2)] * 2)
-    faulted.driver.give_prompt([5, 6, 7])
-    await settle()
+    await faulted.prompted([5, 6, 7], [PrefixHeld(0x99, 2)] * 2)
     faulted.agent_says(1, StageFault(faulted.plan.run_id, 1, "a", "step 0: out of memory"))
     await finish(faulted)
     assert faulted.driver.next_source() is None
     offered_nothing = Rig()
-    offered_nothing.start()
-    offered_nothing.make_ready()
-    await settle()
+    await offered_nothing.ready()
     offered_nothing.driver.stop("no prompt")
     await finish(offered_nothing)
     assert offered_nothing.driver.next_source() is None
