@@ -28,10 +28,9 @@ from ggufpipe_tui.core.events import (
 )
 from ggufpipe_tui.core.recovery import recovery_line
 from ggufpipe_tui.session.pipeline import Pipeline
-from tests.ssh.test_faults_ssh import HOSTS, RANGES
 from tests.support.common import whole_model_greedy
 from tests.support.sabotage import Saboteur, on_token, run_with
-from tests.support.ssh_hosts import host_entry, write_inventory
+from tests.support.ssh_hosts import host_entry, three_stages
 from tests.support.sshd import Sshd
 from tests.support.tcp_proxy import CuttableProxy, known_hosts_for
 
@@ -63,20 +62,11 @@ def inventory_file(
     }
     if spare is not None:
         hosts["gpu-c"] = host_entry(sshd, cache, spare=True, **spare)
-    path = write_inventory(
-        tmp_path / "inventory.yaml",
-        model_path,
-        hosts,
-        list(zip(HOSTS, RANGES, strict=True)),
-        mode="direct",
-        max_tokens=40,
-        ignore_eos=True,
-    )
-    document = yaml.safe_load(path.read_text())
-    document["recovery"] = {"attempts": attempts, "deadline": 120}
+    path = three_stages(tmp_path, model_path, hosts, recovery={"attempts": attempts, "deadline": 120})
     if send:  # each host is sent its stage file (the spare into a cache of its own)
+        document = yaml.safe_load(path.read_text())
         document["model"]["send"] = True
-    path.write_text(yaml.safe_dump(document, sort_keys=False))
+        path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
 
 

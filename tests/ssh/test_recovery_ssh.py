@@ -14,10 +14,9 @@ import pytest
 
 from ggufpipe_tui.core.events import RunFinished, RunRecovered, StageRecovery, TokenStreamed
 from ggufpipe_tui.session.pipeline import Pipeline
-from tests.ssh.test_faults_ssh import HOSTS, RANGES, sshd_session_of, where
 from tests.support.common import whole_model_greedy
 from tests.support.sabotage import Saboteur, on_token, run_with, signal_agent
-from tests.support.ssh_hosts import host_entry, write_inventory
+from tests.support.ssh_hosts import host_entry, sshd_session_of, three_stages, where
 from tests.support.sshd import Sshd
 
 pytestmark = [pytest.mark.ssh, pytest.mark.model]
@@ -25,17 +24,7 @@ pytestmark = [pytest.mark.ssh, pytest.mark.model]
 
 def inventory_file(tmp_path: Path, sshd: Sshd, cache: Path, model_path: Path) -> Path:
     hosts = {"gpu-a": host_entry(sshd, cache), "gpu-b": host_entry(sshd, cache)}
-    path = write_inventory(
-        tmp_path / "inventory.yaml",
-        model_path,
-        hosts,
-        list(zip(HOSTS, RANGES, strict=True)),
-        mode="direct",
-        max_tokens=40,
-        ignore_eos=True,
-    )
-    path.write_text(path.read_text() + "recovery: {attempts: 2, deadline: 120}\n")
-    return path
+    return three_stages(tmp_path, model_path, hosts, recovery={"attempts": 2, "deadline": 120})
 
 
 def assert_recovered(saboteur: Saboteur, result, model_path: Path, label: str) -> None:
