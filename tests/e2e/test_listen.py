@@ -53,6 +53,19 @@ async def next_message(frames: FrameReader) -> Message | None:
     return await asyncio.wait_for(frames.message(), 15)
 
 
+async def answer_challenge(
+    agent: HandStarted, key: bytes
+) -> tuple[FrameReader, FrameWriter, asyncio.StreamWriter, AuthChallenge, bytes]:
+    """Connected, challenged, and answered with a proof of ``key``: the
+    connection, the challenge and the nonce the answer carried."""
+    frames, out, writer = await connect(agent)
+    challenge = await next_message(frames)
+    assert isinstance(challenge, AuthChallenge)
+    nonce = credential.new_nonce()
+    await out.send(AuthResponse(nonce, credential.proof(key, credential.ORCHESTRATOR, challenge.nonce, nonce)))
+    return frames, out, writer, challenge, nonce
+
+
 async def test_a_stranger_gets_a_challenge_and_nothing_else(listening):
     """The issue's probe got a Hello with the data token before anything was
     checked, then could Inspect paths. Now: a challenge, a refusal, the end."""
@@ -68,12 +81,8 @@ async def test_a_stranger_gets_a_challenge_and_nothing_else(listening):
 
 
 async def test_a_wrong_key_is_refused(listening):
-    frames, out, writer = await connect(listening)
-    challenge = await next_message(frames)
-    assert isinstance(challenge, AuthChallenge)
     guess = secrets.token_bytes(credential.KEY_BYTES)
-    nonce = credential.new_nonce()
-    await out.send(AuthResponse(nonce, credential.proof(guess, credential.ORCHESTRATOR, challenge.nonce, nonce)))
+    frames, _, writer, _, _ = await answer_challenge(listening, guess)
     refused = await next_message(frames)
     assert isinstance(refused, Refused) and "not this agent's listen key" in refused.reason
     assert await next_message(frames) is None
@@ -82,11 +91,7 @@ async def test_a_wrong_key_is_refused(listening):
 
 async def test_the_right_key_is_answered_with_the_agents_proof_then_hello(listening):
     key = credential.read_key_file(listening.key_file)
-    frames, out, writer = await connect(listening)
-    challenge = await next_message(frames)
-    assert isinstance(challenge, AuthChallenge)
-    nonce = credential.new_nonce()
-    await out.send(AuthResponse(nonce, credential.proof(key, credential.ORCHESTRATOR, challenge.nonce, nonce)))
+    frames, _, writer, challenge, nonce = await answer_challenge(listening, key)
     answer = await next_message(frames)
     assert isinstance(answer, AuthProof)
     assert credential.verify(key, credential.AGENT, challenge.nonce, nonce, answer.proof)
@@ -216,11 +221,7 @@ async def test_an_attached_orchestrator_that_falls_silent_is_detached(listening)
     an orchestrator that says nothing for that long (its machine froze, its
     network went) is detached, and the next one can attach."""
     key = credential.read_key_file(listening.key_file)
-    frames, out, writer = await connect(listening)
-    challenge = await next_message(frames)
-    assert isinstance(challenge, AuthChallenge)
-    nonce = credential.new_nonce()
-    await out.send(AuthResponse(nonce, credential.proof(key, credential.ORCHESTRATOR, challenge.nonce, nonce)))
+    frames, out, writer, _, _ = await answer_challenge(listening, key)
     assert isinstance(await next_message(frames), AuthProof)
     assert isinstance(await next_message(frames), Hello)
     await out.send(Heartbeat(0.2, 1.0))

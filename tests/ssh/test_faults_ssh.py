@@ -25,7 +25,7 @@ from ggufpipe_tui.core.inventory import HostSpec, load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline, PipelineError
 from ggufpipe_tui.transports.ssh import SshAgent
 from tests.support.common import LONG_PROMPT, MODES, REPO
-from tests.support.sabotage import Saboteur, on_state, on_token, run_with, signal_agent
+from tests.support.sabotage import Saboteur, on_state, on_token, run_with, signal_agent, text_so_far
 from tests.support.ssh_hosts import AGENT, host_entry, sshd_session_of, three_stages, where
 from tests.support.sshd import Sshd
 
@@ -244,12 +244,7 @@ def test_headless_fault_prints_the_output_so_far(tmp_path, sshd, cache_dir, mode
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert process.stdout is not None
-        seen = ""
-        while len(seen) < 20:
-            char = process.stdout.read(1)
-            assert char, "the run ended before it produced text"
-            seen += char
+        seen = text_so_far(process)
         agents = [pid for pid, line in sshd.session_agents().items() if " bridge " not in line]
         sessions = [sshd_session_of(pid) for pid in agents]
         (gpu_b,) = [

@@ -21,6 +21,7 @@ from ggufpipe_tui.core.inventory import InventoryError, load_inventory, parse_in
 from ggufpipe_tui.session.pipeline import Pipeline
 from tests.support.common import DATA_MODES, LONG_PROMPT, MODES, REPO, mode_yaml, whole_model_greedy
 from tests.support.local import tokenize
+from tests.support.one_run import generate_once
 from tests.support.sabotage import Saboteur, on_token, run_with, signal_agent
 from tests.support.ssh_hosts import host_entry, wait_no_session_agents, wait_session_agents, write_inventory
 from tests.support.sshd import Sshd
@@ -83,12 +84,7 @@ async def test_a_shared_process_chains_its_stages_steps(tmp_path, model_path, no
         monkeypatch.setenv("GGUFPIPE_NO_CHAIN", "1")  # the agent process inherits it
     inventory = load_inventory(local_inventory(tmp_path, model_path, "direct"))
     events: list[Any] = []
-    pipeline = Pipeline(inventory, events.append)
-    try:
-        await pipeline.start()
-        result = await pipeline.generate(LONG_PROMPT)
-    finally:
-        await pipeline.close()
+    result = await generate_once(inventory, events)
     assert result.outcome == "completed", result.failure
     reference = whole_model_greedy(model_path, list(result.prompt_tokens), 48, n_ctx=512, n_ubatch=32)
     assert list(result.tokens) == reference
@@ -199,15 +195,13 @@ async def test_three_stages_over_ssh_in_one_process(tmp_path, sshd: Sshd, cache_
     path = write_inventory(
         tmp_path / "inv.yaml", model_path, hosts, stages, mode=mode, max_tokens=40, ignore_eos=True
     )
-    pipeline = Pipeline(load_inventory(path), lambda event: None)
-    try:
-        await pipeline.start()
+
+    def started(pipeline: Pipeline) -> None:
         assert len(set(pids(pipeline))) == 1
         bridges = 2 + 3  # 2 control bridges; the data streams (used by the relay, opened in both modes)
         assert wait_session_agents(sshd, 1, bridges) == (1, bridges), "one agent process under sshd"
-        result = await pipeline.generate(LONG_PROMPT)
-    finally:
-        await pipeline.close()
+
+    result = await generate_once(load_inventory(path), started=started)
     assert result.outcome == "completed", result.failure
     reference = whole_model_greedy(model_path, list(result.prompt_tokens), 40, n_ctx=512, n_ubatch=32)
     assert list(result.tokens) == reference

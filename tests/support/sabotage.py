@@ -6,6 +6,7 @@ the loopback sshd alike."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,17 @@ class Saboteur:
     def stopped(self) -> set[int]:
         """Stages whose agent went through Stopping to Stopped (StopRun honoured)."""
         return {e.stage for e in self.events if isinstance(e, StageStateChanged) and e.state == "Stopped"}
+
+
+def text_so_far(process: subprocess.Popen[str], chars: int = 20) -> str:
+    """The first ``chars`` characters of the headless CLI's output, once it has printed them."""
+    assert process.stdout is not None
+    seen = ""
+    while len(seen) < chars:
+        char = process.stdout.read(1)
+        assert char, "the run ended before it produced text"
+        seen += char
+    return seen
 
 
 def signal_agent(stage: int, sig: int) -> Callable[[Pipeline], None]:
