@@ -20,11 +20,7 @@ HOSTS = ("gpu-a", "gpu-b", "gpu-a")
 
 def host_entry(sshd: Sshd, cache: Path, **overrides: Any) -> dict[str, Any]:
     entry: dict[str, Any] = {
-        "address": "127.0.0.1",
-        "port": sshd.port,
-        "user": sshd.user,
-        "identity": str(sshd.client_key),
-        "known_hosts": str(sshd.known_hosts),
+        **sshd.login(sshd.user),
         "agent": AGENT,
         "cache_dir": str(cache),
         "threads": 1,  # one thread per stage keeps these tests light on a shared 2-core machine
