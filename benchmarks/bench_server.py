@@ -49,7 +49,7 @@ import llama_cpp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.support.common import smollm_path  # noqa: E402
+from tests.support.common import first_line, smollm_path  # noqa: E402
 
 QUESTIONS = [
     "Why is the sky blue?",
@@ -140,14 +140,9 @@ class Server:
             self.lines.append(line)
 
     def wait(self, predicate: Any, timeout: float = 300.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if predicate(line):
-                    return line
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
+        line = first_line(self.lines, self.process, predicate, timeout)
+        if line is not None:
+            return line
         raise RuntimeError("the server did not start:\n" + "".join(self.lines))
 
     @classmethod

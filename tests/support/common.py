@@ -10,12 +10,30 @@ import importlib.util
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def first_line(
+    lines: list[str], process: subprocess.Popen[str], predicate: Callable[[str], bool], timeout: float
+) -> str | None:
+    """The first of ``lines`` (a process's stderr, which a thread appends to)
+    that ``predicate`` holds of, once there is one; None when the process
+    exits or ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in list(lines):
+            if predicate(line):
+                return line
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    return None
 
 
 def smollm_path() -> Path:

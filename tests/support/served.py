@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import openai
 
-from tests.support.common import REPO
+from tests.support.common import REPO, first_line
 from tests.support.local import UNEVEN, write_inventory
 
 KEY = "sk-test-ggufpipe"
@@ -43,14 +42,9 @@ class Served:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
 
     def wait_line(self, predicate: Callable[[str], bool], timeout: float, what: str) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if predicate(line):
-                    return line
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
+        line = first_line(self.lines, self.process, predicate, timeout)
+        if line is not None:
+            return line
         raise AssertionError(f"no line for {what} in {timeout:g}s; stderr:\n" + "".join(self.lines))
 
     def run_log(self, run_id: str) -> list[dict[str, object]]:
