@@ -16,7 +16,7 @@ from ggufpipe_tui.core.events import RunPhaseChanged, TokenStreamed
 from ggufpipe_tui.core.inventory import load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline, PipelineError
 from tests.support.common import MODES, mode_yaml
-from tests.support.local import run_cli
+from tests.support.local import run_cli, write_inventory
 from tests.support.sabotage import Saboteur, on_state, on_token, run_with, signal_agent, text_so_far
 
 pytestmark = pytest.mark.model
@@ -33,20 +33,18 @@ def inventory_file(
     limits = {"connect": 30, "ready": 60, "step": 30, "teardown": 5, **timeouts}
     data, feedback = mode_yaml(mode)
     ranges = [(0, 7), (7, 23), (23, 30)]
-    stages = "".join(
-        f"  - {{host: {h}, layers: [{a}, {b}]}}\n" for h, (a, b) in zip(stage_hosts, ranges, strict=True)
-    )
-    path = tmp_path / "inventory.yaml"
-    path.write_text(
-        f"model: {{path: {model_path}}}\n"
-        f"hosts:\n  here: {{local: true}}\n{hosts}"
-        f"stages:\n{stages}"
-        f"run: {{context: 512, ubatch: 32, max_tokens: 40, ignore_eos: true, chat: false, {feedback}}}\n"
-        f"timeouts: {{{', '.join(f'{k}: {v}' for k, v in limits.items())}}}\n"
+    stages = "".join(f"- {{host: {h}, layers: [{a}, {b}]}}\n" for h, (a, b) in zip(stage_hosts, ranges, strict=True))
+    return write_inventory(
+        tmp_path,
+        model_path,
+        stages,
+        f"max_tokens: 40, ignore_eos: true, chat: false, {feedback}",
+        data,
+        hosts=hosts,
+        timeouts=", ".join(f"{k}: {v}" for k, v in limits.items()),
         # These tests are of the fault itself: recovery (tests/e2e/test_recovery.py) is off.
-        "recovery: {attempts: 0}\n" + data
+        extra="recovery: {attempts: 0}\n",
     )
-    return path
 
 
 def log_events(path: str) -> list[dict]:

@@ -8,7 +8,6 @@ its cache) makes the run prefill everything, still exactly."""
 from __future__ import annotations
 
 import dataclasses
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from ggufpipe_agent.wire.protocol import (
 from ggufpipe_tui.core.events import Notice, RunResult, StageStats
 from ggufpipe_tui.core.inventory import Inventory, load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
+from tests.support import local
 from tests.support.agent_client import AgentClient, provision
 from tests.support.common import LONG_PROMPT, mode_yaml, whole_model_greedy
 from tests.support.local import tokenize
@@ -52,16 +52,18 @@ def write_inventory(
 ) -> Path:
     stages = "".join(f"- {{host: {host}, layers: [{a}, {b}]}}\n" for host, (a, b) in zip(hosts, splits, strict=True))
     data, feedback = mode_yaml(mode)
-    path = tmp_path / "inventory.yaml"
-    path.write_text(
-        f"model: {{path: {model}}}\n"
-        "hosts:\n  here: {local: true, threads: 1}\n  there: {local: true, threads: 1}\n"
-        f"stages:\n{textwrap.indent(stages, '  ')}"
-        f"run: {{context: {CONTEXT}, ubatch: {UBATCH}, max_tokens: {STEPS}, ignore_eos: true, chat: false, "
-        f"reuse: {reuse}, {feedback}}}\n"
-        "timeouts: {connect: 60, ready: 300, step: 60, teardown: 10}\n" + data
+    return local.write_inventory(
+        tmp_path,
+        model,
+        stages,
+        f"max_tokens: {STEPS}, ignore_eos: true, chat: false, reuse: {reuse}, {feedback}",
+        data,
+        here="{local: true, threads: 1}",
+        hosts="  there: {local: true, threads: 1}\n",
+        timeouts="connect: 60, ready: 300, step: 60, teardown: 10",
+        context=CONTEXT,
+        ubatch=UBATCH,
     )
-    return path
 
 
 

@@ -19,6 +19,7 @@ from ggufpipe_agent.wire.protocol import Hello, ShareAttach
 from ggufpipe_tui.core.events import AgentConnected, AgentLog, Notice, TokenStreamed
 from ggufpipe_tui.core.inventory import InventoryError, load_inventory, parse_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
+from tests.support import local
 from tests.support.common import DATA_MODES, LONG_PROMPT, MODES, REPO, mode_yaml, whole_model_greedy
 from tests.support.local import tokenize
 from tests.support.one_run import generate_once
@@ -33,16 +34,9 @@ RANGES = ((0, 7), (7, 23), (23, 30))
 
 def local_inventory(tmp_path: Path, model_path: Path, mode: str = "direct", max_tokens: int = 48) -> Path:
     data, feedback = mode_yaml(mode)
-    stages = "".join(f"  - {{host: here, layers: [{a}, {b}]}}\n" for a, b in RANGES)
-    path = tmp_path / "inventory.yaml"
-    path.write_text(
-        f"model: {{path: {model_path}}}\n"
-        "hosts:\n  here: {local: true, share_process: true}\n"
-        f"stages:\n{stages}"
-        f"run: {{context: 512, ubatch: 32, max_tokens: {max_tokens}, ignore_eos: true, chat: false, {feedback}}}\n"
-        "timeouts: {connect: 30, ready: 120, step: 30, teardown: 10}\n" + data
-    )
-    return path
+    stages = "".join(f"- {{host: here, layers: [{a}, {b}]}}\n" for a, b in RANGES)
+    run = f"max_tokens: {max_tokens}, ignore_eos: true, chat: false, {feedback}"
+    return local.write_inventory(tmp_path, model_path, stages, run, data, here="{local: true, share_process: true}")
 
 
 def pids(pipeline: Pipeline) -> list[int]:

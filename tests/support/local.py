@@ -11,15 +11,34 @@ import llama_cpp
 
 from tests.support.common import REPO
 
+TIMEOUTS = "connect: 30, ready: 120, step: 30, teardown: 10"
 
-def write_inventory(tmp_path: Path, model_path: Path, stages: str, run: str = "", data: str = "") -> Path:
+
+def write_inventory(
+    tmp_path: Path,
+    model_path: Path,
+    stages: str,
+    run: str = "",
+    data: str = "",
+    *,
+    here: str = "{local: true}",
+    hosts: str = "",
+    timeouts: str = TIMEOUTS,
+    extra: str = "",
+    context: int = 512,
+    ubatch: int = 32,
+) -> Path:
+    """tmp_path/inventory.yaml: the host "here" (``here``: its entry) and
+    ``hosts`` (further entry lines), ``stages`` (a YAML list), ``context``
+    and ``ubatch`` with ``run``'s fields; ``extra``: more lines, before
+    ``data``."""
     path = tmp_path / "inventory.yaml"
     path.write_text(
         f"model: {{path: {model_path}}}\n"
-        "hosts:\n  here: {local: true}\n"
+        f"hosts:\n  here: {here}\n{hosts}"
         f"stages:\n{textwrap.indent(stages, '  ')}"
-        f"run: {{context: 512, ubatch: 32, {run}}}\n"
-        "timeouts: {connect: 30, ready: 120, step: 30, teardown: 10}\n" + data
+        f"run: {{context: {context}, ubatch: {ubatch}, {run}}}\n"
+        f"timeouts: {{{timeouts}}}\n" + extra + data
     )
     return path
 
