@@ -32,6 +32,7 @@ from ggufpipe_tui.core.inventory import HostSpec, load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.transports.link import TransportError
 from ggufpipe_tui.transports.local import LocalAgent
+from tests.support.common import start_then_close
 from tests.support.listening import HandStarted, start_listening, stop
 from tests.support.sshd import free_port
 
@@ -175,9 +176,8 @@ async def test_the_orchestrator_refuses_an_endpoint_without_the_key(tmp_path, op
     link = LocalAgent(host, 0, lambda line: None)
     try:
         with pytest.raises(TransportError) as caught:
-            await link.start(5)
+            await start_then_close(link, 5)
     finally:
-        await link.close(1)
         server.close()
     assert "nothing was sent to it" in str(caught.value), caught.value
     assert all(isinstance(message, AuthResponse) for message in impostor.received), impostor.received

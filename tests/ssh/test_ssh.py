@@ -28,7 +28,7 @@ from ggufpipe_tui.core.inventory import HostSpec, load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.transports.link import TransportError
 from ggufpipe_tui.transports.ssh import SshAgent
-from tests.support.common import DATA_MODES, LONG_PROMPT, MODES, REPO, whole_model_greedy
+from tests.support.common import DATA_MODES, LONG_PROMPT, MODES, REPO, start_then_close, whole_model_greedy
 from tests.support.ssh_hosts import (
     AGENT,
     host_entry,
@@ -284,11 +284,8 @@ async def test_user_known_hosts_file_none_is_refused(tmp_path, sshd, cache_dir, 
     before = sshd.accepted_logins()
     host = HostSpec(name="aliased", line=1, address="gpu-alias", agent=AGENT, cache_dir=str(cache_dir))
     link = SshAgent(host, 0, lambda line: None)
-    try:
-        with pytest.raises(TransportError) as caught:
-            await link.start(20)
-    finally:
-        await link.close(1)
+    with pytest.raises(TransportError) as caught:
+        await start_then_close(link, 20)
     message = str(caught.value)
     assert "UserKnownHostsFile none" in message and "insecure_no_host_key_check: true" in message, message
     assert sshd.accepted_logins() == before, "nothing was sent to a host whose key nobody checked"
@@ -307,11 +304,8 @@ async def test_the_host_key_error_names_the_known_hosts_file_used(tmp_path, sshd
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     host = HostSpec(name="aliased", line=1, address="gpu-alias", agent=AGENT, cache_dir=str(cache_dir))
     link = SshAgent(host, 0, lambda line: None)
-    try:
-        with pytest.raises(TransportError, match="host key verification failed") as caught:
-            await link.start(20)
-    finally:
-        await link.close(1)
+    with pytest.raises(TransportError, match="host key verification failed") as caught:
+        await start_then_close(link, 20)
     assert str(elsewhere) in str(caught.value) and "~/.ssh/known_hosts" not in str(caught.value)
 
 

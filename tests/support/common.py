@@ -17,10 +17,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ggufpipe_agent.wire.protocol import Hello
+from ggufpipe_tui.transports.link import AgentLink
+
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 REPO = Path(__file__).resolve().parent.parent.parent
+
+
+async def start_then_close(link: AgentLink, timeout: float) -> Hello:
+    """The agent's Hello, ``link`` closed again whether it started or not."""
+    try:
+        return await link.start(timeout)
+    finally:
+        await link.close(1)
 
 
 def serve(inventory: Path, log_dir: Path, *args: str, **popen: Any) -> tuple[subprocess.Popen[str], list[str]]:
