@@ -9,7 +9,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from tests.support.common import REPO
+from tests.support.common import LONG_PROMPT, REPO
 
 TIMEOUTS = "connect: 30, ready: 120, step: 30, teardown: 10"
 
@@ -76,6 +76,12 @@ def tokenize(model: Path, text: str, bos: bool) -> list[int]:
         return llm.tokenize(text.encode(), add_bos=bos)
     finally:
         llm.close()
+
+
+def long_prompt(model: Path, length: int) -> list[int]:
+    """LONG_PROMPT's tokens (with BOS), repeated to ``length`` tokens."""
+    tokens = tokenize(model, LONG_PROMPT, bos=True)
+    return (tokens * (length // len(tokens) + 1))[:length]
 
 
 STEPS = 16
