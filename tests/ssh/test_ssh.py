@@ -32,6 +32,7 @@ from tests.support.common import DATA_MODES, LONG_PROMPT, MODES, REPO, start_the
 from tests.support.ssh_hosts import (
     AGENT,
     host_entry,
+    sshd_host,
     wait_no_session_agents,
     wait_session_agents,
     write_inventory,
@@ -208,14 +209,10 @@ async def test_host_key_mismatch_is_refused(tmp_path, sshd, cache_dir, model_pat
 
 
 async def test_insecure_no_host_key_check_logs_a_loud_warning(sshd, cache_dir, caplog):
-    host = HostSpec(
-        name="risky",
-        line=1,
-        address="127.0.0.1",
-        port=sshd.port,
-        identity=(str(sshd.client_key),),
+    host = sshd_host(
+        sshd,
+        "risky",
         insecure_no_host_key_check=True,  # and the key is in no known_hosts file we use
-        agent=AGENT,
         cache_dir=str(cache_dir),
     )
     lines: list[str] = []
@@ -458,15 +455,7 @@ async def test_bridge_channel_keeps_backpressure_both_ways(tmp_path, sshd, cache
         done.set()
 
     server = await asyncio.start_unix_server(peer, path=path)
-    host = HostSpec(
-        name="gpu",
-        line=1,
-        address="127.0.0.1",
-        port=sshd.port,
-        identity=(str(sshd.client_key),),
-        known_hosts=(str(sshd.known_hosts),),
-        agent=AGENT,
-    )
+    host = sshd_host(sshd, "gpu", known_hosts=(str(sshd.known_hosts),))
     link = SshAgent(host, 0, lambda line: None)
     try:
         await link.connect(10)

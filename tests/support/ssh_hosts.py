@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from ggufpipe_tui.core.inventory import HostSpec
 from tests.support.common import DATA_MODES
 from tests.support.sshd import Sshd
 
@@ -27,6 +28,19 @@ def host_entry(sshd: Sshd, cache: Path, **overrides: Any) -> dict[str, Any]:
     }
     entry.update(overrides)
     return {key: value for key, value in entry.items() if value is not None}
+
+
+def sshd_host(sshd: Sshd, name: str, **fields: Any) -> HostSpec:
+    """A host of the inventory, as parsed, for the loopback sshd with the client key."""
+    return HostSpec(
+        name=name,
+        line=1,
+        address="127.0.0.1",
+        port=sshd.port,
+        identity=(str(sshd.client_key),),
+        agent=AGENT,
+        **fields,
+    )
 
 
 def write_inventory(
