@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ggufpipe_agent.wire.protocol import EngineOptions  # noqa: E402
-from tests.support.common import LONG_PROMPT, smollm_path  # noqa: E402
+from tests.support.common import smollm_path  # noqa: E402
+from tests.support.local import long_prompt  # noqa: E402
 from tests.support.stage_chain import Chain  # noqa: E402
 
 CONFIGS = {
@@ -33,13 +34,6 @@ CONFIGS = {
     "2 stages [0,15) [15,30)": [(0, 15), (15, 30)],
     "3 stages [0,8) [8,21) [21,30)": [(0, 8), (8, 21), (21, 30)],
 }
-
-
-def prompt_tokens(path: Path, length: int) -> list[int]:
-    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
-    tokens = llm.tokenize(LONG_PROMPT.encode(), add_bos=True)
-    llm.close()
-    return (tokens * (length // len(tokens) + 1))[:length]
 
 
 def measure(chain: Chain, prompt: list[int], tokens: int) -> tuple[float, float]:
@@ -66,7 +60,7 @@ def main() -> int:
     args = parser.parse_args()
 
     path = smollm_path()
-    prompt = prompt_tokens(path, args.prompt)
+    prompt = long_prompt(path, args.prompt)
     options = EngineOptions(n_ctx=1024, n_batch=1024, n_ubatch=512, threads=args.threads)
     chains = {name: Chain(path, splits, options) for name, splits in CONFIGS.items()}
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in CONFIGS}

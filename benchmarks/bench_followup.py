@@ -53,7 +53,8 @@ sys.path.insert(0, str(REPO))
 from ggufpipe_tui.core.events import Event, StageStats  # noqa: E402
 from ggufpipe_tui.core.inventory import parse_inventory, with_run_options  # noqa: E402
 from ggufpipe_tui.session.pipeline import Pipeline  # noqa: E402
-from tests.support.common import LONG_PROMPT, smollm_path  # noqa: E402
+from tests.support.common import smollm_path  # noqa: E402
+from tests.support.local import long_prompt, tokenize  # noqa: E402
 
 CONTEXT = 2048
 FIRST = 600  # first turn's prompt tokens
@@ -71,11 +72,7 @@ class Arm:
 
 
 def tokens_of(path: Path) -> tuple[list[int], list[int]]:
-    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
-    base = llm.tokenize(LONG_PROMPT.encode(), add_bos=True)
-    follow = llm.tokenize(FOLLOW_UP.encode(), add_bos=False)
-    llm.close()
-    return (base * (FIRST // len(base) + 1))[:FIRST], follow
+    return long_prompt(path, FIRST), tokenize(path, FOLLOW_UP, bos=False)
 
 
 # ------------------------------------------------------------------ baseline

@@ -49,8 +49,6 @@ import json
 import os
 import platform
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,8 +64,9 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_server import Server  # noqa: E402
+from benchmarks.bench_server import Server, median  # noqa: E402
 from tests.support.common import smollm_path  # noqa: E402
+from tests.support.sshd import free_port  # noqa: E402
 
 STAGES = 2
 CONTEXT = 1024  # positions per slot, on the stages and in llama-server
@@ -93,16 +92,6 @@ PROMPTS = [
     "Deserts are cold at night since",
     "Octopuses can change colour to",
 ]
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class Process:

@@ -55,7 +55,8 @@ from ggufpipe_agent.llama.engine import StageEngine, StageShape  # noqa: E402
 from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams  # noqa: E402
 from ggufpipe_tui.core.inventory import Inventory, parse_inventory, with_run_options  # noqa: E402
 from ggufpipe_tui.session.pipeline import Pipeline  # noqa: E402
-from tests.support.common import LONG_PROMPT, smollm_path  # noqa: E402
+from tests.support.common import smollm_path  # noqa: E402
+from tests.support.local import long_prompt  # noqa: E402
 from tests.support.stage_chain import even_splits  # noqa: E402
 
 CONTEXT = 1024
@@ -102,13 +103,6 @@ CONFIGS = [
     Config("ssh, relay via exec bridges, orchestrator-fed", "ssh", "relay", "orchestrator"),
     Config("ssh, relay via stream-local, orchestrator-fed", "ssh-forwarding", "relay", "orchestrator"),
 ]
-
-
-def prompt_tokens(path: Path, length: int) -> list[int]:
-    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
-    tokens = llm.tokenize(LONG_PROMPT.encode(), add_bos=True)
-    llm.close()
-    return (tokens * (length // len(tokens) + 1))[:length]
 
 
 # --------------------------------------------------------------- references
@@ -326,7 +320,7 @@ def plot(results: dict[str, list[Sample]], single: list[Sample], ring: list[Samp
 
 async def main_async(args: argparse.Namespace) -> int:
     model = smollm_path()
-    prompts = {n: prompt_tokens(model, n) for n in PROMPTS}
+    prompts = {n: long_prompt(model, n) for n in PROMPTS}
     log_dir = tempfile.mkdtemp(prefix="ggufpipe-bench-")
     os.environ.setdefault("GGUFPIPE_CACHE_DIR", os.path.join(log_dir, "stages"))
     hosts = Hosts(ssh=not args.no_ssh)

@@ -35,10 +35,8 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,7 +47,7 @@ import llama_cpp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.support.common import smollm_path  # noqa: E402
+from tests.support.common import first_line, serve, smollm_path  # noqa: E402
 
 QUESTIONS = [
     "Why is the sky blue?",
@@ -118,36 +116,15 @@ class Server:
     ready once it says so; its stderr lines are kept."""
 
     def __init__(self, inventory: Path, workdir: Path, *args: str, new_session: bool = False) -> None:
-        command = [sys.executable, "-m", "ggufpipe_tui.cli", str(inventory), "--serve", "127.0.0.1:0"]
-        self.process = subprocess.Popen(
-            [*command, "--log-dir", str(workdir / "runs"), *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-            start_new_session=new_session,
-        )
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.process, self.lines = serve(inventory, workdir / "runs", *args, start_new_session=new_session)
         listening = self.wait(lambda line: "listening on" in line)
         self.url = re.search(r"http://[^ ]+/v1", listening).group(0)  # type: ignore[union-attr]
         self.wait(lambda line: line.startswith("ggufpipe: ready:"))
 
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.lines.append(line)
-
     def wait(self, predicate: Any, timeout: float = 300.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if predicate(line):
-                    return line
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
+        line = first_line(self.lines, self.process, predicate, timeout)
+        if line is not None:
+            return line
         raise RuntimeError("the server did not start:\n" + "".join(self.lines))
 
     @classmethod

@@ -32,6 +32,7 @@ from ggufpipe_tui.core.inventory import HostSpec, load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.transports.link import TransportError
 from ggufpipe_tui.transports.local import LocalAgent
+from tests.support.common import start_then_close
 from tests.support.listening import HandStarted, start_listening, stop
 from tests.support.sshd import free_port
 
@@ -53,6 +54,19 @@ async def next_message(frames: FrameReader) -> Message | None:
     return await asyncio.wait_for(frames.message(), 15)
 
 
+async def answer_challenge(
+    agent: HandStarted, key: bytes
+) -> tuple[FrameReader, FrameWriter, asyncio.StreamWriter, AuthChallenge, bytes]:
+    """Connected, challenged, and answered with a proof of ``key``: the
+    connection, the challenge and the nonce the answer carried."""
+    frames, out, writer = await connect(agent)
+    challenge = await next_message(frames)
+    assert isinstance(challenge, AuthChallenge)
+    nonce = credential.new_nonce()
+    await out.send(AuthResponse(nonce, credential.proof(key, credential.ORCHESTRATOR, challenge.nonce, nonce)))
+    return frames, out, writer, challenge, nonce
+
+
 async def test_a_stranger_gets_a_challenge_and_nothing_else(listening):
     """The issue's probe got a Hello with the data token before anything was
     checked, then could Inspect paths. Now: a challenge, a refusal, the end."""
@@ -68,12 +82,8 @@ async def test_a_stranger_gets_a_challenge_and_nothing_else(listening):
 
 
 async def test_a_wrong_key_is_refused(listening):
-    frames, out, writer = await connect(listening)
-    challenge = await next_message(frames)
-    assert isinstance(challenge, AuthChallenge)
     guess = secrets.token_bytes(credential.KEY_BYTES)
-    nonce = credential.new_nonce()
-    await out.send(AuthResponse(nonce, credential.proof(guess, credential.ORCHESTRATOR, challenge.nonce, nonce)))
+    frames, _, writer, _, _ = await answer_challenge(listening, guess)
     refused = await next_message(frames)
     assert isinstance(refused, Refused) and "not this agent's listen key" in refused.reason
     assert await next_message(frames) is None
@@ -82,11 +92,7 @@ async def test_a_wrong_key_is_refused(listening):
 
 async def test_the_right_key_is_answered_with_the_agents_proof_then_hello(listening):
     key = credential.read_key_file(listening.key_file)
-    frames, out, writer = await connect(listening)
-    challenge = await next_message(frames)
-    assert isinstance(challenge, AuthChallenge)
-    nonce = credential.new_nonce()
-    await out.send(AuthResponse(nonce, credential.proof(key, credential.ORCHESTRATOR, challenge.nonce, nonce)))
+    frames, _, writer, challenge, nonce = await answer_challenge(listening, key)
     answer = await next_message(frames)
     assert isinstance(answer, AuthProof)
     assert credential.verify(key, credential.AGENT, challenge.nonce, nonce, answer.proof)
@@ -170,9 +176,8 @@ async def test_the_orchestrator_refuses_an_endpoint_without_the_key(tmp_path, op
     link = LocalAgent(host, 0, lambda line: None)
     try:
         with pytest.raises(TransportError) as caught:
-            await link.start(5)
+            await start_then_close(link, 5)
     finally:
-        await link.close(1)
         server.close()
     assert "nothing was sent to it" in str(caught.value), caught.value
     assert all(isinstance(message, AuthResponse) for message in impostor.received), impostor.received
@@ -216,11 +221,7 @@ async def test_an_attached_orchestrator_that_falls_silent_is_detached(listening)
     an orchestrator that says nothing for that long (its machine froze, its
     network went) is detached, and the next one can attach."""
     key = credential.read_key_file(listening.key_file)
-    frames, out, writer = await connect(listening)
-    challenge = await next_message(frames)
-    assert isinstance(challenge, AuthChallenge)
-    nonce = credential.new_nonce()
-    await out.send(AuthResponse(nonce, credential.proof(key, credential.ORCHESTRATOR, challenge.nonce, nonce)))
+    frames, out, writer, _, _ = await answer_challenge(listening, key)
     assert isinstance(await next_message(frames), AuthProof)
     assert isinstance(await next_message(frames), Hello)
     await out.send(Heartbeat(0.2, 1.0))

@@ -29,6 +29,7 @@ from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.transports.link import TransportError
 from ggufpipe_tui.transports.local import LocalAgent
 from ggufpipe_tui.transports.ssh import SshAgent
+from tests.support.common import start_then_close
 from tests.support.listening import HandStarted, start_listening, stop
 from tests.support.ssh_hosts import host_entry, write_inventory
 from tests.support.sshd import free_port
@@ -335,13 +336,6 @@ async def doorman_at(agent: HandStarted | None, script: list[str]) -> Any:
         server.close()
 
 
-async def start_then_close(link: LocalAgent | SshAgent, timeout: float) -> Any:
-    try:
-        return await link.start(timeout)
-    finally:
-        await link.close(1)
-
-
 async def test_connections_closed_before_the_challenge_are_retried_then_named(tmp_path):
     key_file = tmp_path / "agent.key"
     credential.write_key_file(key_file)
@@ -376,11 +370,8 @@ async def test_a_wrong_key_is_not_retried(listening, tmp_path):
     credential.write_key_file(wrong)
     link = LocalAgent(host_for(listening.endpoint, wrong), 0, lambda line: None)
     began = time.monotonic()
-    try:
-        with pytest.raises(TransportError, match="not the one that agent printed") as caught:
-            await link.start(10)
-    finally:
-        await link.close(1)
+    with pytest.raises(TransportError, match="not the one that agent printed") as caught:
+        await start_then_close(link, 10)
     assert "try 1" not in str(caught.value) and time.monotonic() - began < 3
 
 

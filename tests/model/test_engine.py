@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import llama_cpp
 import pytest
 
 from ggufpipe_agent.errors import ContextOverflow, ModelError, ProtocolError, RangeError
@@ -14,6 +13,7 @@ from ggufpipe_agent.llama.engine import StageEngine, StageShape
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
 from tests.support.common import LONG_PROMPT, whole_model_greedy
+from tests.support.local import tokenize
 from tests.support.stage_chain import Chain, agreement
 
 pytestmark = pytest.mark.model
@@ -25,9 +25,7 @@ OPTIONS = EngineOptions(n_ctx=512, n_batch=512, n_ubatch=UBATCH)
 
 @pytest.fixture(scope="module")
 def prompt(model_path: Path) -> list[int]:
-    llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
-    tokens = llm.tokenize(LONG_PROMPT.encode(), add_bos=True)
-    llm.close()
+    tokens = tokenize(model_path, LONG_PROMPT, bos=True)
     assert len(tokens) > 2 * UBATCH
     return tokens
 

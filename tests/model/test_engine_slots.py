@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import llama_cpp
 import pytest
 
 from ggufpipe_agent.errors import EngineError
 from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
 from tests.support.common import LONG_PROMPT, whole_model_greedy
+from tests.support.local import tokenize
 from tests.support.stage_chain import Chain
 
 pytestmark = pytest.mark.model
@@ -26,11 +26,8 @@ def options(parallel: int) -> EngineOptions:
 
 @pytest.fixture(scope="module")
 def prompts(model_path: Path) -> list[list[int]]:
-    llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
     texts = [LONG_PROMPT, "The capital of France is", LONG_PROMPT + " Say it again.", "1, 2, 3, 4,"]
-    tokens = [llm.tokenize(text.encode(), add_bos=True) for text in texts]
-    llm.close()
-    return tokens
+    return [tokenize(model_path, text, bos=True) for text in texts]
 
 
 def interleaved(chain: Chain, prompts: list[list[int]], steps: int) -> list[list[int]]:

@@ -26,7 +26,7 @@ from ggufpipe_agent.gguf.memory import EXPERTS_PATTERN, estimate_stage, memory_f
 from ggufpipe_agent.wire.protocol import EngineOptions
 from tests.support import synthetic
 from tests.support.common import whole_model_greedy
-from tests.support.llama_buffers import load_and_report
+from tests.support.llama_buffers import LogLines, load_and_report
 from tests.support.stage_chain import Chain
 
 UBATCH = 16
@@ -40,15 +40,6 @@ OVERRIDDEN = re.compile(r"tensor blk\.(\d+)\.(\S+) \(.*\) buffer type overridden
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return synthetic.write_model(tmp_path_factory.mktemp("moe") / "llama-moe.gguf", "llama-moe")
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def test_memory_facts_size_each_blocks_experts(moe_model):
@@ -92,7 +83,7 @@ def test_a_split_with_its_experts_in_ram_loads_them_there_and_gives_the_same_tok
     reference = whole_model_greedy(moe_model, PROMPT, STEPS, n_ctx=CONTEXT, n_ubatch=UBATCH)
     assert len(set(reference)) >= 16, "the reference must keep changing tokens"
     logger = logging.getLogger("ggufpipe.llama")
-    handler = _Lines()
+    handler = LogLines()
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)  # llama.cpp logs each override at debug level
@@ -121,7 +112,7 @@ def test_a_split_with_its_experts_in_ram_loads_them_there_and_gives_the_same_tok
 
 def test_without_the_setting_nothing_is_overridden(moe_model):
     logger = logging.getLogger("ggufpipe.llama")
-    handler = _Lines()
+    handler = LogLines()
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)

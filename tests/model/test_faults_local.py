@@ -16,8 +16,8 @@ from ggufpipe_tui.core.events import RunPhaseChanged, TokenStreamed
 from ggufpipe_tui.core.inventory import load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline, PipelineError
 from tests.support.common import MODES, mode_yaml
-from tests.support.local import run_cli
-from tests.support.sabotage import Saboteur, on_state, on_token, run_with, signal_agent
+from tests.support.local import run_cli, write_inventory
+from tests.support.sabotage import Saboteur, on_state, on_token, run_with, signal_agent, text_so_far
 
 pytestmark = pytest.mark.model
 
@@ -33,20 +33,18 @@ def inventory_file(
     limits = {"connect": 30, "ready": 60, "step": 30, "teardown": 5, **timeouts}
     data, feedback = mode_yaml(mode)
     ranges = [(0, 7), (7, 23), (23, 30)]
-    stages = "".join(
-        f"  - {{host: {h}, layers: [{a}, {b}]}}\n" for h, (a, b) in zip(stage_hosts, ranges, strict=True)
-    )
-    path = tmp_path / "inventory.yaml"
-    path.write_text(
-        f"model: {{path: {model_path}}}\n"
-        f"hosts:\n  here: {{local: true}}\n{hosts}"
-        f"stages:\n{stages}"
-        f"run: {{context: 512, ubatch: 32, max_tokens: 40, ignore_eos: true, chat: false, {feedback}}}\n"
-        f"timeouts: {{{', '.join(f'{k}: {v}' for k, v in limits.items())}}}\n"
+    stages = "".join(f"- {{host: {h}, layers: [{a}, {b}]}}\n" for h, (a, b) in zip(stage_hosts, ranges, strict=True))
+    return write_inventory(
+        tmp_path,
+        model_path,
+        stages,
+        f"max_tokens: 40, ignore_eos: true, chat: false, {feedback}",
+        data,
+        hosts=hosts,
+        timeouts=", ".join(f"{k}: {v}" for k, v in limits.items()),
         # These tests are of the fault itself: recovery (tests/e2e/test_recovery.py) is off.
-        "recovery: {attempts: 0}\n" + data
+        extra="recovery: {attempts: 0}\n",
     )
-    return path
 
 
 def log_events(path: str) -> list[dict]:
@@ -114,27 +112,29 @@ async def test_a_stage_that_never_becomes_ready(tmp_path, model_path, no_agent_l
     assert {0, 2} <= {int(stage) for stage in named.split(", ")}, result.failure
 
 
+async def refused_at_start(tmp_path: Path, model_path: Path, other: Path, stage_hosts: tuple[str, ...]) -> str:
+    """Why a run with host "other"'s copy at ``other`` is refused; no run began."""
+    hosts = f"  other: {{local: true, model_path: {other}}}\n"
+    saboteur = Saboteur(lambda e: False, lambda pipeline: None)
+    with pytest.raises(PipelineError) as refused:
+        await run_with(saboteur, inventory_file(tmp_path, model_path, hosts, stage_hosts))
+    assert saboteur.phases() == [], "refused before any run"
+    return str(refused.value)
+
+
 async def test_model_missing_on_one_host(tmp_path, model_path, no_agent_left):
     """Every host's copy is read (and checked to be stage 0's model) before
     anything loads: a missing one is refused at the start, naming the host."""
-    hosts = f"  other: {{local: true, model_path: {tmp_path / 'elsewhere.gguf'}}}\n"
-    saboteur = Saboteur(lambda e: False, lambda pipeline: None)
-    with pytest.raises(PipelineError) as refused:
-        await run_with(saboteur, inventory_file(tmp_path, model_path, hosts, ("here", "other", "here")))
-    assert str(refused.value).startswith(f"model on other: {tmp_path / 'elsewhere.gguf'}: no such file (")
-    assert saboteur.phases() == [], "refused before any run"
+    reason = await refused_at_start(tmp_path, model_path, tmp_path / "elsewhere.gguf", ("here", "other", "here"))
+    assert reason.startswith(f"model on other: {tmp_path / 'elsewhere.gguf'}: no such file (")
 
 
 async def test_corrupt_gguf_on_one_host(tmp_path, model_path, no_agent_left):
     corrupt = tmp_path / "corrupt.gguf"
     with model_path.open("rb") as source, corrupt.open("wb") as target:
         target.write(source.read(5 * 2**20))  # the header is whole, the tensor data is cut
-    hosts = f"  other: {{local: true, model_path: {corrupt}}}\n"
-    saboteur = Saboteur(lambda e: False, lambda pipeline: None)
-    with pytest.raises(PipelineError) as refused:
-        await run_with(saboteur, inventory_file(tmp_path, model_path, hosts, ("here", "here", "other")))
-    assert str(refused.value).startswith(f"model on other: {corrupt}: corrupt or truncated GGUF")
-    assert saboteur.phases() == [], "refused before any run"
+    reason = await refused_at_start(tmp_path, model_path, corrupt, ("here", "here", "other"))
+    assert reason.startswith(f"model on other: {corrupt}: corrupt or truncated GGUF")
 
 
 async def test_corrupt_gguf_where_the_model_is_inspected(tmp_path, model_path, no_agent_left):
@@ -162,12 +162,7 @@ def test_headless_fault_prints_the_output_so_far(tmp_path, model_path, no_agent_
         "--raw",
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    seen = ""
-    while len(seen) < 20:
-        char = process.stdout.read(1)
-        assert char, "the run ended before it produced text"
-        seen += char
+    seen = text_so_far(process)
     children = subprocess.run(
         ["ps", "-o", "pid=", "--ppid", str(process.pid)], capture_output=True, text=True
     )

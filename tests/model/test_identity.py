@@ -11,6 +11,7 @@ import pytest
 from ggufpipe_agent.gguf.header import LongArray, read_header
 from ggufpipe_agent.gguf.identity import describe_difference, model_identity
 from tests.support import synthetic
+from tests.support.bulky_gguf import write_out
 
 BLOCKS = 4
 
@@ -41,10 +42,7 @@ def tiny(
         writer.add_tensor(f"blk.{block}.attn_q.weight", np.zeros((8, columns), dtype=dtype))
     if output:
         writer.add_tensor("output.weight", np.zeros((16, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     return path
 
 
@@ -92,10 +90,7 @@ def test_blocks_are_named_in_numeric_order(tmp_path):
         writer.add_uint32("llama.block_count", 12)
         for block in (10, 2):
             writer.add_tensor(f"blk.{block}.w", np.zeros(4, dtype=np.float16 if half else np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        write_out(writer)
         return path
 
     sentence = describe_difference(

@@ -21,6 +21,7 @@ from ggufpipe_tui.core.inventory import load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
 from tests.support.common import DATA_MODES, LONG_PROMPT, mode_yaml, whole_model_greedy
 from tests.support.local import UNEVEN, run_cli, write_inventory
+from tests.support.one_run import generate_once
 
 pytestmark = pytest.mark.model
 
@@ -35,12 +36,7 @@ async def test_three_local_stages_match_the_whole_model(tmp_path, model_path, no
     run = f"max_tokens: 72, ignore_eos: true, chat: false, {feedback}"
     inventory = load_inventory(write_inventory(tmp_path, model_path, UNEVEN, run, data))
     events: list[object] = []
-    pipeline = Pipeline(inventory, events.append)
-    try:
-        await pipeline.start()
-        result = await pipeline.generate(LONG_PROMPT)
-    finally:
-        await pipeline.close()
+    result = await generate_once(inventory, events)
     assert result.outcome == "completed" and result.stop_reason == "max_tokens", result.failure
     assert len(result.prompt_tokens) > 64, "the prompt must span several ubatches"
     reference = whole_model_greedy(model_path, list(result.prompt_tokens), 72, n_ctx=512, n_ubatch=32)
@@ -156,12 +152,7 @@ async def test_one_stage_feeds_itself(tmp_path, model_path, no_agent_left):
         write_inventory(tmp_path, model_path, "- {host: here}\n", "max_tokens: 24, ignore_eos: true, chat: false")
     )
     events: list[object] = []
-    pipeline = Pipeline(inventory, events.append)
-    try:
-        await pipeline.start()
-        result = await pipeline.generate("The capital of France is")
-    finally:
-        await pipeline.close()
+    result = await generate_once(inventory, events, "The capital of France is")
     assert result.outcome == "completed", result.failure
     assert list(result.tokens) == whole_model_greedy(model_path, list(result.prompt_tokens), 24, 512, 32)
     assert [(e.data, e.transport) for e in events if isinstance(e, DataPath)] == [("direct", "self")]

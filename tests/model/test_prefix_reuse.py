@@ -8,7 +8,7 @@ its cache) makes the run prefill everything, still exactly."""
 from __future__ import annotations
 
 import dataclasses
-import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,9 @@ from ggufpipe_agent.wire.protocol import (
     StopRun,
 )
 from ggufpipe_tui.core.events import Notice, RunResult, StageStats
-from ggufpipe_tui.core.inventory import load_inventory
+from ggufpipe_tui.core.inventory import Inventory, load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
+from tests.support import local
 from tests.support.agent_client import AgentClient, provision
 from tests.support.common import LONG_PROMPT, mode_yaml, whole_model_greedy
 from tests.support.local import tokenize
@@ -51,16 +52,18 @@ def write_inventory(
 ) -> Path:
     stages = "".join(f"- {{host: {host}, layers: [{a}, {b}]}}\n" for host, (a, b) in zip(hosts, splits, strict=True))
     data, feedback = mode_yaml(mode)
-    path = tmp_path / "inventory.yaml"
-    path.write_text(
-        f"model: {{path: {model}}}\n"
-        "hosts:\n  here: {local: true, threads: 1}\n  there: {local: true, threads: 1}\n"
-        f"stages:\n{textwrap.indent(stages, '  ')}"
-        f"run: {{context: {CONTEXT}, ubatch: {UBATCH}, max_tokens: {STEPS}, ignore_eos: true, chat: false, "
-        f"reuse: {reuse}, {feedback}}}\n"
-        "timeouts: {connect: 60, ready: 300, step: 60, teardown: 10}\n" + data
+    return local.write_inventory(
+        tmp_path,
+        model,
+        stages,
+        f"max_tokens: {STEPS}, ignore_eos: true, chat: false, reuse: {reuse}, {feedback}",
+        data,
+        here="{local: true, threads: 1}",
+        hosts="  there: {local: true, threads: 1}\n",
+        timeouts="connect: 60, ready: 300, step: 60, teardown: 10",
+        context=CONTEXT,
+        ubatch=UBATCH,
     )
-    return path
 
 
 
@@ -82,6 +85,31 @@ def reuse_notice(events: list[Any], result: RunResult) -> str:
 
 FOLLOW_UP = " Now do the same for the second century, in two sentences."
 UNRELATED = "Write a haiku about rain."
+
+
+async def follow_up(
+    inventory: Inventory, model: Path, events: list[Any], between: Callable[[Pipeline], None] | None = None
+) -> tuple[list[int], RunResult, list[int], RunResult]:
+    """A run on LONG_PROMPT, then the conversation's next turn (that prompt,
+    its reply and FOLLOW_UP) on the same pipeline; ``between`` acts on the
+    pipeline between the two runs. The prompts and the results."""
+    pipeline = Pipeline(inventory, events.append)
+    try:
+        await pipeline.start()
+        first_prompt = tokenize(model, LONG_PROMPT, bos=True)
+        first = await pipeline.generate_tokens(first_prompt)
+        if between is not None:
+            between(pipeline)
+        second_prompt = first_prompt + list(first.tokens) + tokenize(model, FOLLOW_UP, bos=False)
+        second = await pipeline.generate_tokens(second_prompt)
+    finally:
+        await pipeline.close()
+    return first_prompt, first, second_prompt, second
+
+
+def cold_run(model: Path, prompt: list[int]) -> list[int]:
+    """The whole model's greedy tokens on ``prompt``, at the inventories' context and ubatch."""
+    return whole_model_greedy(model, prompt, STEPS, n_ctx=CONTEXT, n_ubatch=UBATCH)
 
 
 @pytest.mark.parametrize("mode", ["direct", "spec"])  # the token ring, and the orchestrator feeding tokens back
@@ -120,30 +148,24 @@ async def test_follow_up_turns_keep_the_prefix_and_match_a_cold_run(tmp_path, mo
     assert nothing.prompt_reused == 0 and prefill(events, nothing) == [(0, len(unrelated_prompt))] * 3
     assert "shares no prefix" in reuse_notice(events, nothing)
     for result in (second, third, partial, nothing):
-        cold = whole_model_greedy(model_path, list(result.prompt_tokens), STEPS, n_ctx=CONTEXT, n_ubatch=UBATCH)
+        cold = cold_run(model_path, list(result.prompt_tokens))
         assert list(result.tokens) == cold, f"run {result.run_id:016x} differs from a cold run"
 
 
 async def test_a_reloaded_stage_makes_the_run_prefill_everything(tmp_path, model_path, no_agent_left):
     inventory = load_inventory(write_inventory(tmp_path, model_path, SMOLLM_SPLIT, ["here", "there", "here"]))
-    events: list[Any] = []
-    pipeline = Pipeline(inventory, events.append)
-    try:
-        await pipeline.start()
-        first_prompt = tokenize(model_path, LONG_PROMPT, bos=True)
-        first = await pipeline.generate_tokens(first_prompt)
+
+    def reload_there(pipeline: Pipeline) -> None:
         # Other engine options for the host of stage 1: its agent loads the range again.
         there = dataclasses.replace(inventory.hosts["there"], threads=2)
         pipeline.inventory = dataclasses.replace(inventory, hosts={**inventory.hosts, "there": there})
-        second_prompt = first_prompt + list(first.tokens) + tokenize(model_path, FOLLOW_UP, bos=False)
-        second = await pipeline.generate_tokens(second_prompt)
-    finally:
-        await pipeline.close()
+
+    events: list[Any] = []
+    _, _, second_prompt, second = await follow_up(inventory, model_path, events, reload_there)
     assert second.outcome == "completed", second.failure
     assert second.prompt_reused == 0 and prefill(events, second) == [(0, len(second_prompt))] * 3
     assert "stage 1: its engine was loaded for this run" in reuse_notice(events, second)
-    cold = whole_model_greedy(model_path, second_prompt, STEPS, n_ctx=CONTEXT, n_ubatch=UBATCH)
-    assert list(second.tokens) == cold
+    assert list(second.tokens) == cold_run(model_path, second_prompt)
 
 
 async def test_gemma3_keeps_only_what_a_cold_run_computes_alike(tmp_path, gemma3_path, no_agent_left):
@@ -153,22 +175,13 @@ async def test_gemma3_keeps_only_what_a_cold_run_computes_alike(tmp_path, gemma3
     the ubatch: exact, and less than everything."""
     inventory = load_inventory(write_inventory(tmp_path, gemma3_path, GEMMA3_SPLIT, ["here"] * 3, reuse="exact"))
     events: list[Any] = []
-    pipeline = Pipeline(inventory, events.append)
-    try:
-        await pipeline.start()
-        first_prompt = tokenize(gemma3_path, LONG_PROMPT, bos=True)
-        first = await pipeline.generate_tokens(first_prompt)
-        second_prompt = first_prompt + list(first.tokens) + tokenize(gemma3_path, FOLLOW_UP, bos=False)
-        second = await pipeline.generate_tokens(second_prompt)
-    finally:
-        await pipeline.close()
+    first_prompt, _, second_prompt, second = await follow_up(inventory, gemma3_path, events)
     assert second.outcome == "completed", second.failure
     kept = second.prompt_reused
     assert kept == len(first_prompt) // UBATCH * UBATCH > 0, (kept, len(first_prompt))
     assert prefill(events, second) == [(kept, len(second_prompt) - kept)] * 3
     assert "in whole ubatches" in reuse_notice(events, second)
-    cold = whole_model_greedy(gemma3_path, second_prompt, STEPS, n_ctx=CONTEXT, n_ubatch=UBATCH)
-    assert list(second.tokens) == cold
+    assert list(second.tokens) == cold_run(gemma3_path, second_prompt)
 
 
 @pytest.mark.ssh
@@ -182,21 +195,12 @@ async def test_follow_up_turn_over_ssh(tmp_path, sshd, cache_dir, model_path):
     stages = [("gpu-a", [0, 7]), ("gpu-a", [7, 20]), ("gpu-b", [20, 30])]
     path = ssh_inventory(tmp_path / "inv.yaml", model_path, hosts, stages, max_tokens=STEPS, ignore_eos=True)
     events: list[Any] = []
-    pipeline = Pipeline(load_inventory(path), events.append)
-    try:
-        await pipeline.start()
-        first_prompt = tokenize(model_path, LONG_PROMPT, bos=True)
-        first = await pipeline.generate_tokens(first_prompt)
-        second_prompt = first_prompt + list(first.tokens) + tokenize(model_path, FOLLOW_UP, bos=False)
-        second = await pipeline.generate_tokens(second_prompt)
-    finally:
-        await pipeline.close()
+    first_prompt, _, second_prompt, second = await follow_up(load_inventory(path), model_path, events)
     assert second.outcome == "completed", second.failure
     kept = len(first_prompt) + STEPS - 1
     assert second.prompt_reused == kept
     assert prefill(events, second) == [(kept, len(second_prompt) - kept)] * 3, "only the new tokens"
-    cold = whole_model_greedy(model_path, second_prompt, STEPS, n_ctx=CONTEXT, n_ubatch=UBATCH)
-    assert list(second.tokens) == cold
+    assert list(second.tokens) == cold_run(model_path, second_prompt)
     assert wait_no_session_agents(sshd, 10) == {}, "no agent or bridge left on the host"
 
 

@@ -14,7 +14,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import llama_cpp
 import pytest
 
 from ggufpipe_agent.errors import ModelError
@@ -26,6 +25,7 @@ from ggufpipe_agent.llama.vocabulary import Vocabulary
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from ggufpipe_agent.wire.protocol import EngineOptions
 from tests.support.common import LONG_PROMPT, REPO, whole_model_greedy
+from tests.support.local import tokenize
 from tests.support.splitset import write_split_set
 from tests.support.stage_chain import Chain
 
@@ -48,10 +48,7 @@ def split_set(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> lis
 
 @pytest.fixture(scope="module")
 def prompt(model_path: Path) -> list[int]:
-    llm = llama_cpp.Llama(str(model_path), vocab_only=True, verbose=False)
-    tokens = llm.tokenize(LONG_PROMPT.encode(), add_bos=True)
-    llm.close()
-    return tokens
+    return tokenize(model_path, LONG_PROMPT, bos=True)
 
 
 @pytest.fixture(scope="module")

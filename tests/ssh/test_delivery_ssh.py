@@ -36,6 +36,7 @@ from tests.support.hostaccount import (
     remove_account,
 )
 from tests.support.splitset import write_split_set
+from tests.support.ssh_hosts import sshd_session_of
 from tests.support.sshd import Sshd, sshd_missing
 
 pytestmark = [pytest.mark.ssh, pytest.mark.model]
@@ -114,19 +115,6 @@ def report(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 def cache_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-
-
-def parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
-
-
-def sshd_session_of(pid: int) -> int:
-    """The sshd process serving the connection that started ``pid``."""
-    while pid > 1:
-        pid = parent(pid)
-        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sshd:"):
-            return pid
-    raise AssertionError("not started through sshd")
 
 
 @pytest.fixture(scope="module")

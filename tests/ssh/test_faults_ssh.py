@@ -25,15 +25,11 @@ from ggufpipe_tui.core.inventory import HostSpec, load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline, PipelineError
 from ggufpipe_tui.transports.ssh import SshAgent
 from tests.support.common import LONG_PROMPT, MODES, REPO
-from tests.support.sabotage import Saboteur, on_state, on_token, run_with, signal_agent
-from tests.support.ssh_hosts import AGENT, host_entry, write_inventory
+from tests.support.sabotage import Saboteur, on_state, on_token, run_with, signal_agent, text_so_far
+from tests.support.ssh_hosts import AGENT, host_entry, sshd_session_of, three_stages, where
 from tests.support.sshd import Sshd
 
 pytestmark = [pytest.mark.ssh, pytest.mark.model]
-
-RANGES = [[0, 7], [7, 23], [23, 30]]
-HOSTS = ("gpu-a", "gpu-b", "gpu-a")
-
 
 def inventory_file(
     tmp_path: Path,
@@ -48,15 +44,7 @@ def inventory_file(
         "gpu-a": host_entry(sshd, cache),
         "gpu-b": host_entry(sshd, cache, model_path=str(b_model) if b_model else None),
     }
-    path = write_inventory(
-        tmp_path / "inventory.yaml",
-        model_path,
-        hosts,
-        list(zip(HOSTS, RANGES, strict=True)),
-        mode=mode,
-        max_tokens=40,
-        ignore_eos=True,
-    )
+    path = three_stages(tmp_path, model_path, hosts, mode=mode)
     if timeouts:  # write_inventory's timeouts, with these changed
         limits = {"connect": 20, "ready": 120, "step": 30, "teardown": 10, **timeouts}
         text = path.read_text().split("timeouts:")[0]
@@ -64,23 +52,6 @@ def inventory_file(
     # These tests are of the fault itself: recovery (tests/ssh/test_recovery_ssh.py) is off.
     path.write_text(path.read_text() + "recovery: {attempts: 0}\n")
     return path
-
-
-def where(sshd: Sshd) -> str:
-    return f"{sshd.user}@127.0.0.1:{sshd.port}"
-
-
-def parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
-
-
-def sshd_session_of(pid: int) -> int:
-    """The sshd process serving the connection that started ``pid``."""
-    while pid > 1:
-        pid = parent(pid)
-        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sshd:"):
-            return pid
-    raise AssertionError("not started through sshd")
 
 
 async def test_agent_killed_while_loading(tmp_path, sshd, cache_dir, model_path, none_left):
@@ -273,12 +244,7 @@ def test_headless_fault_prints_the_output_so_far(tmp_path, sshd, cache_dir, mode
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert process.stdout is not None
-        seen = ""
-        while len(seen) < 20:
-            char = process.stdout.read(1)
-            assert char, "the run ended before it produced text"
-            seen += char
+        seen = text_so_far(process)
         agents = [pid for pid, line in sshd.session_agents().items() if " bridge " not in line]
         sessions = [sshd_session_of(pid) for pid in agents]
         (gpu_b,) = [

@@ -20,18 +20,13 @@ import yaml
 
 from ggufpipe_tui.core.events import (
     AgentConnected,
-    RunFinished,
-    RunRecovered,
     StageDelivery,
     StageRecovery,
-    TokenStreamed,
 )
 from ggufpipe_tui.core.recovery import recovery_line
 from ggufpipe_tui.session.pipeline import Pipeline
-from tests.ssh.test_faults_ssh import HOSTS, RANGES
-from tests.support.common import whole_model_greedy
-from tests.support.sabotage import Saboteur, on_token, run_with
-from tests.support.ssh_hosts import host_entry, write_inventory
+from tests.support.sabotage import Saboteur, assert_recovered, on_token, run_with
+from tests.support.ssh_hosts import host_entry, three_stages
 from tests.support.sshd import Sshd
 from tests.support.tcp_proxy import CuttableProxy, known_hosts_for
 
@@ -63,20 +58,11 @@ def inventory_file(
     }
     if spare is not None:
         hosts["gpu-c"] = host_entry(sshd, cache, spare=True, **spare)
-    path = write_inventory(
-        tmp_path / "inventory.yaml",
-        model_path,
-        hosts,
-        list(zip(HOSTS, RANGES, strict=True)),
-        mode="direct",
-        max_tokens=40,
-        ignore_eos=True,
-    )
-    document = yaml.safe_load(path.read_text())
-    document["recovery"] = {"attempts": attempts, "deadline": 120}
+    path = three_stages(tmp_path, model_path, hosts, recovery={"attempts": attempts, "deadline": 120})
     if send:  # each host is sent its stage file (the spare into a cache of its own)
+        document = yaml.safe_load(path.read_text())
         document["model"]["send"] = True
-    path.write_text(yaml.safe_dump(document, sort_keys=False))
+        path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
 
 
@@ -100,22 +86,13 @@ async def test_a_host_gone_moves_its_stage_to_the_spare(
     path = inventory_file(tmp_path, sshd, cache_dir, model_path, proxy.port, spare, attempts=2, send=send)
     saboteur = Saboteur(on_token(6), host_gone(proxy, 1))
     result = await run_with(saboteur, path)
-    assert saboteur.fired
-    assert result.outcome == "completed", result.failure
-    expected = whole_model_greedy(model_path, list(result.prompt_tokens), 40, n_ctx=512, n_ubatch=32)
-    assert list(result.tokens) == expected, "the output differs from an unbroken run"
-    streamed = [e.token for e in saboteur.events if isinstance(e, TokenStreamed) and e.sequence >= 0]
-    assert streamed == list(result.tokens), "every token streamed once, in order"
-    (recovered,) = [e for e in saboteur.events if isinstance(e, RunRecovered)]
-    assert recovered.stages == f"stage 1 on gpu-b ({sshd.user}@127.0.0.1:{proxy.port})"
+    recovered = assert_recovered(saboteur, result, model_path, f"stage 1 on gpu-b ({sshd.user}@127.0.0.1:{proxy.port})")
     assert recovered.how == "moved to gpu-c"
     assert "; moved to gpu-c; replayed" in recovery_line(recovered)
     recovery = [e for e in saboteur.events if isinstance(e, StageRecovery)]
-    assert [e.state for e in recovery] == ["Lost", "Recovering", "Ready"], recovery
     assert (recovery[-1].host, recovery[-1].detail) == ("gpu-c", "moved to gpu-c")
     connected = [e.host for e in saboteur.events if isinstance(e, AgentConnected) and e.stage == 1]
     assert connected == ["gpu-b", "gpu-c"], connected
-    assert len([e for e in saboteur.events if isinstance(e, RunFinished)]) == 1
     if send:  # the spare was sent stage 1's file (its cache had none)
         delivered = [e for e in saboteur.events if isinstance(e, StageDelivery) and e.state == "done"]
         assert [(e.stage, e.outcome) for e in delivered if e.host == "gpu-c"] == [(1, "sent")], delivered

@@ -12,12 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_tui.core.events import RunFinished, RunRecovered, StageRecovery, TokenStreamed
 from ggufpipe_tui.session.pipeline import Pipeline
-from tests.ssh.test_faults_ssh import HOSTS, RANGES, sshd_session_of, where
-from tests.support.common import whole_model_greedy
-from tests.support.sabotage import Saboteur, on_token, run_with, signal_agent
-from tests.support.ssh_hosts import host_entry, write_inventory
+from tests.support.sabotage import Saboteur, assert_recovered, on_token, run_with, signal_agent
+from tests.support.ssh_hosts import host_entry, sshd_session_of, three_stages, where
 from tests.support.sshd import Sshd
 
 pytestmark = [pytest.mark.ssh, pytest.mark.model]
@@ -25,31 +22,7 @@ pytestmark = [pytest.mark.ssh, pytest.mark.model]
 
 def inventory_file(tmp_path: Path, sshd: Sshd, cache: Path, model_path: Path) -> Path:
     hosts = {"gpu-a": host_entry(sshd, cache), "gpu-b": host_entry(sshd, cache)}
-    path = write_inventory(
-        tmp_path / "inventory.yaml",
-        model_path,
-        hosts,
-        list(zip(HOSTS, RANGES, strict=True)),
-        mode="direct",
-        max_tokens=40,
-        ignore_eos=True,
-    )
-    path.write_text(path.read_text() + "recovery: {attempts: 2, deadline: 120}\n")
-    return path
-
-
-def assert_recovered(saboteur: Saboteur, result, model_path: Path, label: str) -> None:
-    assert saboteur.fired
-    assert result.outcome == "completed", result.failure
-    expected = whole_model_greedy(model_path, list(result.prompt_tokens), 40, n_ctx=512, n_ubatch=32)
-    assert list(result.tokens) == expected, "the output differs from an unbroken run"
-    streamed = [e.token for e in saboteur.events if isinstance(e, TokenStreamed) and e.sequence >= 0]
-    assert streamed == list(result.tokens), "every token streamed once, in order"
-    (recovered,) = [e for e in saboteur.events if isinstance(e, RunRecovered)]
-    assert recovered.stages == label
-    states = [e.state for e in saboteur.events if isinstance(e, StageRecovery)]
-    assert states == ["Lost", "Recovering", "Ready"], states
-    assert len([e for e in saboteur.events if isinstance(e, RunFinished)]) == 1
+    return three_stages(tmp_path, model_path, hosts, recovery={"attempts": 2, "deadline": 120})
 
 
 @pytest.mark.parametrize(("stage", "host"), [(1, "gpu-b"), (0, "gpu-a")])

@@ -19,8 +19,10 @@ from ggufpipe_agent.wire.protocol import Hello, ShareAttach
 from ggufpipe_tui.core.events import AgentConnected, AgentLog, Notice, TokenStreamed
 from ggufpipe_tui.core.inventory import InventoryError, load_inventory, parse_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
+from tests.support import local
 from tests.support.common import DATA_MODES, LONG_PROMPT, MODES, REPO, mode_yaml, whole_model_greedy
 from tests.support.local import tokenize
+from tests.support.one_run import generate_once
 from tests.support.sabotage import Saboteur, on_token, run_with, signal_agent
 from tests.support.ssh_hosts import host_entry, wait_no_session_agents, wait_session_agents, write_inventory
 from tests.support.sshd import Sshd
@@ -32,16 +34,9 @@ RANGES = ((0, 7), (7, 23), (23, 30))
 
 def local_inventory(tmp_path: Path, model_path: Path, mode: str = "direct", max_tokens: int = 48) -> Path:
     data, feedback = mode_yaml(mode)
-    stages = "".join(f"  - {{host: here, layers: [{a}, {b}]}}\n" for a, b in RANGES)
-    path = tmp_path / "inventory.yaml"
-    path.write_text(
-        f"model: {{path: {model_path}}}\n"
-        "hosts:\n  here: {local: true, share_process: true}\n"
-        f"stages:\n{stages}"
-        f"run: {{context: 512, ubatch: 32, max_tokens: {max_tokens}, ignore_eos: true, chat: false, {feedback}}}\n"
-        "timeouts: {connect: 30, ready: 120, step: 30, teardown: 10}\n" + data
-    )
-    return path
+    stages = "".join(f"- {{host: here, layers: [{a}, {b}]}}\n" for a, b in RANGES)
+    run = f"max_tokens: {max_tokens}, ignore_eos: true, chat: false, {feedback}"
+    return local.write_inventory(tmp_path, model_path, stages, run, data, here="{local: true, share_process: true}")
 
 
 def pids(pipeline: Pipeline) -> list[int]:
@@ -83,12 +78,7 @@ async def test_a_shared_process_chains_its_stages_steps(tmp_path, model_path, no
         monkeypatch.setenv("GGUFPIPE_NO_CHAIN", "1")  # the agent process inherits it
     inventory = load_inventory(local_inventory(tmp_path, model_path, "direct"))
     events: list[Any] = []
-    pipeline = Pipeline(inventory, events.append)
-    try:
-        await pipeline.start()
-        result = await pipeline.generate(LONG_PROMPT)
-    finally:
-        await pipeline.close()
+    result = await generate_once(inventory, events)
     assert result.outcome == "completed", result.failure
     reference = whole_model_greedy(model_path, list(result.prompt_tokens), 48, n_ctx=512, n_ubatch=32)
     assert list(result.tokens) == reference
@@ -199,15 +189,13 @@ async def test_three_stages_over_ssh_in_one_process(tmp_path, sshd: Sshd, cache_
     path = write_inventory(
         tmp_path / "inv.yaml", model_path, hosts, stages, mode=mode, max_tokens=40, ignore_eos=True
     )
-    pipeline = Pipeline(load_inventory(path), lambda event: None)
-    try:
-        await pipeline.start()
+
+    def started(pipeline: Pipeline) -> None:
         assert len(set(pids(pipeline))) == 1
         bridges = 2 + 3  # 2 control bridges; the data streams (used by the relay, opened in both modes)
         assert wait_session_agents(sshd, 1, bridges) == (1, bridges), "one agent process under sshd"
-        result = await pipeline.generate(LONG_PROMPT)
-    finally:
-        await pipeline.close()
+
+    result = await generate_once(load_inventory(path), started=started)
     assert result.outcome == "completed", result.failure
     reference = whole_model_greedy(model_path, list(result.prompt_tokens), 40, n_ctx=512, n_ubatch=32)
     assert list(result.tokens) == reference

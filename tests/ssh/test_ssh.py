@@ -28,10 +28,11 @@ from ggufpipe_tui.core.inventory import HostSpec, load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.transports.link import TransportError
 from ggufpipe_tui.transports.ssh import SshAgent
-from tests.support.common import DATA_MODES, LONG_PROMPT, MODES, REPO, whole_model_greedy
+from tests.support.common import DATA_MODES, LONG_PROMPT, MODES, REPO, start_then_close, whole_model_greedy
 from tests.support.ssh_hosts import (
     AGENT,
     host_entry,
+    sshd_host,
     wait_no_session_agents,
     wait_session_agents,
     write_inventory,
@@ -208,14 +209,10 @@ async def test_host_key_mismatch_is_refused(tmp_path, sshd, cache_dir, model_pat
 
 
 async def test_insecure_no_host_key_check_logs_a_loud_warning(sshd, cache_dir, caplog):
-    host = HostSpec(
-        name="risky",
-        line=1,
-        address="127.0.0.1",
-        port=sshd.port,
-        identity=(str(sshd.client_key),),
+    host = sshd_host(
+        sshd,
+        "risky",
         insecure_no_host_key_check=True,  # and the key is in no known_hosts file we use
-        agent=AGENT,
         cache_dir=str(cache_dir),
     )
     lines: list[str] = []
@@ -284,11 +281,8 @@ async def test_user_known_hosts_file_none_is_refused(tmp_path, sshd, cache_dir, 
     before = sshd.accepted_logins()
     host = HostSpec(name="aliased", line=1, address="gpu-alias", agent=AGENT, cache_dir=str(cache_dir))
     link = SshAgent(host, 0, lambda line: None)
-    try:
-        with pytest.raises(TransportError) as caught:
-            await link.start(20)
-    finally:
-        await link.close(1)
+    with pytest.raises(TransportError) as caught:
+        await start_then_close(link, 20)
     message = str(caught.value)
     assert "UserKnownHostsFile none" in message and "insecure_no_host_key_check: true" in message, message
     assert sshd.accepted_logins() == before, "nothing was sent to a host whose key nobody checked"
@@ -307,11 +301,8 @@ async def test_the_host_key_error_names_the_known_hosts_file_used(tmp_path, sshd
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     host = HostSpec(name="aliased", line=1, address="gpu-alias", agent=AGENT, cache_dir=str(cache_dir))
     link = SshAgent(host, 0, lambda line: None)
-    try:
-        with pytest.raises(TransportError, match="host key verification failed") as caught:
-            await link.start(20)
-    finally:
-        await link.close(1)
+    with pytest.raises(TransportError, match="host key verification failed") as caught:
+        await start_then_close(link, 20)
     assert str(elsewhere) in str(caught.value) and "~/.ssh/known_hosts" not in str(caught.value)
 
 
@@ -464,15 +455,7 @@ async def test_bridge_channel_keeps_backpressure_both_ways(tmp_path, sshd, cache
         done.set()
 
     server = await asyncio.start_unix_server(peer, path=path)
-    host = HostSpec(
-        name="gpu",
-        line=1,
-        address="127.0.0.1",
-        port=sshd.port,
-        identity=(str(sshd.client_key),),
-        known_hosts=(str(sshd.known_hosts),),
-        agent=AGENT,
-    )
+    host = sshd_host(sshd, "gpu", known_hosts=(str(sshd.known_hosts),))
     link = SshAgent(host, 0, lambda line: None)
     try:
         await link.connect(10)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from textual.pilot import Pilot
 
-from ggufpipe_agent.wire.protocol import Device, Hello, ModelFacts, StepCounters
+from ggufpipe_agent.wire.protocol import Device, Hello, StepCounters
 from ggufpipe_tui.core.events import (
     AgentConnected,
     AgentLog,
@@ -26,6 +26,7 @@ from ggufpipe_tui.core.refusal import place_stages
 from ggufpipe_tui.views.app import GgufpipeApp, ScriptItem, UserPrompt
 from ggufpipe_tui.views.entries import Exchange
 from ggufpipe_tui.views.transcript import Transcript
+from tests.support.model_facts import SMOL
 
 READY_TIMEOUT = 180.0  # agents start and load; generous, the test machine is shared
 
@@ -162,29 +163,7 @@ def hello(stage: int) -> Hello:
     )
 
 
-FACTS = ModelFacts(
-    path="/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-    name="SmolLM2 135M Instruct",
-    architecture="llama",
-    file_type="Q4_1",
-    file_size=98_362_432,
-    block_count=30,
-    hidden_dim=576,
-    context_length=8192,
-    vocab_size=49152,
-    head_count=9,
-    head_count_kv=3,
-    key_length=64,
-    value_length=64,
-    bos_token_id=1,
-    eos_token_id=2,
-    eog_token_ids=(0, 2),
-    add_bos=False,
-    chat_template="",
-    block_bytes=(2_654_208,) * 30,
-    embedding_bytes=15_925_248,
-    output_bytes=1_152,
-)
+FACTS = SMOL
 
 
 DEVICES = ("NVIDIA A100-SXM4-40GB", "NVIDIA L4", "")

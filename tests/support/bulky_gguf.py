@@ -4,17 +4,28 @@ Only the headers are what the stage-file code reads (names, shapes, offsets);
 the tensor data is random, so nothing compresses or dedups, and the file is
 no model llama.cpp could run. A stage file cut from one (any block range) is
 as big as the chosen tensors make it, which is what the receiver's and the
-cache's tests need of a real model's stage file.
+cache's tests need of a real model's stage file. And a small GGUF's
+writer written out at once (write_out).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 COLUMNS = 1024
 BLOCK_PARTS = ("attn_q", "attn_k", "ffn_up", "ffn_down", "ffn_gate", "attn_output")
+
+
+def write_out(writer: Any) -> None:
+    """A ``gguf.GGUFWriter`` whose tensors were added whole: its header,
+    key-values and tensors written, the file closed."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def big_model(path: Path, blocks: int = 8, mib_per_tensor: float = 8, seed: int = 0) -> Path:

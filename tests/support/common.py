@@ -1,7 +1,8 @@
 """What the tests share that is not a fixture: where the repository and the
 real model are, the agent processes a test started, the whole-model oracle
-(computed once per model, prompt and shape in a session), and the data
-modes every split-exactness test runs in."""
+(computed once per model, prompt and shape in a session), the data modes
+every split-exactness test runs in, and a served ggufpipe-tui's process
+and stderr lines (the tests' and the benchmarks' servers)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,70 @@ import functools
 import importlib.util
 import os
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from ggufpipe_agent.wire.protocol import Hello
+from ggufpipe_tui.transports.link import AgentLink
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 REPO = Path(__file__).resolve().parent.parent.parent
+
+
+async def start_then_close(link: AgentLink, timeout: float) -> Hello:
+    """The agent's Hello, ``link`` closed again whether it started or not."""
+    try:
+        return await link.start(timeout)
+    finally:
+        await link.close(1)
+
+
+def serve(inventory: Path, log_dir: Path, *args: str, **popen: Any) -> tuple[subprocess.Popen[str], list[str]]:
+    """``ggufpipe-tui INVENTORY --serve 127.0.0.1:0`` with its run logs in
+    ``log_dir`` (``popen``: more of Popen's arguments), and the list a thread
+    appends its stderr lines to."""
+    command = [sys.executable, "-m", "ggufpipe_tui.cli", str(inventory), "--serve", "127.0.0.1:0"]
+    process = subprocess.Popen(
+        [*command, "--log-dir", str(log_dir), *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        **popen,
+    )
+    lines: list[str] = []
+
+    def read() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    return process, lines
+
+
+def first_line(
+    lines: list[str], process: subprocess.Popen[str], predicate: Callable[[str], bool], timeout: float
+) -> str | None:
+    """The first of ``lines`` (a process's stderr, which a thread appends to)
+    that ``predicate`` holds of, once there is one; None when the process
+    exits or ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in list(lines):
+            if predicate(line):
+                return line
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    return None
 
 
 def smollm_path() -> Path:

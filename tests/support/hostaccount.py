@@ -109,14 +109,7 @@ def create_account(name: str, public_key: str) -> HostAccount:
 
 def account_entry(server: Sshd, account: HostAccount, **extra: object) -> dict[str, object]:
     """The account as an inventory host (no agent: ggufpipe sets one up)."""
-    entry: dict[str, object] = {
-        "address": "127.0.0.1",
-        "port": server.port,
-        "user": account.name,
-        "identity": str(server.client_key),
-        "known_hosts": str(server.known_hosts),
-        "threads": 1,
-    }
+    entry: dict[str, object] = {**server.login(account.name), "threads": 1}
     entry.update(extra)
     return entry
 

@@ -36,7 +36,9 @@ class Reported:
         return self.model + self.kv + self.output + self.compute
 
 
-class _Lines(logging.Handler):
+class LogLines(logging.Handler):
+    """A logging handler that keeps the messages."""
+
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.lines: list[str] = []
@@ -64,7 +66,7 @@ def load_and_report(
     path = ensure_stage_file(source, start, end, cache_dir)
     shape = StageShape(start == 0, end == facts.block_count, end - start, facts.hidden_dim)
     logger = logging.getLogger("ggufpipe.llama")
-    handler = _Lines()
+    handler = LogLines()
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)  # the buffer lines are llama.cpp INFO

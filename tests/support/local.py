@@ -9,17 +9,36 @@ from pathlib import Path
 
 import llama_cpp
 
-from tests.support.common import REPO
+from tests.support.common import LONG_PROMPT, REPO
+
+TIMEOUTS = "connect: 30, ready: 120, step: 30, teardown: 10"
 
 
-def write_inventory(tmp_path: Path, model_path: Path, stages: str, run: str = "", data: str = "") -> Path:
+def write_inventory(
+    tmp_path: Path,
+    model_path: Path,
+    stages: str,
+    run: str = "",
+    data: str = "",
+    *,
+    here: str = "{local: true}",
+    hosts: str = "",
+    timeouts: str = TIMEOUTS,
+    extra: str = "",
+    context: int = 512,
+    ubatch: int = 32,
+) -> Path:
+    """tmp_path/inventory.yaml: the host "here" (``here``: its entry) and
+    ``hosts`` (further entry lines), ``stages`` (a YAML list), ``context``
+    and ``ubatch`` with ``run``'s fields; ``extra``: more lines, before
+    ``data``."""
     path = tmp_path / "inventory.yaml"
     path.write_text(
         f"model: {{path: {model_path}}}\n"
-        "hosts:\n  here: {local: true}\n"
+        f"hosts:\n  here: {here}\n{hosts}"
         f"stages:\n{textwrap.indent(stages, '  ')}"
-        f"run: {{context: 512, ubatch: 32, {run}}}\n"
-        "timeouts: {connect: 30, ready: 120, step: 30, teardown: 10}\n" + data
+        f"run: {{context: {context}, ubatch: {ubatch}, {run}}}\n"
+        f"timeouts: {{{timeouts}}}\n" + extra + data
     )
     return path
 
@@ -57,6 +76,12 @@ def tokenize(model: Path, text: str, bos: bool) -> list[int]:
         return llm.tokenize(text.encode(), add_bos=bos)
     finally:
         llm.close()
+
+
+def long_prompt(model: Path, length: int) -> list[int]:
+    """LONG_PROMPT's tokens (with BOS), repeated to ``length`` tokens."""
+    tokens = tokenize(model, LONG_PROMPT, bos=True)
+    return (tokens * (length // len(tokens) + 1))[:length]
 
 
 STEPS = 16

@@ -6,15 +6,25 @@ the loopback sshd alike."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ggufpipe_tui.core.events import AgentLog, RunPhaseChanged, StageStateChanged, TokenStreamed
+from ggufpipe_tui.core.events import (
+    AgentLog,
+    RunFinished,
+    RunPhaseChanged,
+    RunRecovered,
+    RunResult,
+    StageRecovery,
+    StageStateChanged,
+    TokenStreamed,
+)
 from ggufpipe_tui.core.inventory import load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
-from tests.support.common import LONG_PROMPT
+from tests.support.common import LONG_PROMPT, whole_model_greedy
 
 
 class Saboteur:
@@ -43,6 +53,34 @@ class Saboteur:
     def stopped(self) -> set[int]:
         """Stages whose agent went through Stopping to Stopped (StopRun honoured)."""
         return {e.stage for e in self.events if isinstance(e, StageStateChanged) and e.state == "Stopped"}
+
+
+def text_so_far(process: subprocess.Popen[str], chars: int = 20) -> str:
+    """The first ``chars`` characters of the headless CLI's output, once it has printed them."""
+    assert process.stdout is not None
+    seen = ""
+    while len(seen) < chars:
+        char = process.stdout.read(1)
+        assert char, "the run ended before it produced text"
+        seen += char
+    return seen
+
+
+def assert_recovered(saboteur: Saboteur, result: RunResult, model_path: Path, label: str) -> RunRecovered:
+    """The run recovered from the loss of ``label`` once (40 greedy tokens,
+    the unbroken run's, each streamed once); its RunRecovered."""
+    assert saboteur.fired
+    assert result.outcome == "completed", result.failure
+    expected = whole_model_greedy(model_path, list(result.prompt_tokens), 40, n_ctx=512, n_ubatch=32)
+    assert list(result.tokens) == expected, "the output differs from an unbroken run"
+    streamed = [e.token for e in saboteur.events if isinstance(e, TokenStreamed) and e.sequence >= 0]
+    assert streamed == list(result.tokens), "every token streamed once, in order"
+    (recovered,) = [e for e in saboteur.events if isinstance(e, RunRecovered)]
+    assert recovered.stages == label
+    states = [e.state for e in saboteur.events if isinstance(e, StageRecovery)]
+    assert states == ["Lost", "Recovering", "Ready"], states
+    assert len([e for e in saboteur.events if isinstance(e, RunFinished)]) == 1
+    return recovered
 
 
 def signal_agent(stage: int, sig: int) -> Callable[[Pipeline], None]:

@@ -8,9 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import openai
 
-from tests.support.common import REPO
+from tests.support.common import first_line, serve
 from tests.support.local import UNEVEN, write_inventory
 
 KEY = "sk-test-ggufpipe"
@@ -43,14 +40,9 @@ class Served:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
 
     def wait_line(self, predicate: Callable[[str], bool], timeout: float, what: str) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if predicate(line):
-                    return line
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
+        line = first_line(self.lines, self.process, predicate, timeout)
+        if line is not None:
+            return line
         raise AssertionError(f"no line for {what} in {timeout:g}s; stderr:\n" + "".join(self.lines))
 
     def run_log(self, run_id: str) -> list[dict[str, object]]:
@@ -84,24 +76,8 @@ def start_server(tmp_path: Path, model_path: Path, *args: str, key: str = KEY, d
     inventory = write_inventory(tmp_path, model_path, UNEVEN, data=data)
     log_dir = tmp_path / "runs"
     env = dict(os.environ, GGUFPIPE_API_KEY=key)
-    command = [sys.executable, "-m", "ggufpipe_tui.cli", str(inventory), "--serve", "127.0.0.1:0"]
-    process = subprocess.Popen(
-        [*command, "--log-dir", str(log_dir), *args],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=env,
-    )
-    served = Served(process, 0, log_dir, inventory)
-
-    def read() -> None:
-        assert process.stderr is not None
-        for line in process.stderr:
-            served.lines.append(line)
-
-    threading.Thread(target=read, daemon=True).start()
+    process, lines = serve(inventory, log_dir, *args, env=env)
+    served = Served(process, 0, log_dir, inventory, lines)
     try:
         listening = served.wait_line(lambda line: "listening on http://" in line, 60, "the listening line")
         served.port = int(re.search(r"127\.0\.0\.1:(\d+)/v1", listening).group(1))  # type: ignore[union-attr]

@@ -9,25 +9,38 @@ from typing import Any
 
 import yaml
 
+from ggufpipe_tui.core.inventory import HostSpec
 from tests.support.common import DATA_MODES
 from tests.support.sshd import Sshd
 
 AGENT = f"{sys.executable} -m ggufpipe_agent"  # sshd passes none of our environment
+#: The three-stage pipeline of the SSH fault and recovery tests: two hosts, stages 0 and 2 on gpu-a.
+RANGES = [[0, 7], [7, 23], [23, 30]]
+HOSTS = ("gpu-a", "gpu-b", "gpu-a")
 
 
 def host_entry(sshd: Sshd, cache: Path, **overrides: Any) -> dict[str, Any]:
     entry: dict[str, Any] = {
-        "address": "127.0.0.1",
-        "port": sshd.port,
-        "user": sshd.user,
-        "identity": str(sshd.client_key),
-        "known_hosts": str(sshd.known_hosts),
+        **sshd.login(sshd.user),
         "agent": AGENT,
         "cache_dir": str(cache),
         "threads": 1,  # one thread per stage keeps these tests light on a shared 2-core machine
     }
     entry.update(overrides)
     return {key: value for key, value in entry.items() if value is not None}
+
+
+def sshd_host(sshd: Sshd, name: str, **fields: Any) -> HostSpec:
+    """A host of the inventory, as parsed, for the loopback sshd with the client key."""
+    return HostSpec(
+        name=name,
+        line=1,
+        address="127.0.0.1",
+        port=sshd.port,
+        identity=(str(sshd.client_key),),
+        agent=AGENT,
+        **fields,
+    )
 
 
 def write_inventory(
@@ -55,6 +68,44 @@ def write_inventory(
         document["run"]["feedback"] = DATA_MODES[mode]["feedback"]
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
+
+
+def three_stages(
+    tmp_path: Path,
+    model_path: Path,
+    hosts: dict[str, dict[str, Any]],
+    mode: str = "direct",
+    recovery: dict[str, Any] | None = None,
+) -> Path:
+    """tmp_path/inventory.yaml: HOSTS with RANGES, 40 tokens past any end of generation."""
+    return write_inventory(
+        tmp_path / "inventory.yaml",
+        model_path,
+        hosts,
+        list(zip(HOSTS, RANGES, strict=True)),
+        mode=mode,
+        recovery=recovery,
+        max_tokens=40,
+        ignore_eos=True,
+    )
+
+
+def where(sshd: Sshd) -> str:
+    """How a host entry of the loopback sshd is named in a failure."""
+    return f"{sshd.user}@127.0.0.1:{sshd.port}"
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+
+
+def sshd_session_of(pid: int) -> int:
+    """The sshd process serving the connection that started ``pid``."""
+    while pid > 1:
+        pid = parent(pid)
+        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sshd:"):
+            return pid
+    raise AssertionError("not started through sshd")
 
 
 def wait_no_session_agents(sshd: Sshd, timeout: float) -> dict[int, str]:

@@ -72,6 +72,16 @@ class Sshd:
         self.log = base / "sshd.log"
         self.process: subprocess.Popen[bytes] | None = None
 
+    def login(self, user: str) -> dict[str, object]:
+        """How an inventory host entry reaches this server as ``user``."""
+        return {
+            "address": "127.0.0.1",
+            "port": self.port,
+            "user": user,
+            "identity": str(self.client_key),
+            "known_hosts": str(self.known_hosts),
+        }
+
     def host_line(self, key_line: str) -> str:
         """A known_hosts line for this server's address and port."""
         kind, blob = key_line.split()[:2]

@@ -22,7 +22,6 @@ from ggufpipe_agent.wire.protocol import (
     EngineOptions,
     Hello,
     InboundEdgeProvision,
-    ModelFacts,
     ModelInfo,
     ObjectSpec,
     OutboundEdgeProvision,
@@ -42,11 +41,10 @@ from ggufpipe_agent.wire.protocol import (
     decode_message,
     encode_message,
 )
+from tests.support.model_facts import model_facts
 
 SPEC = ObjectSpec("activation", "float32", 8, 16)
-FACTS = ModelFacts(
-    "/m.gguf", "m", "llama", "Q4_1", 10, 2, 8, 64, 100, 2, 1, 4, 4, 1, 2, (2, 5), False, "", (1, 2), 3, 4
-)
+FACTS = model_facts(eog_token_ids=(2, 5))
 
 SAMPLES = [
     Hello(

@@ -31,6 +31,7 @@ from ggufpipe_agent.stagefiles.admin import list_entries
 from ggufpipe_agent.stagefiles.cache import boot_id, read_sidecar, verify_entry
 from ggufpipe_agent.stagefiles.digest import digest_file
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.wire.delivery_messages import ReceiveStatus
 from tests.support.bulky_gguf import big_model
 from tests.support.common import REPO
 
@@ -65,6 +66,16 @@ def send(sender: StageSender, receiver: StageFileReceiver, first: int, stop: int
         receiver.accept(chunk.index, chunk.data, chunk.digest)
         sent += 1
     return sent
+
+
+def resumed(sender: StageSender, cache: Path) -> tuple[ReceiveStatus, Path]:
+    """A new receiver on ``cache``: what it found there, and the file it made
+    once sent the chunks from the first it lacked."""
+    with receiver_for(sender, cache) as receiver:
+        status = receiver.open()
+        send(sender, receiver, sender.first_chunk(status))
+        entry = receiver.finish(sender.digest)
+    return status, entry
 
 
 def test_a_stage_file_arrives_verified_and_a_second_offer_sends_nothing(sender, stage_source, tmp_path):
@@ -143,11 +154,8 @@ def test_a_killed_agent_resumes_from_its_last_checkpoint(sender, stage_source, t
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
-    with receiver_for(sender, cache) as receiver:
-        status = receiver.open()
-        assert (status.state, status.verified_chunks) == ("partial", 8)
-        send(sender, receiver, sender.first_chunk(status))
-        entry = receiver.finish(sender.digest)
+    status, entry = resumed(sender, cache)
+    assert (status.state, status.verified_chunks) == ("partial", 8)
     assert digest_file(entry) == sender.digest
 
 
@@ -160,11 +168,8 @@ def test_a_damaged_partial_file_starts_over(sender, tmp_path):
     with partial.open("r+b") as handle:
         handle.seek(3 * CHUNK)
         handle.write(b"\xff")
-    with receiver_for(sender, cache) as receiver:
-        status = receiver.open()
-        assert (status.state, status.verified_bytes) == ("empty", 0)
-        send(sender, receiver, sender.first_chunk(status))
-        entry = receiver.finish(sender.digest)
+    status, entry = resumed(sender, cache)
+    assert (status.state, status.verified_bytes) == ("empty", 0)
     assert digest_file(entry) == sender.digest
 
 

@@ -11,7 +11,7 @@ import pytest
 from ggufpipe_agent.gguf.memory import GIB
 from ggufpipe_tui.core.inventory import InventoryError, parse_inventory
 from ggufpipe_tui.core.spares import moved_inventory, spare_candidates, spare_placement, spare_problem
-from tests.unit.test_placement import FACTS, hello
+from tests.support.placement_facts import FACTS, hello
 
 RANGES = [(0, 6), (6, 14), (14, 20)]
 

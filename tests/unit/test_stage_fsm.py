@@ -3,7 +3,6 @@ listed transition or rejected."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 
 import pytest
@@ -37,6 +36,7 @@ from ggufpipe_agent.stage.fsm import (
     WorkerBound,
     transition,
 )
+from tests.support.fsm_table import check_pair, every_pair
 
 S = StageState
 
@@ -154,25 +154,9 @@ TABLE.update(
 )
 
 
-def label(state: S | str) -> str:
-    return state.value if isinstance(state, S) else state
-
-
-@pytest.mark.parametrize(
-    ("state", "event_name"),
-    list(itertools.product(STAGES, EVENTS)),
-    ids=[f"{label(s)}-{e}" for s, e in itertools.product(STAGES, EVENTS)],
-)
+@every_pair(("state", "event_name"), STAGES, EVENTS)
 def test_every_pair(state, event_name):
-    stage, event = STAGES[state], EVENTS[event_name]
-    expected = TABLE.get((state, event_name))
-    if expected is None:
-        with pytest.raises(TransitionError):
-            transition(stage, event)
-        return
-    after, effects = transition(stage, event)
-    assert after.state is expected[0]
-    assert [type(effect) for effect in effects] == expected[1]
+    check_pair(transition, STAGES[state], EVENTS[event_name], TABLE.get((state, event_name)), lambda after: after.state)
 
 
 def test_a_ring_stage_is_ready_only_with_its_ring_end():

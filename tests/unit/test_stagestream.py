@@ -18,6 +18,7 @@ from ggufpipe_agent.gguf.files import read_model_files
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.stream import StageFileStream, open_stage_stream
 from tests.support import synthetic
+from tests.support.bulky_gguf import write_out
 from tests.support.reference_stagefile import write_reference_stage_file
 from tests.support.splitset import write_split_set
 
@@ -46,10 +47,7 @@ def per_layer_model(path: Path) -> Path:
     for block in range(blocks):
         writer.add_tensor(f"blk.{block}.attn_q.weight", np.full((3, 8), block, dtype=np.float16))
     writer.add_tensor("output.weight", np.ones((6, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     return path
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_agent.wire.protocol import ModelFacts
 from ggufpipe_tui.core.inventory import (
     InventoryError,
     parse_inventory,
@@ -17,26 +16,13 @@ from ggufpipe_tui.core.inventory import (
 )
 from ggufpipe_tui.core.inventory_policy import assign_layers
 from ggufpipe_tui.core.plan import EdgeEndpoint, PlanError, build_plan, provision_message, validate_plan
+from tests.support.model_facts import model_facts
 
-FACTS = ModelFacts(
+FACTS = model_facts(
     path="/m.gguf",
     name="tiny",
-    architecture="llama",
-    file_type="Q4_1",
     file_size=1,
-    block_count=30,
-    hidden_dim=576,
-    context_length=8192,
-    vocab_size=49152,
-    head_count=9,
-    head_count_kv=3,
-    key_length=64,
-    value_length=64,
-    bos_token_id=1,
-    eos_token_id=2,
     eog_token_ids=(2,),
-    add_bos=False,
-    chat_template="",
     block_bytes=(1000,) * 30,
     embedding_bytes=500,
     output_bytes=10,
