@@ -11,7 +11,7 @@ trunk llama.cpp would take for "lite" (26 or 27 blocks, or 48 with a
 only (llama.cpp aborts the process on it), a cut between MTP blocks, and
 non-uniform per-layer head or expert counts.
 
-The models (tests/support/synthetic_deepseek2.py): a V3-like GGUF of 29
+The models (tests/support/synthetic_families.py): a V3-like GGUF of 29
 trunk blocks (3 dense, 26 MoE) and 1 MTP block, so that it has stages of
 26 and 27 blocks, and a V2-Lite-like GGUF of 26 blocks. Their splits and
 the headless run are rows of tests/model/test_architectures.py.
@@ -31,12 +31,12 @@ from ggufpipe_agent.gguf.architectures import SUPPORTED, check_plan, check_split
 from ggufpipe_agent.gguf.families import deepseek2
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
-from tests.support import synthetic_deepseek2
 from tests.support.arch_harness import assert_per_layer_refused, greedy_reference, model_path, run_chain
+from tests.support.synthetic_families import FAMILIES
 
 ARCH = MODEL = "deepseek2"
-BLOCKS = synthetic_deepseek2.BLOCKS  # 30: blocks 0-2 dense, 3-28 MoE, 29 MTP
-LITE_BLOCKS = synthetic_deepseek2.LITE_BLOCKS  # 26: block 0 dense
+BLOCKS = FAMILIES[MODEL].blocks  # 30: blocks 0-2 dense, 3-28 MoE, 29 MTP
+LITE_BLOCKS = FAMILIES["deepseek2 lite"].blocks  # 26: block 0 dense
 #: Splits of tests/model/test_architectures.py the controls run.
 INSIDE_THE_DENSE_BLOCKS = [(0, 1), (1, 4), (4, BLOCKS)]  # the last stage: 26 blocks with the MTP block
 AFTER_THE_DENSE_BLOCKS = [(0, 3), (3, 16), (16, BLOCKS)]
@@ -75,7 +75,7 @@ def test_deepseek2_stage_files_carry_their_share(model, lite_model):
         return out
 
     sigmoid, softmax = deepseek2.GATING_SIGMOID, deepseek2.GATING_SOFTMAX
-    q = synthetic_deepseek2.Q_LORA
+    q = FAMILIES[MODEL].keys["attention.q_lora_rank"]
     assert meta(model, 0, 2) == {  # inside the dense blocks: all dense
         "block_count": 2,
         "leading_dense_block_count": 2,

@@ -9,7 +9,7 @@ requires for embedding input and that equal plain RoPE for text positions,
 which the stage engine writes 4 per token.
 
 The model is a synthetic GGUF of 7 trunk blocks (2 dense, 5 mixture-of-experts)
-and 1 multi-token-prediction block (tests/support/synthetic_glm4moe.py); its
+and 1 multi-token-prediction block (tests/support/synthetic_families.py); its
 splits and its headless run are rows of tests/model/test_architectures.py.
 The controls take each override away in turn: without the sections llama.cpp
 aborts the process, without ``nextn_predict_layers = 0`` a stage skips its
@@ -34,13 +34,14 @@ from ggufpipe_agent.gguf.families import glm4moe
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles import writer as stagefile
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
-from tests.support import synthetic_glm4moe
 from tests.support.arch_harness import OPTIONS, UBATCH, assert_per_layer_refused, run_chain
 from tests.support.common import REPO
 from tests.support.stage_chain import Chain
+from tests.support.synthetic import HIDDEN
+from tests.support.synthetic_families import FAMILIES, write_model
 
 ARCH = MODEL = "glm4moe"
-BLOCKS = synthetic_glm4moe.BLOCKS  # 8: blocks 0-1 dense, 2-6 experts, 7 multi-token prediction
+BLOCKS = FAMILIES[MODEL].blocks  # 8: blocks 0-1 dense, 2-6 experts, 7 multi-token prediction
 #: The splits of tests/model/test_architectures.py the controls run.
 AFTER_THE_DENSE_BLOCKS = [(0, 2), (2, 8)]
 BETWEEN_THE_DENSE_BLOCKS = [(0, 1), (1, 8)]
@@ -101,9 +102,9 @@ def test_glm4moe_embedding_stage_keeps_a_prefix_exactly(model):
     from ggufpipe_agent.wire.protocol import SamplingParams
 
     stage = ensure_stage_file(model, 2, 5)
-    engine = StageEngine(str(stage), StageShape(False, False, 3, synthetic_glm4moe.HIDDEN), OPTIONS)
+    engine = StageEngine(str(stage), StageShape(False, False, 3, HIDDEN), OPTIONS)
     try:
-        rows = np.random.default_rng(0).standard_normal((40, synthetic_glm4moe.HIDDEN)).astype(np.float32)
+        rows = np.random.default_rng(0).standard_normal((40, HIDDEN)).astype(np.float32)
         cold = engine.step(rows)
         engine.reset(SamplingParams(), keep=True)
         kept, _why = engine.keepable()
@@ -252,7 +253,7 @@ def test_glm4moe_stage_ending_inside_the_mtp_blocks_is_refused():
     ids=["non-uniform", "MTP block alone"],
 )
 def test_glm4moe_refused_before_a_stage_file_is_written(tmp_path, metadata, start, end, reason):
-    source = synthetic_glm4moe.write_model(tmp_path / "refused.gguf", metadata=metadata)
+    source = write_model(tmp_path / "refused.gguf", MODEL, metadata=metadata)
     cache = tmp_path / "cache"
     with pytest.raises(UnsupportedArchitecture, match=reason):
         ensure_stage_file(source, start, end, cache)

@@ -1,6 +1,6 @@
 """gpt-oss splits exactly: a chain of stages gives the whole model's greedy tokens.
 
-The synthetic model (tests/support/synthetic_gpt_oss.py) has 9 blocks with a
+The synthetic model (tests/support/synthetic_families.py) has 9 blocks with a
 sliding window of 8 on the even ones (llama.cpp's default period 2), attention
 sinks, biases everywhere gpt-oss has them, a mixture of experts and YaRN. The
 rules proven here are in ggufpipe_agent/gguf/families/gpt_oss.py: every stage
@@ -21,8 +21,8 @@ from ggufpipe_agent.errors import ModelError, UnsupportedArchitecture
 from ggufpipe_agent.gguf.architectures import SUPPORTED, check_plan, check_split
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
-from tests.support import synthetic_gpt_oss
 from tests.support.arch_harness import assert_per_layer_refused, run_chain
+from tests.support.synthetic_families import FAMILIES
 
 ARCH = MODEL = "gpt-oss"
 
@@ -32,7 +32,7 @@ def test_stage_files_carry_the_window_pattern_and_the_output(model, tmp_path):
     # blocks 3, 4, 5 of the original: full, sliding, full
     assert stage.get(f"{ARCH}.attention.sliding_window_pattern") == [False, True, False]
     assert stage.get(f"{ARCH}.block_count") == 3
-    assert stage.get(f"{ARCH}.attention.sliding_window") == synthetic_gpt_oss.WINDOW
+    assert stage.get(f"{ARCH}.attention.sliding_window") == FAMILIES[MODEL].keys["attention.sliding_window"]
     names = {tensor.name for tensor in stage.tensors}
     assert (
         "output.weight" in names and "blk.2.attn_sinks.weight" in names and "blk.3.attn_q.weight" not in names

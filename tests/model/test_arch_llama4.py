@@ -1,6 +1,6 @@
 """Llama 4 splits exactly when every stage starts at a multiple of 4 blocks.
 
-The synthetic model (tests/support/synthetic_llama4.py) has 17 blocks as
+The synthetic model (tests/support/synthetic_families.py) has 17 blocks as
 Maverick lays them out: experts with a shared expert on the odd blocks, dense
 feed-forward on the even ones, chunked attention with no RoPE on every 4th
 block (3, 7, 11, 15); a Scout-like copy has experts on every block. The rules
@@ -23,7 +23,6 @@ from ggufpipe_agent.errors import EngineError, ModelError, UnsupportedArchitectu
 from ggufpipe_agent.gguf.architectures import SUPPORTED, check_plan, check_split, cut_multiple
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
-from tests.support import synthetic_llama4
 from tests.support.arch_harness import (
     HEADLESS_RUN,
     assert_per_layer_refused,
@@ -32,6 +31,7 @@ from tests.support.arch_harness import (
     run_headless,
     write_inventory,
 )
+from tests.support.synthetic_families import write_model
 
 ARCH = "llama4"
 MODEL = "llama4 maverick"
@@ -108,7 +108,7 @@ def test_a_refused_split_is_refused_before_anything_is_written(model, tmp_path):
 
 
 def test_a_model_without_chunked_attention_is_refused(tmp_path):
-    path = synthetic_llama4.write_model(tmp_path / "global.gguf", extra={"attention.sliding_window": 0})
+    path = write_model(tmp_path / "global.gguf", MODEL, metadata={"attention.sliding_window": 0})
     get = read_header(path).get
     check_split(ARCH, get, 0, 17, "m")  # the whole model is the source file itself
     cache = tmp_path / "cache"

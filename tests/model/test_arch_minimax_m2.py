@@ -7,7 +7,7 @@ the block count reaches the computation, but llama.cpp requires
 (``keep_tensors``); a split of a file whose per-layer head or expert counts
 differ between blocks is refused.
 
-The model is a synthetic 8-block GGUF (tests/support/synthetic_minimax_m2.py);
+The model is a synthetic 8-block GGUF (tests/support/synthetic_families.py);
 its splits and its headless run are rows of tests/model/test_architectures.py.
 The control: without ``keep_tensors`` a stage that is not the last fails to
 load, and llama.cpp says why.
@@ -25,12 +25,12 @@ from ggufpipe_agent.gguf import architectures
 from ggufpipe_agent.gguf.architectures import SUPPORTED, check_split
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
-from tests.support import synthetic_minimax_m2
 from tests.support.arch_harness import OPTIONS, assert_per_layer_refused
 from tests.support.stage_chain import Chain
+from tests.support.synthetic_families import FAMILIES, write_model
 
 ARCH = MODEL = "minimax-m2"
-BLOCKS = synthetic_minimax_m2.BLOCKS
+BLOCKS = FAMILIES[MODEL].blocks
 #: A split of tests/model/test_architectures.py the controls run.
 TWO_STAGES = [(0, 3), (3, 8)]
 
@@ -46,7 +46,7 @@ def test_minimax_m2_every_stage_file_keeps_the_output_projection(model):
         names = {tensor.name for tensor in stage.tensors}
         assert "output.weight" in names, (start, end)
         assert stage.get("minimax-m2.block_count") == end - start
-        assert stage.get("minimax-m2.rope.dimension_count") == synthetic_minimax_m2.ROPE_DIMS
+        assert stage.get("minimax-m2.rope.dimension_count") == FAMILIES[MODEL].keys["rope.dimension_count"]
 
 
 # ------------------------------------------------------------- control
@@ -104,14 +104,12 @@ def test_minimax_m2_multi_token_prediction_blocks_are_refused():
 
 def test_minimax_m2_non_uniform_model_is_refused_before_anything_is_written(tmp_path):
     used = [2] * (BLOCKS - 1) + [3]
-    source = synthetic_minimax_m2.write_model(tmp_path / "odd.gguf", metadata={"expert_used_count": used})
+    source = write_model(tmp_path / "odd.gguf", MODEL, metadata={"expert_used_count": used})
     cache = tmp_path / "cache"
     with pytest.raises(UnsupportedArchitecture, match="expert_used_count differs between blocks"):
         ensure_stage_file(source, 0, 4, cache)
     kv_heads = [2] * (BLOCKS - 1) + [4]
-    source = synthetic_minimax_m2.write_model(
-        tmp_path / "odd-kv.gguf", metadata={"attention.head_count_kv": kv_heads}
-    )
+    source = write_model(tmp_path / "odd-kv.gguf", MODEL, metadata={"attention.head_count_kv": kv_heads})
     with pytest.raises(UnsupportedArchitecture, match="runs only as one stage"):
         Chain(source, [(0, 4), (4, BLOCKS)], OPTIONS, cache_dir=cache)
     assert not cache.exists()

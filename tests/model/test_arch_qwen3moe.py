@@ -6,7 +6,7 @@ count only picks a model-type label), and a split of a file whose per-layer
 head or expert counts differ between blocks is refused, because llama.cpp
 reads layer 0's value for every block and a stage's layer 0 is another block.
 
-The model is a synthetic 8-block GGUF (tests/support/synthetic_qwen3moe.py);
+The model is a synthetic 8-block GGUF (tests/support/synthetic_families.py);
 its splits and its headless run are rows of tests/model/test_architectures.py.
 There is no override whose removal the control could show; the controls show
 instead that the comparison notices one block skipped, and a stage that
@@ -23,12 +23,13 @@ from ggufpipe_agent.gguf.architectures import SUPPORTED, check_split
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles import writer as stagefile
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
-from tests.support import synthetic_qwen3moe
 from tests.support.arch_harness import OPTIONS, assert_per_layer_refused, run_chain
 from tests.support.stage_chain import Chain
+from tests.support.synthetic import EXPERTS_USED
+from tests.support.synthetic_families import FAMILIES, write_model
 
 ARCH = MODEL = "qwen3moe"
-BLOCKS = synthetic_qwen3moe.BLOCKS
+BLOCKS = FAMILIES[MODEL].blocks
 #: A split of tests/model/test_architectures.py the controls run.
 TWO_STAGES = [(0, 3), (3, 8)]
 
@@ -41,8 +42,8 @@ def test_qwen3moe_is_accepted():
 def test_qwen3moe_stage_file_is_the_renumbered_blocks(model):
     stage = read_header(ensure_stage_file(model, 3, 5))
     assert stage.get("qwen3moe.block_count") == 2
-    assert stage.get("qwen3moe.expert_used_count") == synthetic_qwen3moe.EXPERTS_USED
-    assert stage.get("qwen3moe.attention.key_length") == synthetic_qwen3moe.HEAD_DIM
+    assert stage.get("qwen3moe.expert_used_count") == EXPERTS_USED
+    assert stage.get("qwen3moe.attention.key_length") == FAMILIES[MODEL].head_dim
 
 
 # ------------------------------------------------------------- controls
@@ -100,7 +101,7 @@ def test_qwen3moe_multi_token_prediction_blocks_are_refused():
     [("expert_used_count", [2] * (BLOCKS - 1) + [3]), ("attention.head_count_kv", [2] * (BLOCKS - 1) + [4])],
 )
 def test_qwen3moe_non_uniform_model_is_refused_before_a_stage_file_is_written(tmp_path, key, values):
-    source = synthetic_qwen3moe.write_model(tmp_path / "odd.gguf", metadata={key: values})
+    source = write_model(tmp_path / "odd.gguf", MODEL, metadata={key: values})
     cache = tmp_path / "cache"
     with pytest.raises(UnsupportedArchitecture, match=f"{key} differs between blocks"):
         ensure_stage_file(source, 0, 4, cache)
@@ -109,9 +110,7 @@ def test_qwen3moe_non_uniform_model_is_refused_before_a_stage_file_is_written(tm
 
 def test_qwen3moe_non_uniform_chain_is_refused_before_anything_loads(tmp_path):
     kv_heads = [2] * (BLOCKS - 1) + [4]
-    source = synthetic_qwen3moe.write_model(
-        tmp_path / "odd.gguf", metadata={"attention.head_count_kv": kv_heads}
-    )
+    source = write_model(tmp_path / "odd.gguf", MODEL, metadata={"attention.head_count_kv": kv_heads})
     cache = tmp_path / "cache"
     with pytest.raises(UnsupportedArchitecture, match="runs only as one stage"):
         Chain(source, [(0, 4), (4, BLOCKS)], OPTIONS, cache_dir=cache)

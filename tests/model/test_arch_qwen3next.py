@@ -2,7 +2,7 @@
 
 The rules and the llama.cpp lines they come from are in
 :mod:`ggufpipe_agent.gguf.families.qwen3next`. A synthetic Qwen3-Next
-(tests/support/synthetic_qwen3next.py: gated-delta-net and full-attention
+(tests/support/synthetic_families.py: gated-delta-net and full-attention
 blocks, experts with a shared expert, an MTP block) runs as the whole model
 and as chains of 1 to 4 stages cut off the recurrent pattern, with a stage of
 two blocks (the least a stage may have: one of each kind) and a last stage
@@ -25,9 +25,10 @@ from ggufpipe_agent.gguf.families import qwen3next as family
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles import writer as stagefile
 from ggufpipe_agent.stagefiles.writer import ensure_stage_file
-from tests.support import synthetic_qwen3next
 from tests.support.arch_harness import OPTIONS, assert_per_layer_refused, model_path
 from tests.support.stage_chain import Chain
+from tests.support.synthetic import HEADS
+from tests.support.synthetic_families import ARRAY_PATTERN, FAMILIES, write_model
 
 A = family.ARCH
 MODEL = "qwen3next interval+mtp"
@@ -35,7 +36,7 @@ MODEL = "qwen3next interval+mtp"
 
 def test_stage_files_carry_the_pattern_and_their_mtp_blocks(model, tmp_path_factory, tmp_path):
     path = model
-    flags = synthetic_qwen3next.recurrent_flags("interval")
+    flags = list(FAMILIES[MODEL].recurrent)
     first = read_header(ensure_stage_file(path, 0, 5, tmp_path))
     assert first.get(f"{A}.attention.recurrent_layers") == flags[0:5]  # 3 is full attention
     assert first.get(f"{A}.nextn_predict_layers") == 0  # block 4 is no MTP block here
@@ -47,7 +48,7 @@ def test_stage_files_carry_the_pattern_and_their_mtp_blocks(model, tmp_path_fact
     assert any(tensor.name.startswith("blk.11.nextn.") for tensor in last.tensors)
     # a source that has the per-layer array: the stage writer slices it
     array = read_header(ensure_stage_file(model_path(tmp_path_factory, "qwen3next array"), 2, 6, tmp_path))
-    assert array.get(f"{A}.attention.recurrent_layers") == list(synthetic_qwen3next.ARRAY_PATTERN[2:6])
+    assert array.get(f"{A}.attention.recurrent_layers") == list(ARRAY_PATTERN[2:6])
     assert array.get(f"{A}.nextn_predict_layers") is None
 
 
@@ -123,10 +124,8 @@ def test_per_layer_counts_that_differ_are_refused(key):
 
 
 def test_per_layer_head_counts_that_differ_are_refused_before_a_file_is_written(tmp_path):
-    counts = [synthetic_qwen3next.HEADS] * 8 + [synthetic_qwen3next.HEADS // 2] * 9
-    path = synthetic_qwen3next.write_model(
-        tmp_path / "heads.gguf", extra={f"{A}.attention.head_count": counts}
-    )
+    counts = [HEADS] * 8 + [HEADS // 2] * 9
+    path = write_model(tmp_path / "heads.gguf", MODEL, metadata={f"{A}.attention.head_count": counts})
     cache = tmp_path / "cache"
     with pytest.raises(UnsupportedArchitecture, match="head_count differs between blocks"):
         ensure_stage_file(path, 0, 9, cache)

@@ -26,16 +26,7 @@ import pytest
 from ggufpipe_agent.errors import UnsupportedArchitecture
 from ggufpipe_agent.gguf.architectures import check_split
 from ggufpipe_agent.wire.protocol import EngineOptions
-from tests.support import (
-    synthetic,
-    synthetic_deepseek2,
-    synthetic_glm4moe,
-    synthetic_gpt_oss,
-    synthetic_llama4,
-    synthetic_minimax_m2,
-    synthetic_qwen3moe,
-    synthetic_qwen3next,
-)
+from tests.support import synthetic, synthetic_families
 from tests.support.common import REPO, whole_model_greedy
 from tests.support.stage_chain import Chain
 
@@ -50,31 +41,11 @@ PROMPT = synthetic.prompt_tokens(3 * UBATCH - 5)  # three ubatches, the last one
 Writer = Callable[[Path], Path]
 
 #: Every synthetic model the architecture tests run, by name: the dense
-#: families of :data:`tests.support.synthetic.SPECS` and the families with
-#: a writer of their own, in each variant a test needs.
+#: families of :data:`tests.support.synthetic.SPECS` and the rows of
+#: :data:`tests.support.synthetic_families.FAMILIES`.
 MODELS: dict[str, Writer] = {
     **{name: partial(synthetic.write_model, name=name) for name in synthetic.SPECS},
-    "deepseek2": synthetic_deepseek2.write_model,
-    "deepseek2 lite": partial(synthetic_deepseek2.write_model, lite=True),
-    "glm4moe": synthetic_glm4moe.write_model,
-    "gpt-oss": synthetic_gpt_oss.write_model,
-    "llama4 maverick": partial(synthetic_llama4.write_model, moe_step=2),
-    "llama4 scout": partial(synthetic_llama4.write_model, moe_step=1),
-    "minimax-m2": synthetic_minimax_m2.write_model,
-    "qwen3moe": synthetic_qwen3moe.write_model,
-    "qwen3next interval+mtp": partial(synthetic_qwen3next.write_model, pattern="interval", mtp=True),
-    "qwen3next array": partial(synthetic_qwen3next.write_model, pattern="array", mtp=False),
-    # the per-layer counts written as (uniform) arrays; expert_used_count
-    # stays a scalar: ggufpipe_agent/gguf/memory.py cannot read it as an array yet
-    "qwen3next uniform arrays": partial(
-        synthetic_qwen3next.write_model,
-        pattern="interval",
-        mtp=True,
-        extra={
-            "qwen3next.attention.head_count": [synthetic_qwen3next.HEADS] * 17,
-            "qwen3next.attention.head_count_kv": [synthetic_qwen3next.KV_HEADS] * 17,
-        },
-    ),
+    **{name: partial(synthetic_families.write_model, name=name) for name in synthetic_families.FAMILIES},
 }
 
 _paths: dict[str, Path] = {}
