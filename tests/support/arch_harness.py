@@ -48,6 +48,12 @@ MODELS: dict[str, Writer] = {
     **{name: partial(synthetic_families.write_model, name=name) for name in synthetic_families.FAMILIES},
 }
 
+#: The ``general.architecture`` of each model of MODELS.
+ARCHITECTURES: dict[str, str] = {
+    **{name: spec.arch for name, spec in synthetic.SPECS.items()},
+    **{name: family.arch for name, family in synthetic_families.FAMILIES.items()},
+}
+
 _paths: dict[str, Path] = {}
 
 
