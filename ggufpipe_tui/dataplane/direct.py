@@ -31,7 +31,7 @@ import secrets
 from collections.abc import Sequence
 
 from ggufpipe_agent.tasks import TaskOwner
-from ggufpipe_agent.wire.protocol import (
+from ggufpipe_agent.wire.link_messages import (
     LinkConnect,
     LinkConnected,
     LinkCredentials,
@@ -39,11 +39,8 @@ from ggufpipe_agent.wire.protocol import (
     LinkEdge,
     LinkListen,
     LinkListening,
-    Message,
-    OpenEdge,
-    RequestFailed,
-    encode_message,
 )
+from ggufpipe_agent.wire.protocol import Message, OpenEdge, RequestFailed, encode_message
 from ggufpipe_tui.core.errors import PipelineError
 from ggufpipe_tui.core.events import DataPath
 from ggufpipe_tui.core.plan import RunPlan
