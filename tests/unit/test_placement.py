@@ -224,7 +224,8 @@ def test_build_plan_carries_the_placement_figures():
 
 
 def test_the_worked_example_in_the_docs_is_what_its_script_prints():
-    from benchmarks.plan_70b import BEGIN, DOC, END, example
+    from benchmarks.plan_70b import BEGIN, END, example
+    from benchmarks.planning_doc import DOC
 
     assert DOC.read_text().split(BEGIN)[1].split(END)[0] == example(), "run benchmarks/plan_70b.py --docs"
 
@@ -443,7 +444,8 @@ def test_an_output_kept_in_every_stage_is_counted_in_every_stage():
 
 
 def test_the_moe_worked_examples_in_the_docs_are_what_their_script_prints():
-    from benchmarks.plan_moe import BEGIN, DOC, END, example
+    from benchmarks.plan_moe import BEGIN, END, example
+    from benchmarks.planning_doc import DOC
 
     assert DOC.read_text().split(BEGIN)[1].split(END)[0] == example(), "run benchmarks/plan_moe.py --docs"
 
