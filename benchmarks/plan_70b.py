@@ -29,6 +29,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.planning_doc import main, markers  # noqa: E402
 from ggufpipe_agent.gguf.memory import GIB, MIB, format_size  # noqa: E402
 from ggufpipe_agent.wire.protocol import Device, Hello, MemoryFacts, ModelFacts  # noqa: E402
 from ggufpipe_tui.core.inventory import parse_inventory  # noqa: E402
@@ -217,18 +218,8 @@ def example() -> str:
     return "\n".join(parts) + "\n"
 
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "planning.md"
-BEGIN, END = "<!-- benchmarks/plan_70b.py: begin -->\n", "<!-- benchmarks/plan_70b.py: end -->"
-
-
-def write_docs() -> None:
-    text = DOC.read_text()
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    DOC.write_text(head + BEGIN + example() + END + tail)
+BEGIN, END = markers("plan_70b.py")
 
 
 if __name__ == "__main__":
-    print(example(), end="")
-    if "--docs" in sys.argv[1:]:
-        write_docs()
+    main("plan_70b.py", example)

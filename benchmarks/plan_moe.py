@@ -52,6 +52,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.planning_doc import main, markers  # noqa: E402
 from ggufpipe_agent.gguf.architectures import check_plan  # noqa: E402
 from ggufpipe_agent.gguf.facts import read_model_facts  # noqa: E402
 from ggufpipe_agent.gguf.memory import GIB, MIB, format_size  # noqa: E402
@@ -399,18 +400,8 @@ def example() -> str:
     return "\n".join(parts)
 
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "planning.md"
-BEGIN, END = "<!-- benchmarks/plan_moe.py: begin -->\n", "<!-- benchmarks/plan_moe.py: end -->"
-
-
-def write_docs() -> None:
-    text = DOC.read_text()
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    DOC.write_text(head + BEGIN + example() + END + tail)
+BEGIN, END = markers("plan_moe.py")
 
 
 if __name__ == "__main__":
-    print(example(), end="")
-    if "--docs" in sys.argv[1:]:
-        write_docs()
+    main("plan_moe.py", example)

@@ -12,6 +12,7 @@ from typing import Any
 from ggufpipe_agent import __version__
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.wire.codec import text_problem
+from ggufpipe_tui.commands.parsing import inventory_parser
 
 DESCRIPTION = """\
 Pipeline-parallel LLM inference from one GGUF model across several hosts.
@@ -71,13 +72,7 @@ Each run writes a JSON Lines event log; its path is printed at the end
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ggufpipe-tui",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("inventory", metavar="INVENTORY", help="inventory YAML file")
+    parser = inventory_parser("ggufpipe-tui", DESCRIPTION, EPILOG)
     parser.add_argument(
         "--prompt",
         metavar="TEXT",

@@ -34,13 +34,11 @@ from ggufpipe_agent.stage.validation import fits_bits, validate_provision
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire.delivery_messages import CacheRequest
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
+from ggufpipe_agent.wire.link_messages import LinkConnect, LinkEdge, LinkListen
 from ggufpipe_agent.wire.protocol import (
     Heartbeat,
     Hello,
     Inspect,
-    LinkConnect,
-    LinkEdge,
-    LinkListen,
     Message,
     ProvisionStage,
     Refused,

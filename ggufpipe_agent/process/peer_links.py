@@ -48,8 +48,7 @@ from ggufpipe_agent.stage.run import StageRun
 from ggufpipe_agent.stage.writers import Deliver, LocalFeed, RecordWriter
 from ggufpipe_agent.wire.endpoints import parse_endpoint
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
-from ggufpipe_agent.wire.link_messages import stage_name
-from ggufpipe_agent.wire.protocol import (
+from ggufpipe_agent.wire.link_messages import (
     LinkAttach,
     LinkConnect,
     LinkConnected,
@@ -58,10 +57,9 @@ from ggufpipe_agent.wire.protocol import (
     LinkEdge,
     LinkListen,
     LinkListening,
-    Message,
-    OpenEdge,
-    RequestFailed,
+    stage_name,
 )
+from ggufpipe_agent.wire.protocol import Message, OpenEdge, RequestFailed
 
 log = logging.getLogger("ggufpipe.links")
 

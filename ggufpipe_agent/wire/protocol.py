@@ -20,6 +20,11 @@ from dataclasses import dataclass
 import msgpack
 
 from ggufpipe_agent.errors import ProtocolError
+
+# The messages of model delivery and of the stage cache, and those of the
+# direct links (docs/rings.md), are defined in their own modules (to keep this
+# one readable): importing them puts their messages in the tag registry.
+from ggufpipe_agent.wire import delivery_messages, link_messages  # noqa: F401
 from ggufpipe_agent.wire.codec import (  # noqa: F401 - to_plain, Bounds, BOUNDS are this module's API too
     BOUNDS,
     HEAD_LIMITS,
@@ -30,31 +35,6 @@ from ggufpipe_agent.wire.codec import (  # noqa: F401 - to_plain, Bounds, BOUNDS
     Message,
     build,
     to_plain,
-)
-
-# The messages of model delivery and of the stage cache are defined in their
-# own module (to keep this one readable); they are this module's names too.
-from ggufpipe_agent.wire.delivery_messages import (  # noqa: F401
-    CacheReport,
-    CacheRequest,
-    ReceiveAnswer,
-    ReceiveFailed,
-    ReceiveStage,
-    StageData,
-    StageDataEnd,
-    StageStored,
-)
-
-# The direct links' messages likewise (docs/rings.md).
-from ggufpipe_agent.wire.link_messages import (  # noqa: F401
-    LinkAttach,
-    LinkConnect,
-    LinkConnected,
-    LinkCredentials,
-    LinkDown,
-    LinkEdge,
-    LinkListen,
-    LinkListening,
 )
 
 # The records inside messages are defined in their own module; they are this

@@ -22,6 +22,7 @@ from typing import IO
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.wire.delivery_messages import CacheEntry, CacheReport, CacheRequest
 from ggufpipe_agent.wire.protocol import RequestFailed, Shutdown
+from ggufpipe_tui.commands.parsing import inventory_parser
 from ggufpipe_tui.core.format import format_bytes
 from ggufpipe_tui.core.inventory import HostSpec, Inventory
 
@@ -50,13 +51,7 @@ damaged entries (removed: they are written or sent again at the next start);
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ggufpipe-tui cache",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("inventory", metavar="INVENTORY", help="inventory YAML file")
+    parser = inventory_parser("ggufpipe-tui cache", DESCRIPTION, EPILOG)
     parser.add_argument("action", nargs="?", default="list", choices=("list", "remove", "verify"))
     parser.add_argument("names", nargs="*", metavar="NAME", help="entries to remove")
     parser.add_argument("--all", action="store_true", dest="every", help="with remove: every entry")

@@ -31,19 +31,8 @@ import secrets
 from collections.abc import Sequence
 
 from ggufpipe_agent.tasks import TaskOwner
-from ggufpipe_agent.wire.protocol import (
-    LinkConnect,
-    LinkConnected,
-    LinkCredentials,
-    LinkDown,
-    LinkEdge,
-    LinkListen,
-    LinkListening,
-    Message,
-    OpenEdge,
-    RequestFailed,
-    encode_message,
-)
+from ggufpipe_agent.wire import link_messages as links
+from ggufpipe_agent.wire.protocol import Message, OpenEdge, RequestFailed, encode_message
 from ggufpipe_tui.core.errors import PipelineError
 from ggufpipe_tui.core.events import DataPath
 from ggufpipe_tui.core.plan import RunPlan
@@ -95,16 +84,16 @@ class DirectPlane(RelayPlane):
             self.paths[path.producer] = path
             self.events.routed(path)
 
-    def _credentials(self, stage: int) -> LinkCredentials:
+    def _credentials(self, stage: int) -> links.LinkCredentials:
         from ggufpipe_tui.dataplane.credentials import SessionAuthority
 
         if self._authority is None:
             self._authority = SessionAuthority()
         assert isinstance(self._authority, SessionAuthority)
         issued = self._authority.issue(stage)
-        return LinkCredentials(issued.certificate, issued.key, self._authority.certificate_pem)
+        return links.LinkCredentials(issued.certificate, issued.key, self._authority.certificate_pem)
 
-    def _endpoints(self, consumer: DataStage, listening: LinkListening) -> tuple[str, ...]:
+    def _endpoints(self, consumer: DataStage, listening: links.LinkListening) -> tuple[str, ...]:
         if listening.endpoint.startswith("unix:"):
             return (listening.endpoint,)
         port = int(listening.endpoint.removeprefix("tcp:"))
@@ -128,22 +117,23 @@ class DirectPlane(RelayPlane):
             return DataPath(producer, consumer, "relay", "relay", reason="data: relay in the inventory")
         transport = "unix" if _same_host(p, c) else "tls"
         token = secrets.token_hex(16)
-        blank = LinkCredentials()
+        blank = links.LinkCredentials()
         theirs = blank if transport == "unix" else self._credentials(consumer)
         ours = blank if transport == "unix" else self._credentials(producer)
         probe = min(timeout, PROBE_SECONDS)
         failure = ""
         try:
             listening = await c.request(
-                lambda rid: LinkListen(rid, transport, producer, token, theirs, 4 * probe + timeout), timeout
+                lambda rid: links.LinkListen(rid, transport, producer, token, theirs, 4 * probe + timeout),
+                timeout,
             )
-            if isinstance(listening, LinkListening):
+            if isinstance(listening, links.LinkListening):
                 endpoints = self._endpoints(c, listening)
                 connected = await p.request(
-                    lambda rid: LinkConnect(rid, transport, consumer, endpoints, token, ours, probe),
+                    lambda rid: links.LinkConnect(rid, transport, consumer, endpoints, token, ours, probe),
                     probe * len(endpoints) + timeout,
                 )
-                if isinstance(connected, LinkConnected):
+                if isinstance(connected, links.LinkConnected):
                     return DataPath(
                         producer, consumer, "direct", transport, connected.endpoint, connected.round_trip_ms
                     )
@@ -191,9 +181,9 @@ class DirectPlane(RelayPlane):
             if producer in linked or not both or not self.direct(producer):
                 continue
             if producer < n - 1:
-                message = LinkEdge(plan.run_id, plan.stages[producer].outbound_edge, "outbound")
+                message = links.LinkEdge(plan.run_id, plan.stages[producer].outbound_edge, "outbound")
             elif plan.ring is not None:
-                message = LinkEdge(plan.run_id, plan.ring.edge_id, "ring-out")
+                message = links.LinkEdge(plan.run_id, plan.ring.edge_id, "ring-out")
             else:
                 continue  # the orchestrator feeds tokens back: the ring's link idles
             # Once: the setups of both stages of a pair run at once, and each
@@ -209,7 +199,7 @@ class DirectPlane(RelayPlane):
     # ------------------------------------------------------- a link down
 
     def on_message(self, stage: int, message: Message) -> bool:
-        if not isinstance(message, LinkDown):
+        if not isinstance(message, links.LinkDown):
             return False
         n = len(self.stages)
         producer = stage if (stage + 1) % n == message.peer else message.peer
@@ -218,7 +208,7 @@ class DirectPlane(RelayPlane):
             self.tasks.spawn(self._link_down(producer, stage, message), f"link {producer} down")
         return True
 
-    async def _link_down(self, producer: int, reporter: int, message: LinkDown) -> None:
+    async def _link_down(self, producer: int, reporter: int, message: links.LinkDown) -> None:
         ends = (self.stages[producer], self.stages[(producer + 1) % len(self.stages)])
         for _ in range(int(LINK_GRACE_SECONDS / 0.05)):
             if not all(end.alive() for end in ends):

@@ -19,16 +19,8 @@ from ggufpipe_agent.heartbeat import Silence
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire.delivery_messages import CacheReport
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
-from ggufpipe_agent.wire.protocol import (
-    Heartbeat,
-    Hello,
-    LinkConnected,
-    LinkListening,
-    Message,
-    ModelInfo,
-    RequestFailed,
-    Tokenized,
-)
+from ggufpipe_agent.wire.link_messages import LinkConnected, LinkListening
+from ggufpipe_agent.wire.protocol import Heartbeat, Hello, Message, ModelInfo, RequestFailed, Tokenized
 from ggufpipe_tui.core.errors import PipelineError
 from ggufpipe_tui.core.events import AgentSetup, Emit
 from ggufpipe_tui.core.inventory import HostSpec, Timeouts

@@ -17,30 +17,8 @@ from typing import Any
 
 from rich.text import Text
 
+from ggufpipe_tui.core import events as ev
 from ggufpipe_tui.core import format as fmt
-from ggufpipe_tui.core.events import (
-    AgentConnected,
-    AgentLog,
-    AgentSetup,
-    DataPath,
-    Event,
-    ModelInspected,
-    Notice,
-    PlanMade,
-    PromptAssigned,
-    RunFinished,
-    RunInterrupted,
-    RunPhaseChanged,
-    RunRecovered,
-    RunReplaying,
-    RunResult,
-    StageDelivery,
-    StageLoadProgress,
-    StageRecovery,
-    StageStateChanged,
-    StageStats,
-    TokenStreamed,
-)
 from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.core.recovery import recovery_line
 from ggufpipe_tui.core.run_fsm import RunPhase
@@ -73,7 +51,7 @@ class ViewState:
         self.exchanges: dict[int, ExchangeView] = {}  # by run id
         self.tickets: dict[int, ExchangeView] = {}  # submitted, by the session's ticket
         self.runs: dict[int, RunStats] = {}
-        self.results: deque[RunResult] = deque(maxlen=MAX_RUNS)
+        self.results: deque[ev.RunResult] = deque(maxlen=MAX_RUNS)
         self.shown: deque[ExchangeView] = deque()  # in the transcript, oldest first
         self.latest: RunStats | None = None
         self.agent_pids: dict[int, int] = {}
@@ -85,25 +63,25 @@ class ViewState:
         self.touched: dict[int, ExchangeView] = {}
         self.dirty = True  # the stage table and the status line
         self._handlers: dict[type, Callable[[Any, float], None]] = {
-            AgentLog: self._agent_log,
-            TokenStreamed: self._token,
-            AgentConnected: self._connected,
-            AgentSetup: self._setup,
-            ModelInspected: self._model,
-            PlanMade: self._plan,
-            RunPhaseChanged: self._phase,
-            StageStateChanged: self._stage_state,
-            StageLoadProgress: self._load,
-            StageDelivery: self._delivery,
-            StageStats: self._stats,
-            RunFinished: self._finished,
-            Notice: self._notice,
-            PromptAssigned: self._prompt,
-            DataPath: self._data_path,
-            StageRecovery: self._recovery,
-            RunInterrupted: self._interrupted,
-            RunReplaying: self._replaying,
-            RunRecovered: self._recovered,
+            ev.AgentLog: self._agent_log,
+            ev.TokenStreamed: self._token,
+            ev.AgentConnected: self._connected,
+            ev.AgentSetup: self._setup,
+            ev.ModelInspected: self._model,
+            ev.PlanMade: self._plan,
+            ev.RunPhaseChanged: self._phase,
+            ev.StageStateChanged: self._stage_state,
+            ev.StageLoadProgress: self._load,
+            ev.StageDelivery: self._delivery,
+            ev.StageStats: self._stats,
+            ev.RunFinished: self._finished,
+            ev.Notice: self._notice,
+            ev.PromptAssigned: self._prompt,
+            ev.DataPath: self._data_path,
+            ev.StageRecovery: self._recovery,
+            ev.RunInterrupted: self._interrupted,
+            ev.RunReplaying: self._replaying,
+            ev.RunRecovered: self._recovered,
         }
 
     @property
@@ -111,7 +89,7 @@ class ViewState:
         """A run is decoding: tokens stream, the frames keep to their budget."""
         return self.run_phase == RunPhase.RUNNING.value
 
-    def apply(self, event: Event, now: float) -> None:
+    def apply(self, event: ev.Event, now: float) -> None:
         handler = self._handlers.get(type(event))
         if handler is not None:
             handler(event, now)
@@ -195,10 +173,10 @@ class ViewState:
 
     # ------------------------------------------------------------- events
 
-    def _agent_log(self, event: AgentLog, now: float) -> None:
+    def _agent_log(self, event: ev.AgentLog, now: float) -> None:
         self.note(event.stage, Text(event.line))
 
-    def _token(self, event: TokenStreamed, now: float) -> None:
+    def _token(self, event: ev.TokenStreamed, now: float) -> None:
         view = self.exchanges.get(event.run_id)
         if view is not None and event.text:
             view.parts.append(event.text)
@@ -211,11 +189,11 @@ class ViewState:
                 stats.first_token = now
             stats.last_token = now
 
-    def _data_path(self, event: DataPath, now: float) -> None:
+    def _data_path(self, event: ev.DataPath, now: float) -> None:
         style = "yellow" if event.data == "relay" else "grey70"
         self.note(event.producer, Text(fmt.data_path_line(event), style=style))
 
-    def _connected(self, event: AgentConnected, now: float) -> None:
+    def _connected(self, event: ev.AgentConnected, now: float) -> None:
         row = self.rows[event.stage]
         # A stage recovery moved to a spare host is on that host now.
         row.connected, row.host, row.where = True, event.host, event.where
@@ -224,13 +202,13 @@ class ViewState:
         self.note(event.stage, Text(fmt.agent_line(event), style="bold"))
         self.dirty = True
 
-    def _model(self, event: ModelInspected, now: float) -> None:
+    def _model(self, event: ev.ModelInspected, now: float) -> None:
         hosts = len({row.host for row in self.rows})
         self.model_line = fmt.model_line(event.facts, len(self.rows), hosts)
         self.note(None, Text(f"model {self.model_line}", style="bold"))
         self.dirty = True
 
-    def _plan(self, event: PlanMade, now: float) -> None:
+    def _plan(self, event: ev.PlanMade, now: float) -> None:
         self.run_id = event.plan.run_id
         self.session_phase = None
         self.run_phase = "Planning"
@@ -243,7 +221,7 @@ class ViewState:
             self.note(row.index, Text(f"  {fmt.stage_plan_line(stage)}"))
         self.dirty = True
 
-    def _phase(self, event: RunPhaseChanged, now: float) -> None:
+    def _phase(self, event: ev.RunPhaseChanged, now: float) -> None:
         self.run_id, self.run_phase = event.run_id, event.phase
         if self.running:
             stats = RunStats(event.run_id, started=now)
@@ -259,7 +237,7 @@ class ViewState:
         self.note(None, line)
         self.dirty = True
 
-    def _stage_state(self, event: StageStateChanged, now: float) -> None:
+    def _stage_state(self, event: ev.StageStateChanged, now: float) -> None:
         row = self.rows[event.stage]
         row.state = event.state
         self._record(row, event.state)
@@ -271,7 +249,7 @@ class ViewState:
         self.note(event.stage, _state_line(f"stage {event.stage}", event.state, event.detail))
         self.dirty = True
 
-    def _load(self, event: StageLoadProgress, now: float) -> None:
+    def _load(self, event: ev.StageLoadProgress, now: float) -> None:
         row = self.rows[event.stage]
         row.load_detail, row.load_fraction = event.detail, event.fraction
         if self._load_detail.get(event.stage) != event.detail:
@@ -279,7 +257,7 @@ class ViewState:
             self.note(event.stage, Text(f"stage {event.stage}: {event.detail}", style="grey70"))
         self.dirty = True
 
-    def _setup(self, event: AgentSetup, now: float) -> None:
+    def _setup(self, event: ev.AgentSetup, now: float) -> None:
         """A host being given its agent: the row says so, the log each step."""
         row = self.rows[event.stage]
         row.state = "Setting up" if event.state != "done" else "Unprovisioned"
@@ -288,7 +266,7 @@ class ViewState:
         self.note(event.stage, Text(line, style="bold" if event.state == "done" else "grey70"))
         self.dirty = True
 
-    def _delivery(self, event: StageDelivery, now: float) -> None:
+    def _delivery(self, event: ev.StageDelivery, now: float) -> None:
         row = self.rows[event.stage]
         before = row.delivery
         row.delivery = event
@@ -297,18 +275,18 @@ class ViewState:
             self.note(event.stage, Text(line, style="bold" if event.state == "done" else "grey70"))
         self.dirty = True
 
-    def _stats(self, event: StageStats, now: float) -> None:
+    def _stats(self, event: ev.StageStats, now: float) -> None:
         row = self.rows[event.stage]
         row.counters = event.counters
         if self.running:
             row.activity += 1
         self.dirty = True
 
-    def _notice(self, event: Notice, now: float) -> None:
+    def _notice(self, event: ev.Notice, now: float) -> None:
         style = {"error": "bold red", "warning": "yellow"}.get(event.level, "grey70")
         self.note(None, Text(f"{event.level}: {event.text}", style=style))
 
-    def _prompt(self, event: PromptAssigned, now: float) -> None:
+    def _prompt(self, event: ev.PromptAssigned, now: float) -> None:
         self.prompt_active = True
         view = self.tickets.pop(event.ticket, None) if event.ticket else None
         if view is None:  # a scripted prompt, or one submitted elsewhere
@@ -320,7 +298,7 @@ class ViewState:
         self.note(None, Text(f"run {event.run_id:016x}: prompt {event.text!r}", style="bold"))
         self.dirty = True
 
-    def _recovery(self, event: StageRecovery, now: float) -> None:
+    def _recovery(self, event: ev.StageRecovery, now: float) -> None:
         """A lost stage: its row goes Lost -> Recovering -> Ready (or Broken)."""
         row = self.rows[event.stage]
         row.state = event.state
@@ -329,11 +307,11 @@ class ViewState:
         self.note(event.stage, _state_line(f"stage {event.stage} on {event.host}", event.state, event.detail))
         self.dirty = True
 
-    def _interrupted(self, event: RunInterrupted, now: float) -> None:
+    def _interrupted(self, event: ev.RunInterrupted, now: float) -> None:
         line = f"run {event.run_id:016x} interrupted after {event.tokens} tokens: {event.reason}"
         self.note(None, Text(line, style="bold yellow"))
 
-    def _replaying(self, event: RunReplaying, now: float) -> None:
+    def _replaying(self, event: ev.RunReplaying, now: float) -> None:
         """The replay carries the interrupted run's exchange on."""
         view = self.exchanges.pop(event.interrupted, None)
         if view is not None:
@@ -341,7 +319,7 @@ class ViewState:
             self.exchanges[event.run_id] = view
         self.note(None, Text(f"run {event.run_id:016x} replays run {event.interrupted:016x}", style="bold"))
 
-    def _recovered(self, event: RunRecovered, now: float) -> None:
+    def _recovered(self, event: ev.RunRecovered, now: float) -> None:
         line = recovery_line(event)
         view = self.exchanges.get(event.run_id)
         if view is not None:  # a line under the reply, which goes on
@@ -351,7 +329,7 @@ class ViewState:
         self.note(None, Text(line, style="bold yellow"))
         self.dirty = True
 
-    def _finished(self, event: RunFinished, now: float) -> None:
+    def _finished(self, event: ev.RunFinished, now: float) -> None:
         result = event.result
         self.results.append(result)
         self.prompt_active = False

@@ -29,6 +29,7 @@ from ggufpipe_tui.core.recovery import recovery_line
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.session.runs import Prompt
 from tests.support.common import MODES, mode_yaml, whole_model_greedy
+from tests.support.local import write_inventory
 from tests.support.sabotage import Saboteur, on_token, run_with, signal_agent
 
 pytestmark = pytest.mark.model
@@ -42,17 +43,16 @@ def inventory_file(
     limits = {"connect": 30, "ready": 60, "step": 30, "teardown": 5, **timeouts}
     data, feedback = mode_yaml(mode)
     ranges = [(0, 7), (7, 23), (23, 30)]
-    stages = "".join(f"  - {{host: here, layers: [{a}, {b}]}}\n" for a, b in ranges)
-    path = tmp_path / "inventory.yaml"
-    path.write_text(
-        f"model: {{path: {model_path}}}\n"
-        "hosts:\n  here: {local: true}\n"
-        f"stages:\n{stages}"
-        f"run: {{context: 512, ubatch: 32, max_tokens: {MAX_TOKENS}, ignore_eos: true, chat: false, {feedback}}}\n"
-        f"timeouts: {{{', '.join(f'{k}: {v}' for k, v in limits.items())}}}\n"
-        f"recovery: {{attempts: {attempts}, deadline: 120}}\n" + data
+    stages = "".join(f"- {{host: here, layers: [{a}, {b}]}}\n" for a, b in ranges)
+    return write_inventory(
+        tmp_path,
+        model_path,
+        stages,
+        f"max_tokens: {MAX_TOKENS}, ignore_eos: true, chat: false, {feedback}",
+        data,
+        timeouts=", ".join(f"{k}: {v}" for k, v in limits.items()),
+        extra=f"recovery: {{attempts: {attempts}, deadline: 120}}\n",
     )
-    return path
 
 
 def unbroken(model_path: Path, result: Any) -> list[int]:

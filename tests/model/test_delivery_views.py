@@ -13,16 +13,7 @@ from ggufpipe_agent.delivery.sender import StageOffer
 from ggufpipe_agent.gguf.identity import model_identity
 from ggufpipe_agent.stagefiles.admin import CacheEntry
 from ggufpipe_agent.stagefiles.cache import StageKey
-from ggufpipe_agent.wire.delivery_messages import (
-    CacheReport,
-    CacheRequest,
-    ReceiveAnswer,
-    ReceiveFailed,
-    ReceiveStage,
-    StageData,
-    StageDataEnd,
-    StageStored,
-)
+from ggufpipe_agent.wire import delivery_messages as messages
 from ggufpipe_agent.wire.protocol import StageFileRef, decode_message, encode_message
 from ggufpipe_tui.core import format as fmt
 from ggufpipe_tui.core import printer as printing
@@ -44,14 +35,14 @@ def event(state: str, done: int, size: int = int(12.4 * GIB), rate: float = 240e
 
 
 MESSAGES = [
-    ReceiveStage(StageOffer(KEY, 123, 1 << 23), replace=True),
-    ReceiveAnswer(ReceiveStatus("partial", "n.gguf", verified_bytes=8, verified_chunks=1), "/c", 99),
-    StageData(3, "d" * 64, 1 << 23),
-    StageDataEnd("e" * 64),
-    StageStored("n.gguf", 123, "f" * 64),
-    ReceiveFailed("no space left for /c/n.gguf: ...", "disk_full", "/c/n.gguf", 123, 4),
-    CacheRequest(7, "remove", ("a.gguf", "b.gguf"), every=False),
-    CacheReport(7, "/c", 5, (CacheEntry("a.gguf", "complete", "ab" * 32, "tiny", 0, 2, 4, 10, 10, 1.5),), ("b.gguf",)),
+    messages.ReceiveStage(StageOffer(KEY, 123, 1 << 23), replace=True),
+    messages.ReceiveAnswer(ReceiveStatus("partial", "n.gguf", verified_bytes=8, verified_chunks=1), "/c", 99),
+    messages.StageData(3, "d" * 64, 1 << 23),
+    messages.StageDataEnd("e" * 64),
+    messages.StageStored("n.gguf", 123, "f" * 64),
+    messages.ReceiveFailed("no space left for /c/n.gguf: ...", "disk_full", "/c/n.gguf", 123, 4),
+    messages.CacheRequest(7, "remove", ("a.gguf", "b.gguf"), every=False),
+    messages.CacheReport(7, "/c", 5, (CacheEntry("a.gguf", "complete", "ab" * 32, "tiny", 0, 2, 4, 10, 10, 1.5),), ("b.gguf",)),
 ]
 
 

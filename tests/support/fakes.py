@@ -16,7 +16,6 @@ from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire.protocol import (
     ChatMessage,
     Message,
-    ModelFacts,
     PrefixHeld,
     ProvisionStage,
     StageProgress,
@@ -34,12 +33,11 @@ from ggufpipe_tui.session.parallel import ParallelRunner
 from ggufpipe_tui.session.runs import RunHandle, RunQueue, Turn
 from ggufpipe_tui.session.serving import SerialRunner
 from ggufpipe_tui.session.stages import PipelineError
+from tests.support.model_facts import model_facts
 
-FACTS = ModelFacts(
+FACTS = model_facts(
     path="/models/m.gguf",
     name="tiny",
-    architecture="llama",
-    file_type="Q4_1",
     file_size=1 << 20,
     block_count=4,
     hidden_dim=8,
@@ -49,11 +47,7 @@ FACTS = ModelFacts(
     head_count_kv=1,
     key_length=4,
     value_length=4,
-    bos_token_id=1,
-    eos_token_id=2,
     eog_token_ids=(2,),
-    add_bos=False,
-    chat_template="",
     block_bytes=(100,) * 4,
     embedding_bytes=64,
     output_bytes=8,

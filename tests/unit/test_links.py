@@ -13,16 +13,15 @@ import pytest
 
 from ggufpipe_agent.process.peer_links import Links
 from ggufpipe_agent.tasks import TaskOwner
-from ggufpipe_agent.wire.protocol import (
+from ggufpipe_agent.wire.link_messages import (
     LinkConnect,
     LinkConnected,
     LinkCredentials,
     LinkDown,
     LinkListen,
     LinkListening,
-    Message,
-    RequestFailed,
 )
+from ggufpipe_agent.wire.protocol import Message, RequestFailed
 from ggufpipe_tui.dataplane.credentials import SessionAuthority
 
 
@@ -148,7 +147,7 @@ async def test_each_pair_gets_its_link_edge_once_when_the_stages_set_up_at_once(
     open the consumer's end twice (refused: the run faults)."""
     from types import SimpleNamespace
 
-    from ggufpipe_agent.wire.protocol import LinkEdge
+    from ggufpipe_agent.wire.link_messages import LinkEdge
     from ggufpipe_tui.core.events import DataPath
     from ggufpipe_tui.dataplane import DataPlaneEvents
     from ggufpipe_tui.dataplane.direct import DirectPlane

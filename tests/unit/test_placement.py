@@ -10,70 +10,12 @@ from pathlib import Path
 import pytest
 
 from ggufpipe_agent.gguf.memory import GIB, MIB, estimate_stage
-from ggufpipe_agent.wire.protocol import Device, EngineOptions, Hello, MemoryFacts, ModelFacts
+from ggufpipe_agent.wire.protocol import EngineOptions, Hello, MemoryFacts, ModelFacts
 from ggufpipe_tui.core.inventory import InventoryError, parse_inventory
 from ggufpipe_tui.core.placement import MARGIN, RAM, Placement, PlacementError, evaluate
 from ggufpipe_tui.core.plan import build_plan
 from ggufpipe_tui.core.refusal import place_stages
-
-BLOCKS = 20
-MEMORY = MemoryFacts(
-    block_bytes=(100 * MIB,) * BLOCKS,
-    token_embd_bytes=200 * MIB,
-    output_norm_bytes=1 * MIB,
-    output_bytes=0,
-    global_bytes=0,
-    kv_widths=(2048,) * BLOCKS,  # 4 KV heads of 128, K and V
-    swa_blocks=(False,) * BLOCKS,
-    sliding_window=0,
-    n_embd=2048,
-    n_vocab=32000,
-    n_ff=8192,
-    q_width=2048,
-)
-FACTS = ModelFacts(
-    path="/m.gguf",
-    name="test",
-    architecture="llama",
-    file_type="Q4_K",
-    file_size=2200 * MIB,
-    block_count=BLOCKS,
-    hidden_dim=2048,
-    context_length=8192,
-    vocab_size=32000,
-    head_count=16,
-    head_count_kv=4,
-    key_length=128,
-    value_length=128,
-    bos_token_id=1,
-    eos_token_id=2,
-    eog_token_ids=(2,),
-    add_bos=False,
-    chat_template="",
-    block_bytes=MEMORY.block_bytes,
-    embedding_bytes=200 * MIB,
-    output_bytes=1 * MIB,
-    memory=MEMORY,
-)
-
-
-def hello(ram: int = 64 * GIB, gpus: tuple[tuple[int, int], ...] = ()) -> Hello:
-    """An agent's Hello: RAM available, GPUs as (total, free)."""
-    return Hello(
-        protocol=2,
-        version="0.1.0",
-        hostname="h",
-        pid=1,
-        python="3.11",
-        llama_cpp="0.3.36",
-        backend="cuda" if gpus else "cpu",
-        gpu_offload=bool(gpus),
-        devices=tuple(Device(f"CUDA{i}", f"GPU {i}", total, free) for i, (total, free) in enumerate(gpus)),
-        memory_total=ram,
-        memory_available=ram,
-        data_endpoint="unix:/x",
-        data_token="t",
-    )
+from tests.support.placement_facts import BLOCKS, FACTS, MEMORY, hello
 
 
 def inventory(hosts: str, stages: str, run: str = "context: 4096"):
@@ -282,7 +224,8 @@ def test_build_plan_carries_the_placement_figures():
 
 
 def test_the_worked_example_in_the_docs_is_what_its_script_prints():
-    from benchmarks.plan_70b import BEGIN, DOC, END, example
+    from benchmarks.plan_70b import BEGIN, END, example
+    from benchmarks.planning_doc import DOC
 
     assert DOC.read_text().split(BEGIN)[1].split(END)[0] == example(), "run benchmarks/plan_70b.py --docs"
 
@@ -501,7 +444,8 @@ def test_an_output_kept_in_every_stage_is_counted_in_every_stage():
 
 
 def test_the_moe_worked_examples_in_the_docs_are_what_their_script_prints():
-    from benchmarks.plan_moe import BEGIN, DOC, END, example
+    from benchmarks.plan_moe import BEGIN, END, example
+    from benchmarks.planning_doc import DOC
 
     assert DOC.read_text().split(BEGIN)[1].split(END)[0] == example(), "run benchmarks/plan_moe.py --docs"
 

@@ -17,15 +17,17 @@ import numpy as np
 
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
-from ggufpipe_agent.wire.protocol import (
-    CONTROL_MAGIC,
-    Inspect,
+from ggufpipe_agent.wire.link_messages import (
     LinkAttach,
     LinkCredentials,
     LinkDown,
     LinkEdge,
     LinkListen,
     LinkListening,
+)
+from ggufpipe_agent.wire.protocol import (
+    CONTROL_MAGIC,
+    Inspect,
     ModelInfo,
     ObjectSpec,
     OpenEdge,
