@@ -38,7 +38,7 @@ IMPORT_ERRORS = ("ImportError", "ModuleNotFoundError")
 #: unconditionally, each with the first agent module that does (as
 #: :func:`requirements` finds them; tests/test_selfcheck.py keeps them equal).
 REQUIRED = {
-    "gguf": "ggufpipe_agent.gguf.architectures",
+    "gguf": "ggufpipe_agent.gguf.facts",
     "llama_cpp": "ggufpipe_agent.llama.devices",
     "msgpack": "ggufpipe_agent.wire.protocol",
     "numpy": "ggufpipe_agent.llama.engine",

@@ -26,7 +26,7 @@ def test_a_missing_package_is_named_with_the_module_that_needs_it(monkeypatch: p
     monkeypatch.setitem(sys.modules, "gguf", None)  # what a venv without gguf finds
     problem = selfcheck.missing()
     assert problem is not None
-    assert (problem.module, problem.needed_by) == ("gguf", "ggufpipe_agent.gguf.architectures")
+    assert (problem.module, problem.needed_by) == ("gguf", "ggufpipe_agent.gguf.facts")
     assert problem.describe().startswith(selfcheck.MARKER)
     assert "'gguf'" in problem.describe()
 
@@ -48,4 +48,4 @@ def test_an_agent_lacking_a_package_says_so_before_its_hello() -> None:
     assert done.returncode == 3
     assert done.stdout == b""  # no Hello, nothing else on the protocol stream
     said = done.stderr.decode()
-    assert selfcheck.MARKER in said and "module 'gguf'" in said and "ggufpipe_agent.gguf.architectures" in said
+    assert selfcheck.MARKER in said and "module 'gguf'" in said and "ggufpipe_agent.gguf.facts" in said

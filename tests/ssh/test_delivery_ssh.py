@@ -330,7 +330,7 @@ def test_a_host_lacking_a_package_is_named_before_any_stage_loads(tmp_path, serv
     last = done.stderr.strip().splitlines()[-1]
     where = f"{account.name}@127.0.0.1:{server.port}"
     assert last.startswith(f"ggufpipe: error: stage 0 on gpu-a ({where}): the agent '{lacking}' on gpu-a cannot run"), last
-    assert "module 'gguf' (imported by ggufpipe_agent.gguf.architectures) is not installed" in last, last
+    assert "module 'gguf' (imported by ggufpipe_agent.gguf.facts) is not installed" in last, last
     assert f"{lacking} --check" in last, last
     assert cache_files(account.home / "lacking" / "a") == [] and cache_files(account.home / "lacking" / "b") == []
     assert "Traceback" not in done.stderr, done.stderr

@@ -132,6 +132,25 @@ def test_imports_go_only_downward() -> None:
     assert not wrong, "imports that go up a layer:\n" + "\n".join(sorted(wrong))
 
 
+#: The front ends: each stands on the session alone, none imports another
+#: (what two of them share lives below them, in core/ or session/).
+FRONT_ENDS = ("ggufpipe_tui.views", "ggufpipe_tui.commands", "ggufpipe_tui.server")
+
+
+def front_end(module: str) -> str:
+    return next((name for name in FRONT_ENDS if module == name or module.startswith(name + ".")), "")
+
+
+def test_no_front_end_imports_another() -> None:
+    wrong = [
+        f"{module} -> {target}"
+        for module, targets in graph(runtime_only=False).items()
+        for target in targets
+        if front_end(module) and front_end(target) and front_end(module) != front_end(target)
+    ]
+    assert not wrong, "front ends that import another:\n" + "\n".join(sorted(wrong))
+
+
 def orchestrator_may_use(module: str, target: str) -> bool:
     layer = TUI_LAYERS[layer_of(module, TUI_LAYERS)][0]
     layers = {name for names in AGENT_LAYERS for name in names}
