@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from ggufpipe_agent import aio  # noqa: E402
 from ggufpipe_agent.process.peer_links import client_context, server_context  # noqa: E402
-from ggufpipe_tui.dataplane.credentials import SessionAuthority  # noqa: E402
+from ggufpipe_tui.dataplane.credentials import LinkAuthority  # noqa: E402
 
 ACTIVATION = 44 + 576 * 4
 TOKEN = 48
@@ -162,7 +162,7 @@ def credentials() -> tuple[dict[str, bytes], dict[str, bytes]]:
     """What the consumer (stage 1) and the producer (stage 0) hold."""
     import asyncssh
 
-    authority = SessionAuthority()
+    authority = LinkAuthority()
     consumer, producer = authority.issue(1), authority.issue(0)
     ssh_key = asyncssh.generate_private_key("ssh-ed25519")
     return (

@@ -37,9 +37,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ggufpipe_agent.gguf.files import read_model_files  # noqa: E402
+from ggufpipe_agent.stagefiles.build import ensure_stage_file  # noqa: E402
 from ggufpipe_agent.stagefiles.digest import ALGORITHM, FileDigest  # noqa: E402
 from ggufpipe_agent.stagefiles.stream import open_stage_stream  # noqa: E402
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file  # noqa: E402
 from tests.support.common import smollm_path  # noqa: E402
 from tests.support.reference_stagefile import write_reference_stage_file  # noqa: E402
 

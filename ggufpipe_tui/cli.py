@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         return aio.run(run_headless(inventory, args.prompt, as_json=args.json, **printing))
     if args.serve is not None:
         from ggufpipe_agent import aio
-        from ggufpipe_tui.server.run import run_server
+        from ggufpipe_tui.server.serve import run_server
 
         return aio.run(run_server(inventory, args.serve, api_key=args.api_key, queue=args.queue, **printing))
     from ggufpipe_tui.views.app import run_app

@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING
 
 from ggufpipe_agent.errors import CacheError, TransferError
 from ggufpipe_agent.gguf.files import ModelFiles, read_model_files
+from ggufpipe_agent.stagefiles.build import stage_key
 from ggufpipe_agent.stagefiles.cache import default_cache_dir, new_digest, read_private_json, write_small_file
 from ggufpipe_agent.stagefiles.digest import LEAF, chunk_digest, leaf_digests
 from ggufpipe_agent.stagefiles.private_files import private_cache_dir
 from ggufpipe_agent.stagefiles.stream import DEFAULT_CHUNK, StageFileStream
-from ggufpipe_agent.stagefiles.writer import stage_key
 from ggufpipe_agent.wire.delivery_messages import StageOffer
 
 if TYPE_CHECKING:  # the receiver is the other side: only its answer's type

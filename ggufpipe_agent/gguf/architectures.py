@@ -7,7 +7,7 @@ Everything else is refused before anything loads: a pipeline that silently
 computes something else is worse than one that says no.
 
 A stage file renumbers its blocks from 0 and says ``block_count = end - start``
-(see :mod:`ggufpipe_agent.stagefiles.writer`). That is exact as long as llama.cpp
+(see :mod:`ggufpipe_agent.stagefiles.build`). That is exact as long as llama.cpp
 derives nothing from a block's index or from the block count. Where an
 architecture does (read from llama.cpp 0.3.36, ``src/models/<arch>.cpp``):
 

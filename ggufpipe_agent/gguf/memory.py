@@ -284,7 +284,7 @@ def compute_phases(memory: MemoryFacts, start: int, end: int, options: EngineOpt
     return logits, max(feed_forward, attention), mask
 
 
-def _slots(blocks: int, options: EngineOptions, free: Sequence[int]) -> list[int]:
+def _layer_devices(blocks: int, options: EngineOptions, free: Sequence[int]) -> list[int]:
     """llama.cpp's device of each of the ``blocks + 1`` slots (the last one is
     the output layer): -1 for the CPU, else an index into ``free``."""
     if not free:
@@ -325,7 +325,7 @@ def estimate_stage(
     in RAM (the module docstring says what else changes)."""
     blocks = end - start
     last = end == len(memory.block_bytes)
-    slots = _slots(blocks, options, [free for _, free in devices])
+    slots = _layer_devices(blocks, options, [free for _, free in devices])
     places = ["RAM", *(name for name, _ in devices)]
     weights = [0] * len(places)
     kv = [0] * len(places)

@@ -1,5 +1,5 @@
 """One orchestrator session of the agent: its control stream, the stage runs
-it drives, its edges and links (:class:`Session`), and the runs it has seen.
+it drives, its edges and links (:class:`ControlChannel`), and the runs it has seen.
 
 :mod:`ggufpipe_agent.process.runtime` holds the process around it (the data socket,
 the worker thread every stage steps on, the sessions of a shared process) and
@@ -23,13 +23,13 @@ from typing import Any, Protocol
 
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.heartbeat import Silence
-from ggufpipe_agent.llama.slot import EngineSlot
+from ggufpipe_agent.llama.loaded import LoadedEngine
 from ggufpipe_agent.process.data_streams import DataStreams, live
 from ggufpipe_agent.process.peer_links import Links
 from ggufpipe_agent.process.requests import answer_request
 from ggufpipe_agent.stage import slots
 from ggufpipe_agent.stage.fsm import Provision, StageState, StopRunEvent
-from ggufpipe_agent.stage.run import StageRun
+from ggufpipe_agent.stage.job import StageJob
 from ggufpipe_agent.stage.validation import fits_bits, validate_provision
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire.delivery_messages import CacheRequest
@@ -70,7 +70,7 @@ class AgentProcess(Protocol):
     def data_token(self) -> str: ...
 
     @property
-    def engines(self) -> EngineSlot: ...
+    def engines(self) -> LoadedEngine: ...
 
     @property
     def seen_runs(self) -> SeenRuns: ...
@@ -79,7 +79,7 @@ class AgentProcess(Protocol):
     def private_dir(self) -> Path: ...
 
     @property
-    def sessions(self) -> list[Session]: ...
+    def sessions(self) -> list[ControlChannel]: ...
 
     @property
     def share(self) -> GuestStages | None: ...
@@ -122,7 +122,7 @@ class SeenRuns:
         return len(self._ids)
 
 
-class Session:
+class ControlChannel:
     """One orchestrator on one control stream.
 
     The session ends when the stream does, and also when the orchestrator
@@ -139,14 +139,14 @@ class Session:
         self.agent = agent
         self.guest = guest
         self.data_token = secrets.token_hex(16) if guest else agent.data_token
-        self.engines = EngineSlot() if guest else agent.engines
+        self.engines = LoadedEngine() if guest else agent.engines
         self.seen_runs = SeenRuns() if guest else agent.seen_runs
         self.reader = FrameReader(reader, "control stream")
         self.writer = FrameWriter(writer, what="control stream")
         # The stage's runs, by run id: up to engine.parallel in flight at once,
         # each on its own slot (issue 29); a stopped run stays until its slot
         # is taken again, so a retried StopRun is answered.
-        self.runs: dict[int, StageRun] = {}
+        self.runs: dict[int, StageJob] = {}
         self.closing = False
         self.tasks = TaskOwner(self._task_failed, "agent session")
         # Every message to the orchestrator goes through one outbox, in the
@@ -184,7 +184,7 @@ class Session:
         stopped = StageState.STOPPED
         return [slots.Held(run.run_id, run.slot, run.fsm.state is stopped) for run in self.runs.values()]
 
-    def live_runs(self) -> list[StageRun]:
+    def live_runs(self) -> list[StageJob]:
         """The runs not stopped yet."""
         return live(self.runs)
 
@@ -369,7 +369,7 @@ class Session:
             self.refuse("ProvisionStage", f"stage {taken}", message.run_id)
             return
         self.seen_runs.add(message.run_id)
-        run = StageRun(message, self.post, self.agent.worker, self.engines, self.agent.cache_dir)
+        run = StageJob(message, self.post, self.agent.worker, self.engines, self.agent.cache_dir)
         for old in slots.replaced(held, message.slot):
             del self.runs[old]  # stopped: the slot is the new run's
         self.runs[run.run_id] = run

@@ -13,7 +13,7 @@ from typing import Any
 from ggufpipe_agent.delivery.service import serve_delivery
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.stage.fsm import EdgeEstablished, InboundFault, StageState
-from ggufpipe_agent.stage.run import StageRun
+from ggufpipe_agent.stage.job import StageJob
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.delivery_messages import ReceiveStage
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter, TruncatedFrame
@@ -23,7 +23,7 @@ from ggufpipe_agent.wire.protocol import Message, OpenEdge
 Refuse = Callable[..., None]
 
 
-def live(runs: dict[int, StageRun]) -> list[StageRun]:
+def live(runs: dict[int, StageJob]) -> list[StageJob]:
     """The runs not stopped yet."""
     return [run for run in runs.values() if run.fsm.state is not StageState.STOPPED]
 
@@ -34,7 +34,7 @@ class DataStreams:
 
     def __init__(
         self,
-        runs: dict[int, StageRun],
+        runs: dict[int, StageJob],
         seen_runs: Container[int],
         refuse: Refuse,
         cache_dir: Callable[[], Path | None],

@@ -2,12 +2,12 @@
 authenticated orchestrator at a time.
 
 Nothing is served before the peer has proved it holds the listen key
-(:mod:`ggufpipe_agent.process.credential`): a connection gets an AuthChallenge, and
+(:mod:`ggufpipe_agent.process.key_file`): a connection gets an AuthChallenge, and
 anything but a valid AuthResponse within :data:`AUTH_TIMEOUT` is refused and
 closed, before the Hello (and its data token) is sent. Only then does the
 "one orchestrator at a time" rule apply, so a stranger holding a connection
 open locks nobody out. An attached session ends when its orchestrator goes
-quiet past the heartbeat bound (:class:`~ggufpipe_agent.process.runtime.Session`),
+quiet past the heartbeat bound (:class:`~ggufpipe_agent.process.runtime.ControlChannel`),
 and the agent waits for the next one.
 
 Handshakes are budgeted per peer (issue 26): a peer is the user behind a
@@ -36,8 +36,8 @@ from pathlib import Path
 
 from ggufpipe_agent import PROTOCOL_VERSION
 from ggufpipe_agent.errors import ProtocolError
-from ggufpipe_agent.process.control import Session
-from ggufpipe_agent.process.credential import remove_key_file, write_key_file
+from ggufpipe_agent.process.control import ControlChannel
+from ggufpipe_agent.process.key_file import remove_key_file, write_key_file
 from ggufpipe_agent.process.runtime import Agent
 from ggufpipe_agent.wire.endpoints import parse_endpoint
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
@@ -45,7 +45,7 @@ from ggufpipe_agent.wire.listen_key import (
     AGENT,
     NONCE_BYTES,
     ORCHESTRATOR,
-    CredentialError,
+    ListenKeyError,
     default_key_path,
     new_nonce,
     proof,
@@ -316,9 +316,9 @@ class Listener:
         # cannot bind must not replace the key of the one that did.
         try:
             self.key = write_key_file(self.key_path)
-        except (CredentialError, OSError) as error:
+        except (ListenKeyError, OSError) as error:
             server.close()
-            raise CredentialError(f"cannot write the listen key {self.key_path}: {error}") from None
+            raise ListenKeyError(f"cannot write the listen key {self.key_path}: {error}") from None
         try:
             await self.agent.start()
             log.info(
@@ -342,7 +342,7 @@ class Listener:
         existing socket file before it binds, so one in use is refused first."""
         with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as probe:
             probe.connect(path)
-            raise CredentialError(f"unix:{path} is in use by another process")
+            raise ListenKeyError(f"unix:{path} is in use by another process")
         previous = os.umask(0o177)
         try:
             server = await asyncio.start_unix_server(self._on_connect, path=path, limit=1 << 20)
@@ -395,7 +395,7 @@ class Listener:
                 return
             async with self.busy:
                 log.info("orchestrator attached from %s", peer.label)
-                reason = await Session(self.agent, reader, writer).serve()
+                reason = await ControlChannel(self.agent, reader, writer).serve()
                 log.info("orchestrator detached: %s", reason)
         except asyncio.CancelledError:
             return  # the agent is ending (see Agent._data_connection)

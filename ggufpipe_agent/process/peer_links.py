@@ -44,8 +44,8 @@ from typing import Any
 from ggufpipe_agent.errors import ProtocolError
 from ggufpipe_agent.stage.fsm import EdgeEstablished, SetupFailed, StageState
 from ggufpipe_agent.stage.handover import ConsumerRun, chaining_enabled
-from ggufpipe_agent.stage.run import StageRun
-from ggufpipe_agent.stage.writers import Deliver, LocalFeed, RecordWriter
+from ggufpipe_agent.stage.job import StageJob
+from ggufpipe_agent.stage.writers import Forward, LocalFeed, RecordSink
 from ggufpipe_agent.wire.endpoints import parse_endpoint
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
 from ggufpipe_agent.wire.link_messages import (
@@ -79,7 +79,7 @@ ServeLink = Callable[[Any, Any, int], Awaitable[str]]
 #: steps (ggufpipe_agent/stage/handover.py) and whose records are handed to the
 #: consumer's delivery instead of through the socket (``LocalFeed``). Only
 #: while the listener waits for its producer.
-_IN_PROCESS: dict[str, tuple[ConsumerRun, Deliver]] = {}
+_IN_PROCESS: dict[str, tuple[ConsumerRun, Forward]] = {}
 
 
 def _load_identity(context: ssl.SSLContext, credentials: LinkCredentials, directory: Path) -> None:
@@ -139,14 +139,14 @@ class Link:
         writer: Any,
         peer: int,
         what: str,
-        local: tuple[ConsumerRun, Deliver] | None = None,
+        local: tuple[ConsumerRun, Forward] | None = None,
     ) -> None:
         self.reader = FrameReader(reader, what)
         self.writer = FrameWriter(writer, what=what)
         self.peer = peer
         # The consumer's run and delivery, when it is in this process.
         self.consumer: ConsumerRun | None = None
-        self.deliver: Deliver | None = None
+        self.deliver: Forward | None = None
         if local is not None:
             self.consumer, self.deliver = local
 
@@ -162,7 +162,7 @@ class Links:
         serve: ServeLink,
         spawn: Callable[..., asyncio.Task[Any]],
         current_run: ConsumerRun | None = None,
-        deliver: Deliver | None = None,
+        deliver: Forward | None = None,
     ) -> None:
         self.directory = directory
         self.post = post
@@ -328,10 +328,10 @@ class Links:
 
     async def edge(
         self,
-        run: StageRun,
+        run: StageJob,
         message: LinkEdge,
         refuse: Callable[[str, str, int], None],
-        deliver: Deliver,
+        deliver: Forward,
     ) -> None:
         """``run``'s outbound (or ring-out) end on the outbound link: the
         consumer's end is opened with an OpenEdge on the link itself, so it
@@ -367,7 +367,7 @@ class Links:
         # link's socket still carries the OpenEdge above (which the consumer
         # takes before it is Ready, so before any record can come) and its
         # end is still the link's end.
-        writer: RecordWriter = link.writer if link.deliver is None else LocalFeed(link.deliver)
+        writer: RecordSink = link.writer if link.deliver is None else LocalFeed(link.deliver)
         if message.role == "outbound":
             run.outbound, run.outbound_peer = writer, link.peer
             run.local_next = link.consumer

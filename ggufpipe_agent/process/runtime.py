@@ -1,5 +1,5 @@
 """The agent runtime: the process around its orchestrator sessions (each a
-:class:`~ggufpipe_agent.process.control.Session`: a control stream and the stage runs it
+:class:`~ggufpipe_agent.process.control.ControlChannel`: a control stream and the stage runs it
 drives), the data socket for edge streams, and the one worker thread every
 stage of the process steps on.
 
@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ggufpipe_agent.errors import ProtocolError
-from ggufpipe_agent.llama.slot import EngineSlot
-from ggufpipe_agent.process.control import SeenRuns, Session
+from ggufpipe_agent.llama.loaded import LoadedEngine
+from ggufpipe_agent.process.control import ControlChannel, SeenRuns
 from ggufpipe_agent.process.hello import make_hello
-from ggufpipe_agent.process.privatedir import PrivateDirectory, base_directory
+from ggufpipe_agent.process.socket_dir import PrivateDirectory, base_directory
 from ggufpipe_agent.wire.framing import FrameReader
 from ggufpipe_agent.wire.protocol import (
     DataAttach,
@@ -61,14 +61,14 @@ class Agent:
 
     def __init__(self, cache_dir: Path | None = None) -> None:
         self.cache_dir = cache_dir
-        self.engines = EngineSlot()
+        self.engines = LoadedEngine()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="ggufpipe-worker")
         self.helper = ThreadPoolExecutor(1, thread_name_prefix="ggufpipe-helper")
         self.data_token = secrets.token_hex(16)
         self.private = PrivateDirectory(base_directory())
         self.private_dir = self.private.path
         self.data_path = self.private_dir / "data.sock"
-        self.sessions: list[Session] = []  # attached now: the first, then any sharing the process
+        self.sessions: list[ControlChannel] = []  # attached now: the first, then any sharing the process
         self.seen_runs = SeenRuns()
         self.share: Sharing | None = None  # --share-process: the share socket
         self._data_server: asyncio.AbstractServer | None = None
@@ -85,7 +85,7 @@ class Agent:
             return make_hello(f"unix:{self.data_path}", data_token)
         return make_hello(f"unix:{self.data_path}", data_token, share.endpoint, share.token)
 
-    def _session_of(self, token: str) -> Session | None:
+    def _session_of(self, token: str) -> ControlChannel | None:
         """The attached session whose data token this is (compared in constant time)."""
         found = None
         for session in self.sessions:
@@ -154,7 +154,7 @@ async def serve_stdio(cache_dir: Path | None, share: bool = False) -> str:
             agent.share = Sharing(agent)
             await agent.share.start()
         reader, writer = await stdio_streams()
-        session = Session(agent, reader, writer)
+        session = ControlChannel(agent, reader, writer)
         return await session.serve()
     finally:
         agent.close()

@@ -14,7 +14,7 @@ generated per process; only the orchestrator that read that Hello knows it.
 Every further stage of the host connects there (locally; over SSH through
 ``ggufpipe-agent bridge unix:PATH`` on an exec session), presents the secret
 (:class:`~ggufpipe_agent.wire.protocol.ShareAttach`) and is then served a control
-session of its own, Hello first: one :class:`~ggufpipe_agent.process.runtime.Session`
+session of its own, Hello first: one :class:`~ggufpipe_agent.process.runtime.ControlChannel`
 and one stage FSM per stage, each with its own data token, engine and run
 ids. A connection without the secret is closed unanswered.
 
@@ -34,7 +34,7 @@ import secrets
 from typing import Any
 
 from ggufpipe_agent.errors import ProtocolError
-from ggufpipe_agent.process.control import AgentProcess, Session
+from ggufpipe_agent.process.control import AgentProcess, ControlChannel
 from ggufpipe_agent.wire.framing import FrameReader
 from ggufpipe_agent.wire.protocol import ShareAttach
 
@@ -56,7 +56,7 @@ class Sharing:
         self.path = agent.private_dir / "share.sock"
         self.endpoint = f"unix:{self.path}"
         self.token = secrets.token_hex(16)
-        self.guests: dict[Session, asyncio.Task[Any]] = {}
+        self.guests: dict[ControlChannel, asyncio.Task[Any]] = {}
         self.ending = False
         self._server: asyncio.AbstractServer | None = None
 
@@ -79,7 +79,7 @@ class Sharing:
             if self.ending:
                 log.warning("refused a share connection: the process is ending")
                 return
-            session = Session(self.agent, reader, writer, guest=True)
+            session = ControlChannel(self.agent, reader, writer, guest=True)
             task = asyncio.current_task()
             assert task is not None
             self.guests[session] = task

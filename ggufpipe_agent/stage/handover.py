@@ -26,7 +26,7 @@ more position, which the next run's ``keep`` trims like any other.
 ``GGUFPIPE_NO_CHAIN=1`` turns the chain off.
 
 What the chain needs of a stage run is :class:`ChainedRun`
-(:class:`ggufpipe_agent.stage.run.StageRun` is one).
+(:class:`ggufpipe_agent.stage.job.StageJob` is one).
 """
 
 from __future__ import annotations

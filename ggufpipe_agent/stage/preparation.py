@@ -15,8 +15,8 @@ from ggufpipe_agent.errors import ProtocolError
 from ggufpipe_agent.gguf.architectures import check_architecture
 from ggufpipe_agent.gguf.facts import read_model_facts
 from ggufpipe_agent.llama.engine import StageEngine, StageShape
-from ggufpipe_agent.llama.slot import EngineSlot
-from ggufpipe_agent.stagefiles.writer import check_range, ensure_stage_file
+from ggufpipe_agent.llama.loaded import LoadedEngine
+from ggufpipe_agent.stagefiles.build import check_range, ensure_stage_file
 from ggufpipe_agent.wire.protocol import PrefixHeld, ProvisionStage
 
 Progress = Callable[[float], None]
@@ -60,7 +60,7 @@ async def _stage_file_from_source(
 
 
 def load_engine(
-    slots: EngineSlot, stage_path: Path, p: ProvisionStage, progress: Progress
+    slots: LoadedEngine, stage_path: Path, p: ProvisionStage, progress: Progress
 ) -> tuple[StageEngine, PrefixHeld]:
     """The run's engine, on its slot and reset for it, and what it holds of
     the run offered for reuse (on the worker thread: engine calls run there)."""

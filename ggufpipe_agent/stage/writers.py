@@ -10,10 +10,10 @@ from ggufpipe_agent.wire import objects
 
 #: Takes an inbound object as the consumer's data stream would (its checks,
 #: then the run's delivery).
-Deliver = Callable[[objects.ObjectHeader, bytes], Awaitable[None]]
+Forward = Callable[[objects.ObjectHeader, bytes], Awaitable[None]]
 
 
-class RecordWriter(Protocol):
+class RecordSink(Protocol):
     """Where a stage writes an outbound record: a stream's FrameWriter, or
     the stage's own inbound side (:class:`LocalFeed`)."""
 
@@ -26,7 +26,7 @@ class LocalFeed:
     one-stage pipeline (the stage feeds itself), and a shared process's
     direct links (process/peer_links.py)."""
 
-    def __init__(self, deliver: Deliver) -> None:
+    def __init__(self, deliver: Forward) -> None:
         self.deliver = deliver
 
     async def write(self, *parts: bytes | bytearray | memoryview) -> None:

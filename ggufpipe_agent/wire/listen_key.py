@@ -1,6 +1,6 @@
 """The listen key's half both sides run: where an agent on an endpoint keeps
 its key, the key file's format and how it is read, and the proofs of the
-challenge-response (the agent writes the key: ggufpipe_agent/process/credential.py,
+challenge-response (the agent writes the key: ggufpipe_agent/process/key_file.py,
 which describes the exchange)."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ AGENT = b"agent"
 _DOMAIN = b"ggufpipe listen key v1\0"
 
 
-class CredentialError(GgufpipeError):
+class ListenKeyError(GgufpipeError):
     """A key file that cannot be created, read or trusted."""
 
 
@@ -58,7 +58,7 @@ def parse_key(text: bytes, where: str) -> bytes:
     except (UnicodeDecodeError, ValueError):
         key = b""
     if len(key) != KEY_BYTES:
-        raise CredentialError(f"{where} is not a ggufpipe listen key (expected {KEY_BYTES * 2} hex digits)")
+        raise ListenKeyError(f"{where} is not a ggufpipe listen key (expected {KEY_BYTES * 2} hex digits)")
     return key
 
 
@@ -68,13 +68,13 @@ def read_key_file(path: Path) -> bytes:
     try:
         descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as error:
-        raise CredentialError(f"cannot read the listen key {path}: {error.strerror}") from None
+        raise ListenKeyError(f"cannot read the listen key {path}: {error.strerror}") from None
     with os.fdopen(descriptor, "rb") as handle:
         info = os.fstat(handle.fileno())
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-            raise CredentialError(f"{path} is not a regular file of this user")
+            raise ListenKeyError(f"{path} is not a regular file of this user")
         if info.st_mode & 0o077:
-            raise CredentialError(
+            raise ListenKeyError(
                 f"{path} is readable by others (mode {stat.S_IMODE(info.st_mode):04o}); "
                 "it is not the key file an agent wrote"
             )

@@ -291,7 +291,7 @@ class Heartbeat(Message):
 
 
 # --------------------------------------------------------------------------- #
-# A hand-started agent's handshake (ggufpipe_agent/process/credential.py)
+# A hand-started agent's handshake (ggufpipe_agent/process/key_file.py)
 
 
 @dataclass(frozen=True, slots=True)

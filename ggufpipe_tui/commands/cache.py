@@ -74,13 +74,13 @@ async def ask_host(
     host: HostSpec, request: CacheRequest, timeout: float, log: IO[str] | None
 ) -> HostCache:
     """Start the host's agent, send ``request``, return its answer, end it."""
-    from ggufpipe_tui.session.pipeline import default_link_factory
+    from ggufpipe_tui.session.pipeline import default_connection_factory
 
     def on_log(line: str) -> None:
         if log is not None:
             print(f"[{host.name}] {line}", file=log, flush=True)
 
-    link = default_link_factory(host, -1, on_log)
+    link = default_connection_factory(host, -1, on_log)
     try:
         await asyncio.wait_for(link.start(timeout), timeout + 5)
         await link.send(request)

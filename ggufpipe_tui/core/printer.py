@@ -1,7 +1,7 @@
 """The session's events as lines on stdout (the text as it streams) and
 stderr (progress), as the front ends without a screen print them: headless
 mode (:mod:`ggufpipe_tui.commands.headless`) and the server while it starts
-(:mod:`ggufpipe_tui.server.run`); and their exit statuses."""
+(:mod:`ggufpipe_tui.server.serve`); and their exit statuses."""
 
 from __future__ import annotations
 

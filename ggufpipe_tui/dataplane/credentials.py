@@ -44,7 +44,7 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-class SessionAuthority:
+class LinkAuthority:
     """An ephemeral CA (ECDSA P-256) and the certificates it issues."""
 
     def __init__(self) -> None:

@@ -85,11 +85,11 @@ class DirectPlane(RelayPlane):
             self.events.routed(path)
 
     def _credentials(self, stage: int) -> links.LinkCredentials:
-        from ggufpipe_tui.dataplane.credentials import SessionAuthority
+        from ggufpipe_tui.dataplane.credentials import LinkAuthority
 
         if self._authority is None:
-            self._authority = SessionAuthority()
-        assert isinstance(self._authority, SessionAuthority)
+            self._authority = LinkAuthority()
+        assert isinstance(self._authority, LinkAuthority)
         issued = self._authority.issue(stage)
         return links.LinkCredentials(issued.certificate, issued.key, self._authority.certificate_pem)
 

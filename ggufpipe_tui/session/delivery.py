@@ -9,7 +9,7 @@ the files are sent before any run exists (a run's ready timeout never counts
 a transfer). All stages are sent in parallel.
 
 One stage's delivery (:func:`deliver_stage`) has a connection of its own
-(``AgentLink.open_delivery()``), so gigabytes of chunks never hold up a
+(``AgentConnection.open_delivery()``), so gigabytes of chunks never hold up a
 control message: over SSH an exec session running ``ggufpipe-agent receive``,
 which writes the file into the agent's cache itself
 (:mod:`ggufpipe_agent.delivery.receive_command`); locally, and to a hand-started agent, a data

@@ -121,7 +121,7 @@ class HostCopies:
 
 def _read_local(path: str) -> tuple[ModelRead, ModelFiles]:
     """In a thread: facts and vocabulary of the model here (its identity is
-    the stage files' business: :mod:`ggufpipe_agent.stagefiles.writer`)."""
+    the stage files' business: :mod:`ggufpipe_agent.stagefiles.build`)."""
     from ggufpipe_agent.gguf.facts import read_model_facts
     from ggufpipe_agent.llama.vocabulary import vocabulary
 

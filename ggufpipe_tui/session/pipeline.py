@@ -67,15 +67,15 @@ from ggufpipe_tui.session.runlog import RunLog
 from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue, Turn
 from ggufpipe_tui.session.serving import SerialRunner, pipeline_error
 from ggufpipe_tui.session.stages import PipelineError, StageHandle, agent_set_up
-from ggufpipe_tui.transports.link import AgentLink
+from ggufpipe_tui.transports.connection import AgentConnection
 from ggufpipe_tui.transports.shared import ProcessSharing, SharedAgent
 
-LinkFactory = Callable[[HostSpec, int, Callable[[str], None]], AgentLink]
+ConnectionFactory = Callable[[HostSpec, int, Callable[[str], None]], AgentConnection]
 DataPlaneFactory = Callable[[Sequence[StageHandle], TaskOwner, DataPlaneEvents], DataPlane]
 __all__ = ["Pipeline", "PipelineError", "Prompt", "RunHandle"]
 
 
-def default_link_factory(host: HostSpec, stage: int, on_log: Callable[[str], None]) -> AgentLink:
+def default_connection_factory(host: HostSpec, stage: int, on_log: Callable[[str], None]) -> AgentConnection:
     if host.local:
         from ggufpipe_tui.transports.local import LocalAgent
 
@@ -90,7 +90,7 @@ class Pipeline:
         self,
         inventory: Inventory,
         emit: Emit | None = None,
-        link_factory: LinkFactory = default_link_factory,
+        connection_factory: ConnectionFactory = default_connection_factory,
         log_dir: Any = None,
         *,
         prepare_ahead: bool = False,
@@ -99,7 +99,7 @@ class Pipeline:
         prefix_reuse: bool = True,
     ) -> None:
         self.inventory = inventory
-        self.link_factory = link_factory
+        self.connection_factory = connection_factory
         self.data_plane_factory = data_plane
         self.stages: list[StageHandle] = []
         self.data: DataPlane | None = None
@@ -139,7 +139,7 @@ class Pipeline:
         self._plane = 0  # the data plane's generation: a replaced one's reports are ignored
 
     @property
-    def links(self) -> list[AgentLink]:
+    def links(self) -> list[AgentConnection]:
         return [stage.link for stage in self.stages]
 
     @property
@@ -175,7 +175,7 @@ class Pipeline:
         """Start every stage's agent, read the model, open the data plane, serve prompts."""
         inventory = self.inventory
         timeout = inventory.timeouts.connect
-        sharing = ProcessSharing(self.link_factory)  # share_process: true hosts
+        sharing = ProcessSharing(self.connection_factory)  # share_process: true hosts
         for index, spec in enumerate(inventory.stages):
             host = inventory.hosts[spec.host]
             link = sharing.link(host, index, self._log_sink(index, host.name))
@@ -210,7 +210,7 @@ class Pipeline:
         self.tasks.spawn(stage.read_control(), f"control reader of stage {stage.index}")
 
     def new_stage(self, index: int, host: HostSpec) -> StageHandle:
-        link = self.link_factory(host, index, self._log_sink(index, host.name))
+        link = self.connection_factory(host, index, self._log_sink(index, host.name))
         return StageHandle(index, link, self._on_message, self._stage_lost)
 
     def close_data_plane(self) -> None:

@@ -23,7 +23,7 @@ from ggufpipe_tui.core.spares import moved_inventory, spare_candidates, spare_pl
 from ggufpipe_tui.session.delivery import Delivered, deliver_stages
 from ggufpipe_tui.session.modelsource import LocalModel, ModelSource
 from ggufpipe_tui.session.stages import PipelineError, StageHandle
-from ggufpipe_tui.transports.link import HostUnreachable
+from ggufpipe_tui.transports.connection import HostUnreachable
 from ggufpipe_tui.transports.shared import SharedAgent
 
 

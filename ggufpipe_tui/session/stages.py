@@ -1,6 +1,6 @@
 """A handle per stage: everything the orchestrator holds of one stage's agent.
 
-A :class:`StageHandle` owns its :class:`~ggufpipe_tui.transports.link.AgentLink`
+A :class:`StageHandle` owns its :class:`~ggufpipe_tui.transports.connection.AgentConnection`
 (control stream, process), its control reader, its requests awaiting an
 answer and whether it is lost. The data plane adds the stage's data stream
 (:attr:`StageHandle.data`); the run driver sees a stage only through the
@@ -25,7 +25,7 @@ from ggufpipe_tui.core.errors import PipelineError
 from ggufpipe_tui.core.events import AgentSetup, Emit
 from ggufpipe_tui.core.inventory import HostSpec, Timeouts
 from ggufpipe_tui.dataplane import DataStream
-from ggufpipe_tui.transports.link import AgentLink, AgentNotSetUp, TransportError
+from ggufpipe_tui.transports.connection import AgentConnection, AgentNotSetUp, TransportError
 
 #: Replies that answer a request by its request_id.
 REPLIES = (ModelInfo, Tokenized, RequestFailed, CacheReport, LinkListening, LinkConnected)
@@ -84,7 +84,7 @@ class StageHandle:
     def __init__(
         self,
         index: int,
-        link: AgentLink,
+        link: AgentConnection,
         on_message: Callable[[StageHandle, Message], None],
         on_lost: Callable[[StageHandle, str], None],
     ) -> None:

@@ -15,7 +15,7 @@ from ggufpipe_agent.wire import listen_key
 from ggufpipe_agent.wire.endpoints import parse_endpoint
 from ggufpipe_agent.wire.protocol import Hello
 from ggufpipe_tui.core.inventory import HostSpec
-from ggufpipe_tui.transports.link import STREAM_LIMIT, AgentLink, LogLine, TransportError
+from ggufpipe_tui.transports.connection import STREAM_LIMIT, AgentConnection, LogLine, TransportError
 
 
 async def open_endpoint(endpoint: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -25,7 +25,7 @@ async def open_endpoint(endpoint: str) -> tuple[asyncio.StreamReader, asyncio.St
     return await asyncio.open_connection(where, port, limit=STREAM_LIMIT)
 
 
-class LocalAgent(AgentLink):
+class LocalAgent(AgentConnection):
     def __init__(self, host: HostSpec, stage: int, on_log: LogLine) -> None:
         super().__init__(host, stage, on_log)
         self.process: asyncio.subprocess.Process | None = None
@@ -82,7 +82,7 @@ class LocalAgent(AgentLink):
     async def read_listen_key(self, timeout: float) -> bytes:
         try:
             return listen_key.read_key_file(Path(os.path.expanduser(self.listen_key_path)))
-        except listen_key.CredentialError as error:
+        except listen_key.ListenKeyError as error:
             raise TransportError(
                 f"{self.label}: {error}; the agent started with --listen {self.host.listen} prints "
                 "the path of its key file (give it as listen_key: when it is not the default)"

@@ -10,7 +10,7 @@ and reads its own Hello. Its data stream goes to the same data socket with
 its own token, the way the first stage's does.
 
 The process is the first stage's: when it dies, every stage in it is lost,
-and each reports it with the same reason (:attr:`AgentLink.process_label`),
+and each reports it with the same reason (:attr:`AgentConnection.process_label`),
 so the run ends with one.
 """
 
@@ -23,15 +23,15 @@ from typing import Any
 
 from ggufpipe_agent.wire.protocol import Hello, Message, ShareAttach
 from ggufpipe_tui.core.inventory import HostSpec
-from ggufpipe_tui.transports.link import AgentLink, LogLine, TransportError
+from ggufpipe_tui.transports.connection import AgentConnection, LogLine, TransportError
 
-LinkFactory = Callable[[HostSpec, int, LogLine], AgentLink]
+ConnectionFactory = Callable[[HostSpec, int, LogLine], AgentConnection]
 
 
-class SharedAgent(AgentLink):
+class SharedAgent(AgentConnection):
     """A stage whose control session is attached to another stage's agent process."""
 
-    def __init__(self, host: HostSpec, stage: int, on_log: LogLine, first: AgentLink) -> None:
+    def __init__(self, host: HostSpec, stage: int, on_log: LogLine, first: AgentConnection) -> None:
         super().__init__(host, stage, on_log)
         self.first = first
         self.sharers = first.sharers
@@ -140,11 +140,11 @@ class ProcessSharing:
     gets the transport's own link, started with ``--share-process``; every
     later stage there a :class:`SharedAgent` attached to it."""
 
-    def __init__(self, factory: LinkFactory) -> None:
+    def __init__(self, factory: ConnectionFactory) -> None:
         self.factory = factory
-        self.firsts: dict[str, AgentLink] = {}
+        self.firsts: dict[str, AgentConnection] = {}
 
-    def link(self, host: HostSpec, stage: int, on_log: LogLine) -> AgentLink:
+    def link(self, host: HostSpec, stage: int, on_log: LogLine) -> AgentConnection:
         first = self.firsts.get(host.name) if host.share_process else None
         if first is not None:
             first.sharers.append(stage)

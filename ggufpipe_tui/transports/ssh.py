@@ -36,9 +36,9 @@ from ggufpipe_agent.wire.protocol import Hello
 from ggufpipe_tui.core.inventory import HostSpec
 from ggufpipe_tui.provision import hosts as provision
 from ggufpipe_tui.provision.shell import output_text, shell_path
-from ggufpipe_tui.transports.link import (
+from ggufpipe_tui.transports.connection import (
     LISTEN_TRY_MIN,
-    AgentLink,
+    AgentConnection,
     AgentNotSetUp,
     ListenRetry,
     LogLine,
@@ -63,7 +63,7 @@ SETTLE_SECONDS = 2.0
 # -------------------------------------------------------------------- agent
 
 
-class SshAgent(AgentLink):
+class SshAgent(AgentConnection):
     """An agent on a host reached over SSH (started there on an exec session,
     or started by hand with ``--listen`` and attached through a bridge)."""
 
@@ -221,7 +221,7 @@ class SshAgent(AgentLink):
             )
         try:
             return listen_key.parse_key(output_text(done.stdout).encode(), f"{path} on {name}")
-        except listen_key.CredentialError as error:
+        except listen_key.ListenKeyError as error:
             raise TransportError(f"{self.label}: {error}") from None
 
     async def _settle(self, process: asyncssh.SSHClientProcess[bytes]) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import asyncssh
 
 from ggufpipe_tui.core.inventory import HostSpec
-from ggufpipe_tui.transports.link import HostUnreachable, TransportError
+from ggufpipe_tui.transports.connection import HostUnreachable, TransportError
 
 log = logging.getLogger("ggufpipe.ssh")
 # asyncssh logs every channel open and close at INFO; under -v those lines

@@ -36,7 +36,7 @@ from ggufpipe_tui.core.events import Emit, Event, RunResult
 from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue
-from ggufpipe_tui.transports.link import AgentLink
+from ggufpipe_tui.transports.connection import AgentConnection
 from ggufpipe_tui.views.priority import start_thread
 
 T = TypeVar("T")
@@ -74,7 +74,7 @@ class AppPipeline(Protocol):
     def queue(self) -> RunQueue: ...
 
     @property
-    def links(self) -> list[AgentLink]: ...
+    def links(self) -> list[AgentConnection]: ...
 
     async def start(self) -> None: ...
 
@@ -197,7 +197,7 @@ class ThreadedPipeline:
         return self.pipeline.queue  # read only: its counters are plain attributes
 
     @property
-    def links(self) -> list[AgentLink]:
+    def links(self) -> list[AgentConnection]:
         return self.pipeline.links
 
     async def start(self) -> None:

@@ -9,7 +9,7 @@ import signal
 import stat
 from pathlib import Path
 
-from ggufpipe_agent.process.privatedir import LOCK_NAME, PREFIX, STARTING_NAME, PrivateDirectory, remove_stale
+from ggufpipe_agent.process.socket_dir import LOCK_NAME, PREFIX, STARTING_NAME, PrivateDirectory, remove_stale
 from tests.support.agent_client import AgentClient
 
 

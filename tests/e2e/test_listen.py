@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ggufpipe_agent import PROTOCOL_VERSION
-from ggufpipe_agent.process import credential
+from ggufpipe_agent.process import key_file
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
 from ggufpipe_agent.wire.protocol import (
     AuthChallenge,
@@ -30,7 +30,7 @@ from ggufpipe_agent.wire.protocol import (
 )
 from ggufpipe_tui.core.inventory import HostSpec, load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
-from ggufpipe_tui.transports.link import TransportError
+from ggufpipe_tui.transports.connection import TransportError
 from ggufpipe_tui.transports.local import LocalAgent
 from tests.support.common import start_then_close
 from tests.support.listening import HandStarted, start_listening, stop
@@ -62,8 +62,8 @@ async def answer_challenge(
     frames, out, writer = await connect(agent)
     challenge = await next_message(frames)
     assert isinstance(challenge, AuthChallenge)
-    nonce = credential.new_nonce()
-    await out.send(AuthResponse(nonce, credential.proof(key, credential.ORCHESTRATOR, challenge.nonce, nonce)))
+    nonce = key_file.new_nonce()
+    await out.send(AuthResponse(nonce, key_file.proof(key, key_file.ORCHESTRATOR, challenge.nonce, nonce)))
     return frames, out, writer, challenge, nonce
 
 
@@ -73,7 +73,7 @@ async def test_a_stranger_gets_a_challenge_and_nothing_else(listening):
     frames, out, writer = await connect(listening)
     challenge = await next_message(frames)
     assert isinstance(challenge, AuthChallenge), f"got {challenge} before authenticating"
-    assert challenge.protocol == PROTOCOL_VERSION and len(challenge.nonce) == credential.NONCE_BYTES
+    assert challenge.protocol == PROTOCOL_VERSION and len(challenge.nonce) == key_file.NONCE_BYTES
     await out.send(Inspect(1, "/etc/passwd", False))
     refused = await next_message(frames)
     assert isinstance(refused, Refused) and "authentication failed" in refused.reason
@@ -82,7 +82,7 @@ async def test_a_stranger_gets_a_challenge_and_nothing_else(listening):
 
 
 async def test_a_wrong_key_is_refused(listening):
-    guess = secrets.token_bytes(credential.KEY_BYTES)
+    guess = secrets.token_bytes(key_file.KEY_BYTES)
     frames, _, writer, _, _ = await answer_challenge(listening, guess)
     refused = await next_message(frames)
     assert isinstance(refused, Refused) and "not this agent's listen key" in refused.reason
@@ -91,11 +91,11 @@ async def test_a_wrong_key_is_refused(listening):
 
 
 async def test_the_right_key_is_answered_with_the_agents_proof_then_hello(listening):
-    key = credential.read_key_file(listening.key_file)
+    key = key_file.read_key_file(listening.key_file)
     frames, _, writer, challenge, nonce = await answer_challenge(listening, key)
     answer = await next_message(frames)
     assert isinstance(answer, AuthProof)
-    assert credential.verify(key, credential.AGENT, challenge.nonce, nonce, answer.proof)
+    assert key_file.verify(key, key_file.AGENT, challenge.nonce, nonce, answer.proof)
     assert isinstance(await next_message(frames), Hello)
     writer.close()
 
@@ -120,7 +120,7 @@ def test_the_key_file_is_private_and_removed_at_exit(tmp_path, no_agent_left):
         info = agent.key_file.stat()
         assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.getuid()
         assert stat.S_IMODE(agent.key_file.parent.stat().st_mode) == 0o700
-        assert len(credential.read_key_file(agent.key_file)) == credential.KEY_BYTES
+        assert len(key_file.read_key_file(agent.key_file)) == key_file.KEY_BYTES
         assert any(str(agent.key_file) in line for line in agent.stderr), "the agent prints where its key is"
     finally:
         stop(agent)
@@ -163,10 +163,10 @@ class Impostor:
 @pytest.mark.parametrize("opening", ["challenge", "hello"])
 async def test_the_orchestrator_refuses_an_endpoint_without_the_key(tmp_path, opening):
     key_file = tmp_path / "agent.key"
-    credential.write_key_file(key_file)  # the real agent's key, which the impostor does not have
+    key_file.write_key_file(key_file)  # the real agent's key, which the impostor does not have
     first: Message
     if opening == "challenge":
-        first = AuthChallenge(PROTOCOL_VERSION, credential.new_nonce())
+        first = AuthChallenge(PROTOCOL_VERSION, key_file.new_nonce())
     else:  # what an agent said first before this issue: the orchestrator believed it
         first = Hello(PROTOCOL_VERSION, "0", "h", 1, "3", "", "cpu", False, (), 0, 0, "unix:/nowhere", "t")
     impostor = Impostor(first)
@@ -211,16 +211,16 @@ async def test_a_missing_key_file_is_named(listening, tmp_path):
 
 
 def test_the_default_key_path_is_the_same_on_both_sides():
-    assert credential.default_key_path("127.0.0.1:7000") == "~/.local/state/ggufpipe/listen/tcp-127.0.0.1-7000.key"
-    assert credential.default_key_path("tcp:127.0.0.1:7000") == credential.default_key_path("127.0.0.1:7000")
-    assert credential.default_key_path("unix:/run/a b.sock") == "~/.local/state/ggufpipe/listen/unix-run_a_b.sock.key"
+    assert key_file.default_key_path("127.0.0.1:7000") == "~/.local/state/ggufpipe/listen/tcp-127.0.0.1-7000.key"
+    assert key_file.default_key_path("tcp:127.0.0.1:7000") == key_file.default_key_path("127.0.0.1:7000")
+    assert key_file.default_key_path("unix:/run/a b.sock") == "~/.local/state/ggufpipe/listen/unix-run_a_b.sock.key"
 
 
 async def test_an_attached_orchestrator_that_falls_silent_is_detached(listening):
     """The idle bound of an attached session is its orchestrator's heartbeat:
     an orchestrator that says nothing for that long (its machine froze, its
     network went) is detached, and the next one can attach."""
-    key = credential.read_key_file(listening.key_file)
+    key = key_file.read_key_file(listening.key_file)
     frames, out, writer, _, _ = await answer_challenge(listening, key)
     assert isinstance(await next_message(frames), AuthProof)
     assert isinstance(await next_message(frames), Hello)

@@ -30,7 +30,7 @@ from ggufpipe_agent.gguf import architectures
 from ggufpipe_agent.gguf.architectures import SUPPORTED, check_plan, check_split, stage_metadata_overrides
 from ggufpipe_agent.gguf.families import deepseek2
 from ggufpipe_agent.gguf.header import read_header
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from tests.support.arch_harness import assert_per_layer_refused, greedy_reference, model_path, run_chain
 from tests.support.synthetic_families import FAMILIES
 

@@ -20,8 +20,8 @@ import pytest
 from ggufpipe_agent.errors import ModelError, UnsupportedArchitecture
 from ggufpipe_agent.gguf.architectures import check_plan, check_split
 from ggufpipe_agent.gguf.header import read_header
-from ggufpipe_agent.stagefiles import writer as stagefile
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.stagefiles import build as stagefile
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from tests.support.arch_harness import greedy_reference, model_path, run_chain
 
 

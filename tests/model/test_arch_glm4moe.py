@@ -32,8 +32,8 @@ from ggufpipe_agent.gguf import architectures
 from ggufpipe_agent.gguf.architectures import SUPPORTED, check_split, positions_per_token
 from ggufpipe_agent.gguf.families import glm4moe
 from ggufpipe_agent.gguf.header import read_header
-from ggufpipe_agent.stagefiles import writer as stagefile
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.stagefiles import build as stagefile
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from tests.support.arch_harness import OPTIONS, UBATCH, assert_per_layer_refused, run_chain
 from tests.support.common import REPO
 from tests.support.stage_chain import Chain
@@ -128,7 +128,7 @@ def test_glm4moe_stage_without_sections_aborts_llama_cpp(model, tmp_path):
         sys.path.insert(0, {str(REPO)!r})
         import ggufpipe_agent.gguf.architectures  # discovers the families
         from ggufpipe_agent.gguf.families import glm4moe
-        from ggufpipe_agent.stagefiles import writer
+        from ggufpipe_agent.stagefiles import build
         from ggufpipe_agent.wire.protocol import EngineOptions
         from tests.support.stage_chain import Chain
 

@@ -20,7 +20,7 @@ import pytest
 from ggufpipe_agent.errors import ModelError, UnsupportedArchitecture
 from ggufpipe_agent.gguf.architectures import SUPPORTED, check_plan, check_split
 from ggufpipe_agent.gguf.header import read_header
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from tests.support.arch_harness import assert_per_layer_refused, run_chain
 from tests.support.synthetic_families import FAMILIES
 

@@ -22,7 +22,7 @@ import pytest
 from ggufpipe_agent.errors import EngineError, ModelError, UnsupportedArchitecture
 from ggufpipe_agent.gguf.architectures import SUPPORTED, check_plan, check_split, cut_multiple
 from ggufpipe_agent.gguf.header import read_header
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from tests.support.arch_harness import (
     HEADLESS_RUN,
     assert_per_layer_refused,

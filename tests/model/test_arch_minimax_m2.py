@@ -24,7 +24,7 @@ from ggufpipe_agent.errors import EngineError, UnsupportedArchitecture
 from ggufpipe_agent.gguf import architectures
 from ggufpipe_agent.gguf.architectures import SUPPORTED, check_split
 from ggufpipe_agent.gguf.header import read_header
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from tests.support.arch_harness import OPTIONS, assert_per_layer_refused
 from tests.support.stage_chain import Chain
 from tests.support.synthetic_families import FAMILIES, write_model

@@ -21,8 +21,8 @@ import pytest
 from ggufpipe_agent.errors import UnsupportedArchitecture
 from ggufpipe_agent.gguf.architectures import SUPPORTED, check_split
 from ggufpipe_agent.gguf.header import read_header
-from ggufpipe_agent.stagefiles import writer as stagefile
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.stagefiles import build as stagefile
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from tests.support.arch_harness import OPTIONS, assert_per_layer_refused, run_chain
 from tests.support.stage_chain import Chain
 from tests.support.synthetic import EXPERTS_USED

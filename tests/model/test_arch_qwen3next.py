@@ -23,8 +23,8 @@ from ggufpipe_agent.errors import EngineError, ModelError, UnsupportedArchitectu
 from ggufpipe_agent.gguf.architectures import check_plan, check_split
 from ggufpipe_agent.gguf.families import qwen3next as family
 from ggufpipe_agent.gguf.header import read_header
-from ggufpipe_agent.stagefiles import writer as stagefile
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.stagefiles import build as stagefile
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from tests.support.arch_harness import OPTIONS, assert_per_layer_refused, model_path
 from tests.support.stage_chain import Chain
 from tests.support.synthetic import HEADS

@@ -10,7 +10,7 @@ import pytest
 from ggufpipe_agent.errors import ContextOverflow, ModelError, ProtocolError, RangeError
 from ggufpipe_agent.gguf.facts import read_model_facts
 from ggufpipe_agent.llama.engine import StageEngine, StageShape
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
 from tests.support.common import LONG_PROMPT, whole_model_greedy
 from tests.support.local import tokenize

@@ -22,7 +22,7 @@ from ggufpipe_agent.gguf.files import read_model_files, split_path, split_prefix
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.gguf.identity import describe_difference, model_identity
 from ggufpipe_agent.llama.vocabulary import Vocabulary
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from ggufpipe_agent.wire.protocol import EngineOptions
 from tests.support.common import LONG_PROMPT, REPO, whole_model_greedy
 from tests.support.local import tokenize

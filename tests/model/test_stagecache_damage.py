@@ -24,6 +24,7 @@ from ggufpipe_agent.delivery.service import answer_cache_request
 from ggufpipe_agent.errors import CacheError
 from ggufpipe_agent.stagefiles import cache as stagecache
 from ggufpipe_agent.stagefiles.admin import list_entries
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from ggufpipe_agent.stagefiles.cache import (
     SAMPLE_BLOCK,
     SAMPLE_COUNT,
@@ -38,7 +39,6 @@ from ggufpipe_agent.stagefiles.cache import (
     write_stage_entry,
 )
 from ggufpipe_agent.stagefiles.private_files import private_cache_dir
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from ggufpipe_agent.wire.delivery_messages import CacheRequest
 from tests.support import synthetic
 

@@ -26,7 +26,7 @@ import pytest
 from ggufpipe_tui.core.events import AgentLog, DataPath, TokenStreamed
 from ggufpipe_tui.core.inventory import HostSpec, load_inventory
 from ggufpipe_tui.session.pipeline import Pipeline
-from ggufpipe_tui.transports.link import TransportError
+from ggufpipe_tui.transports.connection import TransportError
 from ggufpipe_tui.transports.ssh import SshAgent
 from tests.support.common import DATA_MODES, LONG_PROMPT, MODES, REPO, start_then_close, whole_model_greedy
 from tests.support.ssh_hosts import (

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufpipe_agent.wire.protocol import Hello
-from ggufpipe_tui.transports.link import AgentLink
+from ggufpipe_tui.transports.connection import AgentConnection
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -26,7 +26,7 @@ MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
-async def start_then_close(link: AgentLink, timeout: float) -> Hello:
+async def start_then_close(link: AgentConnection, timeout: float) -> Hello:
     """The agent's Hello, ``link`` closed again whether it started or not."""
     try:
         return await link.start(timeout)

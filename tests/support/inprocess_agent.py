@@ -2,7 +2,7 @@
 
 The runtime is the agent's own (:class:`ggufpipe_agent.process.runtime.Agent`:
 its data socket, worker thread and private directory) and so is the control
-session (:class:`ggufpipe_agent.process.control.Session`), served on one end
+session (:class:`ggufpipe_agent.process.control.ControlChannel`), served on one end
 of a socket pair; only the engine slot differs: it builds a
 :class:`FakeEngine` (records its calls, returns fixed tokens or activations)
 where the agent would load a stage into llama.cpp. A test speaks the
@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from ggufpipe_agent.llama.engine import StageShape
-from ggufpipe_agent.llama.slot import EngineSlot
-from ggufpipe_agent.process.control import Session
+from ggufpipe_agent.llama.loaded import LoadedEngine
+from ggufpipe_agent.process.control import ControlChannel
 from ggufpipe_agent.process.runtime import Agent
 from ggufpipe_agent.wire.protocol import (
     Hello,
@@ -149,7 +149,7 @@ class FakeEngine:
         return [call for call in self.calls if call[0] == "step"]
 
 
-class FakeEngineSlot(EngineSlot):
+class FakeEngineSlot(LoadedEngine):
     """The agent's engine slot (which run its cache holds, prefix offers) with
     a :class:`FakeEngine` where llama.cpp would be loaded; :attr:`loaded`
     lists every engine it built, in order."""
@@ -176,7 +176,7 @@ class InProcessAgent(AgentConversation):
         self.runtime = Agent(cache_dir)
         self.engines = FakeEngineSlot()
         self.runtime.engines = self.engines
-        self.session: Session | None = None
+        self.session: ControlChannel | None = None
         self.serving: asyncio.Task[str] | None = None
         self.control_reader: asyncio.StreamReader | None = None
         self.control_writer: asyncio.StreamWriter | None = None
@@ -211,7 +211,7 @@ class InProcessAgent(AgentConversation):
         self.control_reader, self.control_writer = await asyncio.open_connection(sock=ours)
         reader, writer = await asyncio.open_connection(sock=theirs, limit=1 << 20)
         self._session_writer = writer  # the process's stdout: closed when the session has ended
-        self.session = Session(self.runtime, reader, writer)
+        self.session = ControlChannel(self.runtime, reader, writer)
         self.serving = asyncio.create_task(self.session.serve())
         hello = await self.expect(Hello)
         self.hello = hello

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ggufpipe_agent.gguf.facts import read_model_facts
 from ggufpipe_agent.llama.engine import StageEngine, StageShape
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from ggufpipe_agent.wire.protocol import EngineOptions
 
 _BUFFER = re.compile(r"(\S+)\s+(model|KV|output|compute) buffer size =\s+([\d.]+) MiB")

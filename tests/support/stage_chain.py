@@ -12,7 +12,7 @@ import numpy as np
 
 from ggufpipe_agent.gguf.facts import read_model_facts
 from ggufpipe_agent.llama.engine import StageEngine, StageShape
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
 

@@ -22,7 +22,7 @@ from ggufpipe_agent.wire.link_messages import (
     LinkListening,
 )
 from ggufpipe_agent.wire.protocol import Message, RequestFailed
-from ggufpipe_tui.dataplane.credentials import SessionAuthority
+from ggufpipe_tui.dataplane.credentials import LinkAuthority
 
 
 class Agent:
@@ -45,7 +45,7 @@ class Agent:
         await self.tasks.close()
 
 
-def credentials(authority: SessionAuthority, stage: int) -> LinkCredentials:
+def credentials(authority: LinkAuthority, stage: int) -> LinkCredentials:
     issued = authority.issue(stage)
     return LinkCredentials(issued.certificate, issued.key, authority.certificate_pem)
 
@@ -79,7 +79,7 @@ async def link(
 
 async def test_mutual_tls_between_the_stages_of_one_session(pair):
     consumer, producer = pair
-    authority = SessionAuthority()
+    authority = LinkAuthority()
     answer = await link(consumer, producer, "tls", credentials(authority, 1), credentials(authority, 0))
     assert isinstance(answer, LinkConnected) and answer.round_trip_ms > 0
     await asyncio.sleep(0.05)
@@ -88,7 +88,7 @@ async def test_mutual_tls_between_the_stages_of_one_session(pair):
 
 async def test_a_certificate_of_another_session_is_refused(pair):
     consumer, producer = pair
-    ours, stranger = SessionAuthority(), SessionAuthority()
+    ours, stranger = LinkAuthority(), LinkAuthority()
     answer = await link(consumer, producer, "tls", credentials(ours, 1), credentials(stranger, 0))
     assert isinstance(answer, RequestFailed), answer
     assert consumer.served == []
@@ -96,7 +96,7 @@ async def test_a_certificate_of_another_session_is_refused(pair):
 
 async def test_a_certificate_for_another_stage_is_refused_both_ways(pair):
     consumer, producer = pair
-    authority = SessionAuthority()
+    authority = LinkAuthority()
     # The consumer expects stage 0; the producer presents stage 2's certificate.
     answer = await link(consumer, producer, "tls", credentials(authority, 1), credentials(authority, 2))
     assert isinstance(answer, RequestFailed) and consumer.served == []

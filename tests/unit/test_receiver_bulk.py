@@ -27,7 +27,7 @@ import json, sys
 from pathlib import Path
 from ggufpipe_agent.delivery.receiver import StageFileReceiver
 from ggufpipe_agent.delivery.sender import StageSender
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 
 def status(field):
     for line in open("/proc/self/status"):

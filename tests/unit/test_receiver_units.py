@@ -28,9 +28,9 @@ from ggufpipe_agent.delivery.sender import StageSender
 from ggufpipe_agent.errors import CacheError, DiskFull, TransferError
 from ggufpipe_agent.stagefiles import cache as stagecache
 from ggufpipe_agent.stagefiles.admin import list_entries
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from ggufpipe_agent.stagefiles.cache import boot_id, read_sidecar, verify_entry
 from ggufpipe_agent.stagefiles.digest import digest_file
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from ggufpipe_agent.wire.delivery_messages import ReceiveStatus
 from tests.support.bulky_gguf import big_model
 from tests.support.common import REPO

@@ -15,10 +15,10 @@ import pytest
 from ggufpipe_agent.errors import CacheError
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.admin import list_entries, remove_entries
+from ggufpipe_agent.stagefiles.build import ensure_stage_file
 from ggufpipe_agent.stagefiles.cache import read_sidecar, sidecar_path
 from ggufpipe_agent.stagefiles.digest import digest_file
 from ggufpipe_agent.stagefiles.private_files import create_private
-from ggufpipe_agent.stagefiles.writer import ensure_stage_file
 from tests.support import synthetic
 
 

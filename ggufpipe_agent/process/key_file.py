@@ -34,7 +34,7 @@ from ggufpipe_agent.wire.listen_key import (
     KEY_DIR,
     NONCE_BYTES,
     ORCHESTRATOR,
-    CredentialError,
+    ListenKeyError,
     default_key_path,
     new_nonce,
     parse_key,
@@ -49,7 +49,7 @@ __all__ = [
     "KEY_DIR",
     "NONCE_BYTES",
     "ORCHESTRATOR",
-    "CredentialError",
+    "ListenKeyError",
     "default_key_path",
     "new_nonce",
     "parse_key",
@@ -67,11 +67,11 @@ def _private_directory(directory: Path) -> None:
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = directory.lstat()
     if not stat.S_ISDIR(info.st_mode):
-        raise CredentialError(f"{directory} is not a directory")
+        raise ListenKeyError(f"{directory} is not a directory")
     if info.st_uid != os.getuid():
-        raise CredentialError(f"{directory} belongs to another user (uid {info.st_uid})")
+        raise ListenKeyError(f"{directory} belongs to another user (uid {info.st_uid})")
     if info.st_mode & 0o022:
-        raise CredentialError(
+        raise ListenKeyError(
             f"{directory} is writable by others (mode {stat.S_IMODE(info.st_mode):04o}); chmod 700 it"
         )
 
@@ -101,5 +101,5 @@ def remove_key_file(path: Path, key: bytes) -> None:
     try:
         if parse_key(path.read_bytes(), str(path)) == key:
             path.unlink()
-    except (OSError, CredentialError):
+    except (OSError, ListenKeyError):
         pass

@@ -1,6 +1,6 @@
 """How the orchestrator reaches an agent: one small interface, two transports.
 
-An :class:`AgentLink` is one running agent with a control stream (msgpack
+An :class:`AgentConnection` is one running agent with a control stream (msgpack
 frames through one :class:`~ggufpipe_agent.wire.framing.FrameWriter` and one
 :class:`~ggufpipe_agent.wire.framing.FrameReader`), a way to open its data stream
 (edge objects) and its stderr. :mod:`ggufpipe_tui.transports.local` starts the
@@ -61,7 +61,7 @@ class TransportError(GgufpipeError):
 class AgentNotSetUp(TransportError):
     """The host has no agent of this orchestrator's build yet (its entry
     names no agent:), or it has one that cannot run (``broken``: set it up
-    again); :meth:`AgentLink.set_up` gives it one."""
+    again); :meth:`AgentConnection.set_up` gives it one."""
 
     def __init__(self, message: str, broken: bool = False) -> None:
         super().__init__(message)
@@ -85,7 +85,7 @@ class ListenRetry(TransportError):
         self.met = met
 
 
-class AgentLink:
+class AgentConnection:
     """A running agent. Subclasses provide the streams and how to end it."""
 
     def __init__(self, host: HostSpec, stage: int, on_log: LogLine) -> None:
@@ -258,7 +258,7 @@ class AgentLink:
     async def authenticate(self, timeout: float) -> None:
         """A hand-started agent (``listen:``): prove we hold its listen key and
         check that it does, before anything is sent to it or believed from it
-        (ggufpipe_agent/process/credential.py). Whoever else took the endpoint gets
+        (ggufpipe_agent/process/key_file.py). Whoever else took the endpoint gets
         nothing but our proof for its own challenge, which it cannot use.
 
         The key file is read (once; later tries reuse it) while the challenge

@@ -11,7 +11,7 @@ from ggufpipe_agent.llama.engine import StageEngine, StageShape
 from ggufpipe_agent.wire.protocol import PrefixHeld, PrefixOffer
 
 
-class EngineSlot:
+class LoadedEngine:
     """The loaded engine, kept across runs so a new prompt reloads nothing,
     and which run's positions each of its slots' KV caches holds (prefix
     reuse, per slot: a run keeps what its slot's previous run left).

@@ -19,7 +19,7 @@ from typing import Any
 
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.llama.engine import StageEngine
-from ggufpipe_agent.llama.slot import EngineSlot
+from ggufpipe_agent.llama.loaded import LoadedEngine
 from ggufpipe_agent.stage.fsm import (
     CancelPrepare,
     EmitFault,
@@ -48,7 +48,7 @@ from ggufpipe_agent.stage.fsm import (
 )
 from ggufpipe_agent.stage.handover import ConsumerRun, Precomputed, chain_next
 from ggufpipe_agent.stage.preparation import load_engine, stage_file
-from ggufpipe_agent.stage.writers import RecordWriter
+from ggufpipe_agent.stage.writers import RecordSink
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.protocol import (
@@ -95,13 +95,13 @@ class Counters:
         return self._now
 
 
-class StageRun:
+class StageJob:
     def __init__(
         self,
         provision: ProvisionStage,
         post: Post,
         worker: Executor,
-        engines: EngineSlot,
+        engines: LoadedEngine,
         cache_dir: Path | None,
     ) -> None:
         self.provision = provision
@@ -118,8 +118,8 @@ class StageRun:
         self.ring: asyncio.Queue[tuple[objects.ObjectHeader, bytes]] = asyncio.Queue(
             maxsize=max(1, provision.inbound.ring_spec.slots)
         )
-        self.outbound: RecordWriter | None = None
-        self.ring_out: RecordWriter | None = None  # the token ring's writer (the last stage of a ring run)
+        self.outbound: RecordSink | None = None
+        self.ring_out: RecordSink | None = None  # the token ring's writer (the last stage of a ring run)
         # The stage of a direct link each writer goes to (-1: the orchestrator's
         # stream): a fault on it names the peer, which may be the one that died.
         self.outbound_peer = -1
