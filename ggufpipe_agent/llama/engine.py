@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ggufpipe_agent.errors import ContextOverflow, EngineError, ProtocolError
+from ggufpipe_agent.ids import EVERY_SLOT, SlotId
 from ggufpipe_agent.llama.plumbing import (
     MROPE_TYPES,
     BufferTypeOverride,
@@ -193,7 +194,7 @@ class StageEngine:
     def slot(self) -> int:
         return self._seq
 
-    def use(self, slot: int) -> None:
+    def use(self, slot: SlotId) -> None:
         """Work on slot ``slot`` (a llama.cpp sequence id) from now on."""
         if not 0 <= slot < self.parallel:
             raise EngineError(f"slot {slot} does not exist: the stage has {self.parallel}")
@@ -290,7 +291,7 @@ class StageEngine:
         self._state.n_past = positions
         self._state.exact_end = min(self._state.exact_end, positions)
 
-    def abort(self, slot: int = -1) -> None:
+    def abort(self, slot: SlotId = EVERY_SLOT) -> None:
         """Make slot ``slot``'s long steps stop at their next graph node until
         its next :meth:`reset` (StopRun); -1: every slot's. Another slot's
         step goes on. Called from any thread."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufpipe_agent.errors import EngineError
+from ggufpipe_agent.ids import EVERY_SLOT, FIRST_SLOT, NO_RUN, RunId, SlotId
 from ggufpipe_agent.llama.engine import StageEngine, StageShape
 from ggufpipe_agent.wire.protocol import PrefixHeld, PrefixOffer
 
@@ -33,7 +34,7 @@ class LoadedEngine:
         self.users: dict[int, int] = {}  # slot -> the live run on it
         self.default_unheld = "its cache holds no earlier run"  # why a slot never written holds none
 
-    def claim(self, slot: int, run_id: int) -> str:
+    def claim(self, slot: SlotId, run_id: RunId) -> str:
         """Run ``run_id`` takes ``slot``; '' or why it cannot (another live run has it)."""
         holder = self.users.get(slot)
         if holder is not None and holder != run_id:
@@ -41,7 +42,7 @@ class LoadedEngine:
         self.users[slot] = run_id
         return ""
 
-    def release(self, slot: int, run_id: int) -> None:
+    def release(self, slot: SlotId, run_id: RunId) -> None:
         if self.users.get(slot) == run_id:
             del self.users[slot]
 
@@ -51,7 +52,7 @@ class LoadedEngine:
         shape: StageShape,
         options: Any,
         progress: Callable[[float], None],
-        run_id: int = 0,
+        run_id: RunId = NO_RUN,
     ) -> tuple[StageEngine, bool]:
         """The engine, and whether it was (re)loaded now. An engine that
         another live run (not ``run_id``) uses is never replaced."""
@@ -69,11 +70,11 @@ class LoadedEngine:
         self.key = key
         return self.engine, True
 
-    def wrote(self, slot: int, run_id: int) -> None:
+    def wrote(self, slot: SlotId, run_id: RunId) -> None:
         """``run_id``'s positions are what slot ``slot`` holds now (0: it is changing)."""
         self.written[slot] = run_id
 
-    def forget(self, why: str, slot: int = -1) -> None:
+    def forget(self, why: str, slot: SlotId = EVERY_SLOT) -> None:
         """The slot's KV cache (-1: every slot's) holds nothing a later run may keep."""
         if slot < 0:
             self.written.clear()
@@ -83,7 +84,9 @@ class LoadedEngine:
             self.written.pop(slot, None)
             self.unheld[slot] = why
 
-    def held(self, engine: StageEngine, offer: PrefixOffer, loaded: bool, slot: int = 0) -> PrefixHeld:
+    def held(
+        self, engine: StageEngine, offer: PrefixOffer, loaded: bool, slot: SlotId = FIRST_SLOT
+    ) -> PrefixHeld:
         """What slot ``slot`` of this engine can keep of the run ``offer`` names."""
         if not offer.run_id:
             return PrefixHeld()

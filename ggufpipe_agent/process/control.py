@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.heartbeat import Silence
+from ggufpipe_agent.ids import NO_RUN, RunId
 from ggufpipe_agent.llama.loaded import LoadedEngine
 from ggufpipe_agent.process.data_streams import DataStreams, live
 from ggufpipe_agent.process.peer_links import Links
@@ -110,7 +111,7 @@ class SeenRuns:
     def __init__(self) -> None:
         self._ids: dict[int, None] = {}  # insertion-ordered: oldest first
 
-    def add(self, run_id: int) -> None:
+    def add(self, run_id: RunId) -> None:
         self._ids[run_id] = None
         while len(self._ids) > self.keep:
             del self._ids[next(iter(self._ids))]
@@ -208,7 +209,7 @@ class ControlChannel:
                     self._writer_lost.set_result(f"the control stream broke ({error})")
                 return
 
-    def refuse(self, what: str, reason: str, run_id: int = 0) -> None:
+    def refuse(self, what: str, reason: str, run_id: RunId = NO_RUN) -> None:
         log.warning("refused %s: %s", what, reason)
         self.post(Refused(what, reason, run_id))
 
@@ -356,7 +357,7 @@ class ControlChannel:
             # sound provision (a field the wire cannot carry must never reach
             # struct.pack or llama.cpp and fault a step).
             sound_id = fits_bits(message.run_id, 64)
-            refused_id = message.run_id if sound_id else 0
+            refused_id = message.run_id if sound_id else NO_RUN
             self.refuse("ProvisionStage", f"run {message.run_id:#x}: {problem}", refused_id)
             if sound_id:
                 self.seen_runs.add(message.run_id)

@@ -12,6 +12,7 @@ from typing import Any
 
 from ggufpipe_agent.delivery.service import serve_delivery
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
+from ggufpipe_agent.ids import RunId
 from ggufpipe_agent.stage.fsm import EdgeEstablished, InboundFault, StageState
 from ggufpipe_agent.stage.job import StageJob
 from ggufpipe_agent.wire import objects
@@ -145,7 +146,7 @@ class DataStreams:
             return
         await self.runs[header.run_id].deliver(header, payload)
 
-    def run_problem(self, run_id: int) -> str:
+    def run_problem(self, run_id: RunId) -> str:
         run = self.runs.get(run_id)
         if run is not None and run.fsm.state is not StageState.STOPPED:
             return ""

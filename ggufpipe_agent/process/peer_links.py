@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.ids import RunId
 from ggufpipe_agent.stage.fsm import EdgeEstablished, SetupFailed, StageState
 from ggufpipe_agent.stage.handover import ConsumerRun, chaining_enabled
 from ggufpipe_agent.stage.job import StageJob
@@ -330,7 +331,7 @@ class Links:
         self,
         run: StageJob,
         message: LinkEdge,
-        refuse: Callable[[str, str, int], None],
+        refuse: Callable[[str, str, RunId], None],
         deliver: Forward,
     ) -> None:
         """``run``'s outbound (or ring-out) end on the outbound link: the

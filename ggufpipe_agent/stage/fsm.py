@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from ggufpipe_agent.errors import TransitionError
+from ggufpipe_agent.ids import NO_RUN, RunId
 
 
 class StageState(Enum):
@@ -45,7 +46,7 @@ class StageState(Enum):
 class Provision:
     """ProvisionStage arrived; ``problem`` is set when validation failed."""
 
-    run_id: int
+    run_id: RunId
     problem: str = ""
     ring_in: bool = False  # stage 0 of a token ring
     ring_out: bool = False  # the last stage of a token ring
@@ -210,7 +211,7 @@ StageEffect = (
 @dataclass(frozen=True, slots=True)
 class Stage:
     state: StageState = StageState.UNPROVISIONED
-    run_id: int = 0
+    run_id: RunId = NO_RUN
     worker_bound: bool = False
     inbound_ready: bool = False
     outbound_ready: bool = False

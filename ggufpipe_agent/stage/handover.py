@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ggufpipe_agent.ids import RunId
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.protocol import ProvisionStage
 
@@ -65,7 +66,7 @@ class ChainedRun(Protocol):
     precomputed: Precomputed | None
 
     @property
-    def run_id(self) -> int: ...
+    def run_id(self) -> RunId: ...
 
     @property
     def last(self) -> bool: ...

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
+from ggufpipe_agent.ids import NO_RUN, EdgeId
 from ggufpipe_agent.llama.engine import StageEngine
 from ggufpipe_agent.llama.loaded import LoadedEngine
 from ggufpipe_agent.stage.fsm import (
@@ -144,11 +145,11 @@ class StageJob:
         self.precomputed: Precomputed | None = None
         self.chained = 0  # steps of this run taken from the chain
 
-    def edge_ids(self, from_link: bool) -> dict[str, int]:
+    def edge_ids(self, from_link: bool) -> dict[str, EdgeId]:
         """The edge id each role may set up; a link sets up only the
         consumer's ends (a peer never makes a stage write to it)."""
         ring = self.provision.ring
-        ids = {"inbound": self.provision.inbound.edge_id}
+        ids: dict[str, EdgeId] = {"inbound": self.provision.inbound.edge_id}
         if ring is not None and ring.consume:
             ids["ring-in"] = ring.edge_id
         if not from_link:
@@ -442,7 +443,7 @@ class StageJob:
         engine.use(self.slot)
         try:
             if sequence == 0:
-                slots.wrote(self.slot, 0)  # the cache changes now
+                slots.wrote(self.slot, NO_RUN)  # the cache changes now
                 held, start = self.held, header.position
                 if start and (start > held.positions or start % held.granularity):
                     raise ProtocolError(

@@ -13,17 +13,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ggufpipe_agent.ids import RunId, SlotId
+
 
 @dataclass(frozen=True, slots=True)
 class Held:
     """A run the stage knows: its id, its slot, whether it has stopped."""
 
-    run_id: int
-    slot: int
+    run_id: RunId
+    slot: SlotId
     stopped: bool = False
 
 
-def refusal(held: Iterable[Held], run_id: int, slot: int, parallel: int) -> str:
+def refusal(held: Iterable[Held], run_id: RunId, slot: SlotId, parallel: int) -> str:
     """Why the stage cannot take run ``run_id`` on ``slot`` now ('' if it can)."""
     for run in held:
         if run.stopped:
@@ -35,6 +37,6 @@ def refusal(held: Iterable[Held], run_id: int, slot: int, parallel: int) -> str:
     return ""
 
 
-def replaced(held: Iterable[Held], slot: int) -> list[int]:
+def replaced(held: Iterable[Held], slot: SlotId) -> list[int]:
     """The stopped runs a new run on ``slot`` makes the stage forget."""
     return [run.run_id for run in held if run.stopped and run.slot == slot]

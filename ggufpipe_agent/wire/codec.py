@@ -78,6 +78,7 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _from_wire(tp: Any, value: Any, where: str) -> Any:
+    tp = getattr(tp, "__supertype__", tp)  # an id (typing.NewType) is an int on the wire
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)

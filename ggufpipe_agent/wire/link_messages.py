@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ggufpipe_agent.ids import EdgeId, RunId
 from ggufpipe_agent.wire.codec import Message
 
 #: The domain of the names in the link certificates of a session.
@@ -91,8 +92,8 @@ class LinkEdge(Message):
     edge; "ring-out": the token ring) on the stage's link; the agent opens the
     consumer's end by sending OpenEdge on the link."""
 
-    run_id: int
-    edge_id: int
+    run_id: RunId
+    edge_id: EdgeId
     role: str
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.ids import EdgeId, RunId
 from ggufpipe_agent.wire.protocol import ObjectSpec
 
 OBJECT_MAGIC = b"GPOB"
@@ -60,8 +61,8 @@ DTYPE_CODES = {name: code for code, name in DTYPE_NAMES.items()}
 class ObjectHeader:
     kind: int
     dtype: int
-    run_id: int
-    edge_id: int
+    run_id: RunId
+    edge_id: EdgeId
     sequence: int
     rows: int
     cols: int
@@ -140,7 +141,9 @@ def check_spec(header: ObjectHeader, spec: ObjectSpec) -> None:
         raise ProtocolError(f"{header.describe()}: exceeds max_extent {spec.max_extent}")
 
 
-def tokens_record(run_id: int, edge_id: int, sequence: int, tokens: list[int], *, position: int = 0) -> bytes:
+def tokens_record(
+    run_id: RunId, edge_id: EdgeId, sequence: int, tokens: list[int], *, position: int = 0
+) -> bytes:
     payload = np.asarray(tokens, dtype="<i4").tobytes()
     header = ObjectHeader(
         KIND_TOKENS, DTYPE_CODES["int32"], run_id, edge_id, sequence, len(tokens), 1, len(payload), position
@@ -149,7 +152,7 @@ def tokens_record(run_id: int, edge_id: int, sequence: int, tokens: list[int], *
 
 
 def activation_record(
-    run_id: int, edge_id: int, sequence: int, rows: np.ndarray, dtype: str, *, position: int = 0
+    run_id: RunId, edge_id: EdgeId, sequence: int, rows: np.ndarray, dtype: str, *, position: int = 0
 ) -> tuple[bytes, memoryview]:
     """Header and payload (no concatenation copy) for ``rows`` of shape [n, hidden]."""
     code = DTYPE_CODES[dtype]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import msgpack
 
 from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.ids import FIRST_SLOT, NO_RUN, EdgeId, RunId, SlotId
 
 # The messages of model delivery and of the stage cache, and those of the
 # direct links (docs/rings.md), are defined in their own modules (to keep this
@@ -121,7 +122,7 @@ class RequestFailed(Message):
 
 @dataclass(frozen=True, slots=True)
 class StageReady(Message):
-    run_id: int
+    run_id: RunId
     stage_index: int
     node_id: str
     held: PrefixHeld = PrefixHeld()  # what it holds of the provision's PrefixOffer
@@ -129,7 +130,7 @@ class StageReady(Message):
 
 @dataclass(frozen=True, slots=True)
 class StageFault(Message):
-    run_id: int
+    run_id: RunId
     stage_index: int
     node_id: str
     reason: str
@@ -138,7 +139,7 @@ class StageFault(Message):
 
 @dataclass(frozen=True, slots=True)
 class StageStopped(Message):
-    run_id: int
+    run_id: RunId
     stage_index: int
     node_id: str
     counters: StepCounters
@@ -148,7 +149,7 @@ class StageStopped(Message):
 class StageProgress(Message):
     """Optional diagnostics: a stage FSM state change or load progress."""
 
-    run_id: int
+    run_id: RunId
     stage_index: int
     state: str
     detail: str
@@ -159,7 +160,7 @@ class StageProgress(Message):
 class StepStats(Message):
     """Optional diagnostics, sent at most a few times a second while running."""
 
-    run_id: int
+    run_id: RunId
     stage_index: int
     counters: StepCounters
 
@@ -173,7 +174,7 @@ class Refused(Message):
     # The run the refused message named, 0 for none: a refusal that arrives
     # after its run was replaced (a prepared run torn down for other sampling)
     # is about that old run, not the one now being set up.
-    run_id: int = 0
+    run_id: RunId = NO_RUN
 
 
 # --------------------------------------------------------------------------- #
@@ -205,7 +206,7 @@ class Tokenize(Message):
 
 @dataclass(frozen=True, slots=True)
 class ProvisionStage(Message):
-    run_id: int
+    run_id: RunId
     stage_index: int
     stage_count: int
     node_id: str
@@ -222,12 +223,12 @@ class ProvisionStage(Message):
     # stage loads that cache entry and never reads gguf_source.
     stage_file: StageFileRef | None = None
     reuse: PrefixOffer = PrefixOffer()  # what the stage may keep of the slot's previous run
-    slot: int = 0  # the engine's slot (sequence id) this run uses: 0 .. engine.parallel - 1
+    slot: SlotId = FIRST_SLOT  # the engine's slot (sequence id) this run uses: 0 .. engine.parallel - 1
 
 
 @dataclass(frozen=True, slots=True)
 class StopRun(Message):
-    run_id: int
+    run_id: RunId
     reason: str
 
 
@@ -236,8 +237,8 @@ class RewireEdge(Message):
     """A request to point an edge at another peer. Stages always refuse it
     (spec §10): only the orchestrator's provision message wires a stage."""
 
-    run_id: int
-    edge_id: int
+    run_id: RunId
+    edge_id: EdgeId
     peer: str
 
 
@@ -252,8 +253,8 @@ class OpenEdge(Message):
     provisioned stage. ``role`` is "inbound" (objects to the stage) or
     "outbound" (objects from it)."""
 
-    run_id: int
-    edge_id: int
+    run_id: RunId
+    edge_id: EdgeId
     role: str
 
 

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from ggufpipe_agent.errors import CacheError
+from ggufpipe_agent.ids import NO_RUN, EdgeId, RunId
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +44,7 @@ class RingSpec:
 
 @dataclass(frozen=True, slots=True)
 class InboundEdgeProvision:
-    edge_id: int
+    edge_id: EdgeId
     kind: str  # EdgeKind: "TokenIn" or "Activation"
     object_spec: ObjectSpec
     ring_spec: RingSpec
@@ -51,7 +52,7 @@ class InboundEdgeProvision:
 
 @dataclass(frozen=True, slots=True)
 class OutboundEdgeProvision:
-    edge_id: int
+    edge_id: EdgeId
     kind: str  # EdgeKind: "Activation" or "TokenOut"
     consumer_node_id: str
     object_spec: ObjectSpec
@@ -64,7 +65,7 @@ class TokenRingProvision:
     straight to stage 0 as its next input, on an edge of its own, until EOS/EOG
     or ``max_tokens``; the orchestrator only reads the token-out edge."""
 
-    edge_id: int
+    edge_id: EdgeId
     produce: bool  # this stage writes the ring (the last stage)
     consume: bool  # this stage reads it (stage 0)
     object_spec: ObjectSpec
@@ -135,8 +136,11 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # the API's range; llama.cpp tak
 
 def sampling_problem(temperature: float, top_k: int, top_p: float, seed: int) -> tuple[str, str]:
     """(field, what is wrong) for sampling a stage would refuse; ("", "") when sound."""
-    if not (isinstance(temperature, int | float) and math.isfinite(temperature) and
-            0 <= temperature <= TEMPERATURE_MAX):
+    if not (
+        isinstance(temperature, int | float)
+        and math.isfinite(temperature)
+        and 0 <= temperature <= TEMPERATURE_MAX
+    ):
         return "temperature", f"{temperature!r} is not a finite number in [0, {TEMPERATURE_MAX:g}]"
     if not (isinstance(top_k, int) and 0 <= top_k <= TOP_K_MAX):
         return "top_k", f"{top_k!r} is not an integer in [0, {TOP_K_MAX}]"
@@ -229,7 +233,7 @@ class PrefixOffer:
     0: none, start empty). What it keeps is decided when the prompt comes,
     by the prompt object's position (docs/worker.md, "Prefix reuse")."""
 
-    run_id: int = 0
+    run_id: RunId = NO_RUN
     positions: int = 0
 
 
@@ -241,7 +245,7 @@ class PrefixHeld:
     any batch size, else the ubatch: see docs/worker.md). ``reason`` says
     why it holds less than it was offered ("" when it holds all of it)."""
 
-    run_id: int = 0
+    run_id: RunId = NO_RUN
     positions: int = 0
     granularity: int = 1
     reason: str = ""
@@ -289,9 +293,6 @@ def label_for(name: str) -> str:
     """A model name as a safe file-name part (what a sender's label becomes)."""
     label = _LABEL.sub("-", name).strip("-")[:40]
     return label or "model"
-
-
-
 
 
 @dataclass(frozen=True, slots=True)

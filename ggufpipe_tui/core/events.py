@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ggufpipe_agent.ids import RunId
 from ggufpipe_agent.wire.protocol import Hello, ModelFacts, StepCounters
 
 
@@ -83,21 +84,21 @@ class PlanMade:
 class PromptAssigned:
     """The session gave a submitted prompt (its ``ticket``) to run ``run_id``."""
 
-    run_id: int
+    run_id: RunId
     text: str
     ticket: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class RunPhaseChanged:
-    run_id: int
+    run_id: RunId
     phase: str
     detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class StageStateChanged:
-    run_id: int
+    run_id: RunId
     stage: int
     state: str
     detail: str = ""
@@ -105,7 +106,7 @@ class StageStateChanged:
 
 @dataclass(frozen=True, slots=True)
 class StageLoadProgress:
-    run_id: int
+    run_id: RunId
     stage: int
     detail: str
     fraction: float
@@ -139,14 +140,14 @@ class StageDelivery:
 
 @dataclass(frozen=True, slots=True)
 class StageStats:
-    run_id: int
+    run_id: RunId
     stage: int
     counters: StepCounters
 
 
 @dataclass(frozen=True, slots=True)
 class TokenStreamed:
-    run_id: int
+    run_id: RunId
     sequence: int
     token: int
     text: str
@@ -163,7 +164,7 @@ class Timings:
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
-    run_id: int
+    run_id: RunId
     outcome: str  # "completed", "faulted", "torn down"
     stop_reason: str  # "eos", "max_tokens", "stopped" or ""
     failure: str
@@ -210,7 +211,7 @@ class RunInterrupted:
     """A run that lost a stage and that recovery replays: it ends without a
     RunFinished; its replay (:class:`RunReplaying`) carries its prompt on."""
 
-    run_id: int
+    run_id: RunId
     reason: str
     tokens: int  # tokens it streamed before the loss
 
@@ -220,7 +221,7 @@ class RunReplaying:
     """``run_id`` replays ``interrupted``: the first ``tokens`` it generates are
     checked against what was streamed and not streamed again."""
 
-    run_id: int
+    run_id: RunId
     interrupted: int
     tokens: int
 
@@ -230,7 +231,7 @@ class RunRecovered:
     """The replay caught up: the next token streamed is a new one. Seconds
     of each part, from the loss report (``lost_at``, time.perf_counter())."""
 
-    run_id: int
+    run_id: RunId
     interrupted: int
     stages: str  # who was lost: "stage 1 on gpu-b"
     how: str  # what the repair did: "restarted"

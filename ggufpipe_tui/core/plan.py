@@ -17,6 +17,7 @@ from typing import Protocol
 
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.gguf.memory import StageMemory, estimate_stage, memory_facts_of
+from ggufpipe_agent.ids import FIRST_SLOT, EdgeId, RunId, SlotId
 from ggufpipe_agent.wire.objects import HEADER_SIZE
 from ggufpipe_agent.wire.protocol import (
     EngineOptions,
@@ -60,6 +61,7 @@ class Placed(Protocol):
     @property
     def stages(self) -> Sequence[PlacedStage]: ...
 
+
 ORCHESTRATOR = "orchestrator"
 #: Slots per edge ring. The MVP keeps one object in flight per edge, so two
 #: slots let the next object land while a step runs (docs/rings.md).
@@ -97,8 +99,8 @@ class EdgeEndpoint:
 
 @dataclass(frozen=True, slots=True)
 class EdgePlan:
-    run_id: int
-    edge_id: int
+    run_id: RunId
+    edge_id: EdgeId
     kind: str  # "TokenIn", "Activation", "TokenOut"
     producer: EdgeEndpoint
     consumer: EdgeEndpoint
@@ -108,15 +110,15 @@ class EdgePlan:
 
 @dataclass(frozen=True, slots=True)
 class StagePlan:
-    run_id: int
+    run_id: RunId
     stage_index: int
     stage_count: int
     node_id: str
     gguf_source: str
     layer_start: int
     layer_end_exclusive: int
-    inbound_edge: int
-    outbound_edge: int
+    inbound_edge: EdgeId
+    outbound_edge: EdgeId
     estimated_bytes: int  # what the stage needs where its layers go (RAM, or its GPUs)
     engine: EngineOptions  # the run's sizes with this stage's host's threads and GPU layers
     available_bytes: int = 0  # what the plan may use there (shared by the host's stages); 0: unknown
@@ -126,7 +128,7 @@ class StagePlan:
 
 @dataclass(frozen=True, slots=True)
 class RunPlan:
-    run_id: int
+    run_id: RunId
     model: GgufModelPlan
     stages: tuple[StagePlan, ...]
     edges: tuple[EdgePlan, ...]
@@ -135,18 +137,18 @@ class RunPlan:
     sampling: SamplingParams
     ring: EdgePlan | None = None  # the token ring; None: the orchestrator feeds tokens back
     reuse: PrefixOffer = PrefixOffer()  # what the stages may keep of the slot's previous run
-    slot: int = 0  # each stage's slot (0 .. engine.parallel - 1) the run's KV cache is in
+    slot: SlotId = FIRST_SLOT  # each stage's slot (0 .. engine.parallel - 1) the run's KV cache is in
     ignore_eos: bool = False  # the model's end-of-generation tokens do not stop it
 
-    def edge(self, edge_id: int) -> EdgePlan:
+    def edge(self, edge_id: EdgeId) -> EdgePlan:
         for edge in self.edges:  # the ring has its own field, looked up there
             if edge.edge_id == edge_id:
                 return edge
         raise KeyError(edge_id)
 
 
-def new_run_id() -> int:
-    return secrets.randbits(63) | 1
+def new_run_id() -> RunId:
+    return RunId(secrets.randbits(63) | 1)
 
 
 def engine_options(run: RunOptions, facts: ModelFacts) -> EngineOptions:
@@ -166,7 +168,7 @@ def build_plan(
     inventory: Inventory,
     facts: ModelFacts,
     ranges: list[tuple[int, int]],
-    run_id: int,
+    run_id: RunId,
     edge_base: int | None = None,
     placement: Placed | None = None,
 ) -> RunPlan:
@@ -203,7 +205,7 @@ def build_plan(
     edges = [
         EdgePlan(
             run_id,
-            base,
+            EdgeId(base),
             "TokenIn",
             EdgeEndpoint(ORCHESTRATOR),
             EdgeEndpoint(node[0], 0),
@@ -215,7 +217,7 @@ def build_plan(
         edges.append(
             EdgePlan(
                 run_id,
-                base + i,
+                EdgeId(base + i),
                 "Activation",
                 EdgeEndpoint(node[i - 1], i - 1),
                 EdgeEndpoint(node[i], i),
@@ -226,7 +228,7 @@ def build_plan(
     edges.append(
         EdgePlan(
             run_id,
-            base + n,
+            EdgeId(base + n),
             "TokenOut",
             EdgeEndpoint(node[n - 1], n - 1),
             EdgeEndpoint(ORCHESTRATOR),
@@ -254,8 +256,8 @@ def build_plan(
             gguf_source=inventory.model_path_for(inventory.hosts[node[i]]),
             layer_start=ranges[i][0],
             layer_end_exclusive=ranges[i][1],
-            inbound_edge=base + i,
-            outbound_edge=base + i + 1,
+            inbound_edge=EdgeId(base + i),
+            outbound_edge=EdgeId(base + i + 1),
             estimated_bytes=sized[i][0],
             engine=replace(
                 engine,
@@ -274,7 +276,7 @@ def build_plan(
         one_token = ObjectSpec("tokens", "int32", 1, 1)
         producer, consumer = EdgeEndpoint(node[n - 1], n - 1), EdgeEndpoint(node[0], 0)
         token_ring = EdgePlan(
-            run_id, base + n + 1, "TokenRing", producer, consumer, one_token, ring(one_token)
+            run_id, EdgeId(base + n + 1), "TokenRing", producer, consumer, one_token, ring(one_token)
         )
     return RunPlan(
         run_id,

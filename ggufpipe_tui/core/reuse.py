@@ -21,6 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ggufpipe_agent.ids import RunId
 from ggufpipe_agent.wire.protocol import PrefixHeld, PrefixOffer
 
 
@@ -29,7 +30,7 @@ class ReuseSource:
     """A run whose positions the stages may still hold: the tokens it fed,
     position 0 on."""
 
-    run_id: int
+    run_id: RunId
     fed: tuple[int, ...]
 
     def offer(self) -> PrefixOffer:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ggufpipe_agent.ids import SlotId
 from ggufpipe_tui.core.reuse import common_prefix
 
 
 def choose_slot(
-    free: Sequence[int], held: Sequence[tuple[int, ...]], used: Sequence[float], prompt: Sequence[int]
-) -> int:
+    free: Sequence[SlotId], held: Sequence[tuple[int, ...]], used: Sequence[float], prompt: Sequence[int]
+) -> SlotId:
     """The free slot whose cached tokens (``held``, by slot) share the longest
     prefix with ``prompt``; among equals the least recently used (``used``:
     when each slot last took a run), then the lowest."""

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ggufpipe_agent.ids import RunId
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
 from ggufpipe_agent.wire.protocol import Message
 from ggufpipe_tui.core.events import DataPath
@@ -81,7 +82,7 @@ class DataPlane(Protocol):
         """A run whose objects are checked and routed, beside the others bound
         (runs in flight at once); objects of no bound run are dropped."""
 
-    def unbind(self, run_id: int) -> None:
+    def unbind(self, run_id: RunId) -> None:
         """The run has ended: its late objects are dropped."""
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None:

@@ -30,6 +30,7 @@ import asyncio
 import secrets
 from collections.abc import Sequence
 
+from ggufpipe_agent.ids import RunId
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire import link_messages as links
 from ggufpipe_agent.wire.protocol import Message, OpenEdge, RequestFailed, encode_message
@@ -191,7 +192,7 @@ class DirectPlane(RelayPlane):
             linked.add(producer)
             await self.stages[producer].send(message)
 
-    def unbind(self, run_id: int) -> None:
+    def unbind(self, run_id: RunId) -> None:
         super().unbind(run_id)
         self._acked.pop(run_id, None)
         self._linked.pop(run_id, None)

@@ -20,6 +20,7 @@ import asyncio
 from collections.abc import Sequence
 
 from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.ids import RunId
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.framing import FrameWriter, TruncatedFrame
@@ -55,7 +56,7 @@ class RelayPlane:
         self.bound[plan.run_id] = (plan, sink)
         self._bound_changed()
 
-    def unbind(self, run_id: int) -> None:
+    def unbind(self, run_id: RunId) -> None:
         if self.bound.pop(run_id, None) is not None:
             self._bound_changed()
 
@@ -206,4 +207,3 @@ class RelayPlane:
                 continue
             tokens = objects.decode_tokens(header, payload)
             bound[1](header.sequence, tokens[0])
-

@@ -47,6 +47,7 @@ from typing import IO, Any
 
 from aiohttp import web
 
+from ggufpipe_agent.ids import NO_RUN, RunId
 from ggufpipe_tui.core.events import (
     Event,
     PromptAssigned,
@@ -89,7 +90,7 @@ class Exchange:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     queued_s: float = 0.0
-    run_id: int = 0
+    run_id: RunId = NO_RUN
     ident: str = ""  # the answer's id
     created: int = 0
     result: RunResult | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from ggufpipe_agent.ids import RunId
 from ggufpipe_tui.core.events import Emit, Event, Notice, RunFinished, RunInterrupted, RunResult
 from ggufpipe_tui.session.driver import RunDriver
 from ggufpipe_tui.session.runlog import RunLog
@@ -42,13 +43,13 @@ class Fanout:
             except Exception:  # noqa: BLE001 - a view's bug must not break the run
                 log.exception("event consumer failed")
 
-    def open_log(self, run_id: int) -> None:
+    def open_log(self, run_id: RunId) -> None:
         try:
             self.runlog.open(run_id)
         except OSError as error:
             self.emit(Notice("warning", f"run log disabled: cannot write {self.runlog.path} ({error})"))
 
-    def log_path(self, run_id: int) -> str:
+    def log_path(self, run_id: RunId) -> str:
         return "" if self.runlog.disabled else str(self.runlog.path_of(run_id) or "")
 
     def assign(self, handle: RunHandle, driver: RunDriver, replaces: int = 0) -> None:
@@ -58,7 +59,7 @@ class Fanout:
         handle.driver, handle.run_id = driver, driver.plan.run_id
         self._handles[driver.plan.run_id] = handle
 
-    def run_emitter(self, run_id: int, interrupts: Interrupts) -> Emit:
+    def run_emitter(self, run_id: RunId, interrupts: Interrupts) -> Emit:
         """Run ``run_id``'s events: to the session and its handle; its
         RunFinished closes its log and, unless ``interrupts`` says it is to be
         replayed (the replay's RunFinished ends it), ends it."""

@@ -31,6 +31,7 @@ import time
 from dataclasses import replace
 
 from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_agent.ids import SlotId
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core.inventory import RunOptions
 from ggufpipe_tui.core.slots import choose_slot
@@ -68,7 +69,7 @@ class ParallelRunner(Runner):
         reason = ""
         if self.prepare_ahead:
             for slot in range(self.slots):
-                self._prepare_ahead(slot)
+                self._prepare_ahead(SlotId(slot))
         try:
             while not queue.stopped:
                 handle = await queue.take()
@@ -87,7 +88,7 @@ class ParallelRunner(Runner):
                     continue
                 if handle.done:
                     continue
-                free = [slot for slot in range(self.slots) if slot not in self.busy]
+                free = [SlotId(slot) for slot in range(self.slots) if slot not in self.busy]
                 keep = handle.prompt.cache_prompt
                 slot = choose_slot(free, self.held if keep else [()] * self.slots, self.used, tokens)
                 self.busy.add(slot)
@@ -112,7 +113,7 @@ class ParallelRunner(Runner):
                 await self.runs.close()
 
     async def _run_on(
-        self, slot: int, handle: RunHandle, tokens: list[int], options: RunOptions, limit: int
+        self, slot: SlotId, handle: RunHandle, tokens: list[int], options: RunOptions, limit: int
     ) -> None:
         pipeline = self.pipeline
         options = replace(options, max_tokens=limit)  # provisioned with its own limit
@@ -144,7 +145,7 @@ class ParallelRunner(Runner):
             if self.prepare_ahead and not self.queue.stopped:
                 self._prepare_ahead(slot)
 
-    def _prepare_ahead(self, slot: int) -> None:
+    def _prepare_ahead(self, slot: SlotId) -> None:
         kept = self.prepared.get(slot)
         if kept is not None and not kept.done.is_set():
             return  # a prompt withdrawn in time left its run prepared
@@ -157,7 +158,9 @@ class ParallelRunner(Runner):
 
         self.preparing[slot] = self.runs.spawn(prepare(), f"run prepared on slot {slot}")
 
-    async def _driver_for(self, slot: int, handle: RunHandle, options: RunOptions, limit: int) -> RunDriver:
+    async def _driver_for(
+        self, slot: SlotId, handle: RunHandle, options: RunOptions, limit: int
+    ) -> RunDriver:
         """The slot's run prepared ahead when it runs this prompt as asked;
         else (stopped first, if there is one) a run provisioned for it."""
         pipeline = self.pipeline

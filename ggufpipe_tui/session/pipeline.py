@@ -27,6 +27,7 @@ from typing import Any
 
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.gguf.architectures import check_architecture, check_plan
+from ggufpipe_agent.ids import FIRST_SLOT, RunId, SlotId
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire.protocol import (
     ChatMessage,
@@ -159,7 +160,7 @@ class Pipeline:
     def emit(self, event: Event) -> None:
         self.events.emit(event)
 
-    def _run_emitter(self, run_id: int, final: bool = False) -> Emit:
+    def _run_emitter(self, run_id: RunId, final: bool = False) -> Emit:
         """``final``: a RunFinished ends the run even while recovering (give_up)."""
         return self.events.run_emitter(run_id, lambda result: self.recovery.ended(result, final))
 
@@ -322,7 +323,12 @@ class Pipeline:
         return self._model_plan
 
     async def prepare_run(
-        self, options: RunOptions | None = None, quiet: bool = False, *, slot: int = 0, reuse: bool = True
+        self,
+        options: RunOptions | None = None,
+        quiet: bool = False,
+        *,
+        slot: SlotId = FIRST_SLOT,
+        reuse: bool = True,
     ) -> RunDriver:
         """Plan, provision and load a run that waits for its prompt, on
         ``slot`` of every stage (it offers what the slot's last run left

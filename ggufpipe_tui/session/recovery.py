@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_agent.ids import FIRST_SLOT, RunId, SlotId
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core import recovery as rec
 from ggufpipe_tui.core import run_fsm as fsm
@@ -70,7 +71,12 @@ class Recoverable(Protocol):
         ...
 
     async def prepare_run(
-        self, options: RunOptions | None = None, quiet: bool = False, *, slot: int = 0, reuse: bool = True
+        self,
+        options: RunOptions | None = None,
+        quiet: bool = False,
+        *,
+        slot: SlotId = FIRST_SLOT,
+        reuse: bool = True,
     ) -> RunDriver: ...
 
     async def run_prompt(
@@ -255,7 +261,7 @@ class Recovery:
             result = await self.pipeline.run_prompt(driver, turn.tokens, handle.prompt.submitted, turn.limit)
         return result
 
-    def take_interrupted(self, run_id: int) -> RunResult | None:
+    def take_interrupted(self, run_id: RunId) -> RunResult | None:
         """Run ``run_id``'s result when it faulted by a lost stage that
         recovery repairs: it is to be replayed (:meth:`carry_on`), not finished."""
         return self._interrupted.pop(run_id, None)

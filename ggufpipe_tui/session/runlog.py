@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from ggufpipe_agent.errors import CacheError
+from ggufpipe_agent.ids import RunId
 from ggufpipe_agent.private_dirs import private_directory
 from ggufpipe_agent.wire.protocol import to_plain
 from ggufpipe_tui.core.events import AgentConnected, Event, PlanMade, RunFinished, StageStats, TokenStreamed
@@ -64,12 +65,12 @@ class RunLog:
         self._opened = False
         self.disabled = ""
 
-    def path_of(self, run_id: int) -> Path | None:
+    def path_of(self, run_id: RunId) -> Path | None:
         """Run ``run_id``'s log while it is open."""
         opened = self._files.get(run_id)
         return opened[0] if opened is not None else None
 
-    def open(self, run_id: int) -> None:
+    def open(self, run_id: RunId) -> None:
         """Run ``run_id``'s log: its own events go there; events of no run in
         flight (a notice, an agent's log line) go to every open log."""
         self.close(run_id)
@@ -150,7 +151,7 @@ class RunLog:
                 # is on the per-token path; everything else is flushed at once.
                 file.flush()
 
-    def close(self, run_id: int | None = None) -> None:
+    def close(self, run_id: RunId | None = None) -> None:
         """Close run ``run_id``'s log (None: every open one)."""
         runs = list(self._files) if run_id is None else [run_id]
         for run in runs:

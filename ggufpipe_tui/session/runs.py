@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_agent.ids import FIRST_SLOT, RunId, SlotId
 from ggufpipe_agent.wire.codec import MAX_PROMPT_BYTES, MAX_PROMPT_TURNS, text_problem
 from ggufpipe_agent.wire.protocol import ChatMessage, SamplingParams
 from ggufpipe_tui.core.events import Event, RunResult
@@ -135,7 +136,7 @@ class Turn:
     tokens: list[int]
     limit: int
     options: RunOptions
-    slot: int = 0
+    slot: SlotId = FIRST_SLOT
 
 
 class RunHandle:
@@ -144,7 +145,7 @@ class RunHandle:
     def __init__(self, prompt: Prompt, ticket: int, stream: bool) -> None:
         self.prompt = prompt
         self.ticket = ticket
-        self.run_id: int | None = None
+        self.run_id: RunId | None = None
         self.driver: RunDriver | None = None
         self.withdrawn = ""  # why the prompt was withdrawn before its run
         self._events: asyncio.Queue[Event | None] | None = asyncio.Queue() if stream else None
@@ -309,10 +310,13 @@ async def prompt_tokens(
         if len(prompt.messages) > MAX_PROMPT_TURNS:
             raise PipelineError(f"not run: {len(prompt.messages)} messages, at most {MAX_PROMPT_TURNS}")
         size = 0  # each text encoded once: whether UTF-8 carries it, and its bytes
-        for what, text in (("the prompt", prompt.text), *(
-            (f"message {index} ({message.role})", message.content)
-            for index, message in enumerate(prompt.messages)
-        )):
+        for what, text in (
+            ("the prompt", prompt.text),
+            *(
+                (f"message {index} ({message.role})", message.content)
+                for index, message in enumerate(prompt.messages)
+            ),
+        ):
             try:
                 size += len(text.encode("utf-8"))
             except UnicodeEncodeError:

@@ -29,6 +29,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from ggufpipe_agent.errors import GgufpipeError
+from ggufpipe_agent.ids import FIRST_SLOT, SlotId
 from ggufpipe_agent.wire.protocol import ChatMessage
 from ggufpipe_tui.core.events import RunResult
 from ggufpipe_tui.core.inventory import Inventory, RunOptions
@@ -51,7 +52,7 @@ class Serving(Protocol):
     def broken(self) -> str: ...
 
     async def prepare_run(
-        self, options: RunOptions | None = None, *, slot: int = 0, reuse: bool = True
+        self, options: RunOptions | None = None, *, slot: SlotId = FIRST_SLOT, reuse: bool = True
     ) -> RunDriver: ...
 
     async def tokenize(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from rich.text import Text
 
+from ggufpipe_agent.ids import RunId
 from ggufpipe_agent.wire.protocol import StepCounters
 from ggufpipe_tui.core.events import RunResult, StageDelivery
 
@@ -67,7 +68,7 @@ class ExchangeView:
     """One prompt, its reply as it streamed in, and how its run ended."""
 
     prompt: str
-    run_id: int | None = None
+    run_id: RunId | None = None
     parts: list[str] = field(default_factory=list)
     appended_at: list[float] = field(default_factory=list)  # time.monotonic() of each piece
     finished: bool = False
@@ -85,7 +86,7 @@ class ExchangeView:
 class RunStats:
     """One run as the header shows it: elapsed time and tokens per second."""
 
-    run_id: int
+    run_id: RunId
     started: float
     first_token: float | None = None
     last_token: float | None = None

@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.text import Text
 
+from ggufpipe_agent.ids import RunId
 from ggufpipe_tui.core import events as ev
 from ggufpipe_tui.core import format as fmt
 from ggufpipe_tui.core.inventory import Inventory
@@ -42,7 +43,7 @@ class ViewState:
         self.session = 0
         self.session_phase: str | None = "Connecting"  # overrides the run phase when set
         self.session_started = 0.0
-        self.run_id: int | None = None
+        self.run_id: RunId | None = None
         self.run_phase: str | None = None
         self.model_line = ""
         self.fault = ""

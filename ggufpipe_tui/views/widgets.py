@@ -27,6 +27,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, RichLog, Static
 from textual.widgets._footer import FooterKey
 
+from ggufpipe_agent.ids import RunId
 from ggufpipe_tui.core.format import delivery_line, format_bytes, format_seconds
 from ggufpipe_tui.core.placement import MARGIN
 from ggufpipe_tui.views.rows import PHASE_STYLES, STAGE_STYLES, StageRow
@@ -351,7 +352,7 @@ class StageTable(DrawnOnce):
 @dataclass
 class StatusView:
     phase: str = "Connecting"
-    run_id: int | None = None
+    run_id: RunId | None = None
     hint: str = ""
     elapsed: float | None = None
     tokens_per_s: float | None = None

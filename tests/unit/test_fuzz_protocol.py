@@ -94,6 +94,7 @@ wire_text = st.text(st.characters(exclude_categories=["Cs"]), max_size=24)
 
 def valid_value(tp: Any) -> st.SearchStrategy[Any]:
     """Valid values of a field's annotated type, recursively."""
+    tp = getattr(tp, "__supertype__", tp)  # an id (typing.NewType): its int
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = [o for o in typing.get_args(tp) if o is not type(None)]

@@ -48,7 +48,11 @@ ORCHESTRATOR_MAY_USE: dict[str, tuple[str, ...]] = {
     "ggufpipe_tui.provision": AGENT_DATA,
     "ggufpipe_tui.transports": ("ggufpipe_agent", "ggufpipe_agent.wire"),
     "ggufpipe_tui.dataplane": ("ggufpipe_agent", "ggufpipe_agent.wire"),
-    "ggufpipe_tui.session": (*AGENT_DATA, "ggufpipe_agent.llama.vocabulary", "ggufpipe_agent.delivery.sender"),
+    "ggufpipe_tui.session": (
+        *AGENT_DATA,
+        "ggufpipe_agent.llama.vocabulary",
+        "ggufpipe_agent.delivery.sender",
+    ),
     "ggufpipe_tui.views": AGENT_DATA,
     "ggufpipe_tui.commands": AGENT_DATA,
     "ggufpipe_tui.server": AGENT_DATA,
@@ -104,7 +108,10 @@ def imports(path: Path, runtime_only: bool) -> set[str]:
 
 def graph(runtime_only: bool) -> dict[str, set[str]]:
     known = modules()
-    return {name: {m for m in imports(path, runtime_only) if m in known and m != name} for name, path in known.items()}
+    return {
+        name: {m for m in imports(path, runtime_only) if m in known and m != name}
+        for name, path in known.items()
+    }
 
 
 def layer_of(module: str, layers: tuple[tuple[str, ...], ...]) -> int:
@@ -236,7 +243,11 @@ def test_the_wire_layer_loads_nothing_above_it() -> None:
         "import sys, ggufpipe_agent.wire.protocol, ggufpipe_agent.wire.framing\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('ggufpipe_agent.'))))"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO
+    )
     loaded = done.stdout.split()
-    assert all(m.startswith(("ggufpipe_agent.wire", "ggufpipe_agent.errors")) for m in loaded), loaded
+    assert all(
+        m.startswith(("ggufpipe_agent.wire", "ggufpipe_agent.errors", "ggufpipe_agent.ids")) for m in loaded
+    ), loaded
     assert "llama_cpp" not in done.stdout
