@@ -1,4 +1,4 @@
-"""Parallel requests benchmark (issue 29): K requests at once through
+"""Parallel requests benchmark (docs/architecture.md, "Runs in flight"): K requests at once through
 ``--serve --parallel`` on 2 stages, against llama.cpp's own server with
 ``--parallel K``, in one run.
 

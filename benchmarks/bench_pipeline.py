@@ -11,8 +11,8 @@ References, measured in every round beside the pipelines:
 
 Configurations, 3 stages of SmolLM2-135M with float32 activations: direct
 links with the token ring (the default), the relay with the ring, direct links
-with the orchestrator feeding tokens back, and the spec's relay and
-orchestrator loop; the three stages in one agent process (share_process: true)
+with the orchestrator feeding tokens back, and the relay with the
+orchestrator feeding tokens back; the three stages in one agent process (share_process: true)
 with direct links and the ring; locally, over SSH on loopback (one host: Unix links; three
 hosts: mutual TLS links; the relay's data channels through exec bridges or,
 on a second sshd that allows it, stream-local forwarding). The terminal UI
@@ -95,7 +95,7 @@ CONFIGS = [
     Config("local, one process, no chain (links through sockets)", "local-shared", "direct", "ring", (("GGUFPIPE_NO_CHAIN", "1"),)),
     Config("local, relay, ring", "local", "relay", "ring"),
     Config("local, direct, orchestrator-fed", "local", "direct", "orchestrator"),
-    Config("local, relay, orchestrator-fed (spec loop)", "local", "relay", "orchestrator"),
+    Config("local, relay, orchestrator-fed (the first design's loop)", "local", "relay", "orchestrator"),
     Config("ssh 1 host, direct (unix), ring", "ssh", "direct", "ring"),
     Config("ssh 1 host, one process, ring", "ssh-shared", "direct", "ring"),
     Config("ssh 3 hosts, direct (TLS), ring", "ssh-hosts", "direct", "ring"),

@@ -1,5 +1,5 @@
 """Recovery benchmark: from a lost stage to the next token, against the cold
-start of the same pipeline (issue 30, docs/recovery.md).
+start of the same pipeline (docs/recovery.md).
 
     .venv/bin/python benchmarks/bench_recovery.py [--repeats 3] [--kill-at 32] [--no-write]
 

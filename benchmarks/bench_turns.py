@@ -3,7 +3,7 @@ keeping its cache between the same turns, in one run.
 
     .venv/bin/python benchmarks/bench_turns.py [--turns 10] [--max-tokens 32] [--out docs/bench-turns.md]
 
-The TUI half of issue 29's multi-turn benchmark (the ``--serve`` half is
+The TUI half of the multi-turn benchmark (the ``--serve`` half is
 benchmarks/bench_server.py's conversation, whose turns ``TURNS`` this one
 types). The real app (Textual's ``run_test``, a 120x40 screen, as
 benchmarks/bench_tui.py drives it) on a real pipeline: three local stages of

@@ -14,7 +14,7 @@ memory (VmRSS) and open descriptors (/proc/PID/fd) are sampled. The first
 --warmup prompts are the warm-up: growth is measured from the first sample
 after them to the last one.
 
-Target (issue 14): no failed run, RSS within 5 %, descriptors flat. Writes
+Target (docs/performance.md, "Soak: a long session of prompts"): no failed run, RSS within 5 %, descriptors flat. Writes
 docs/soak.md and docs/soak.png.
 """
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The terminal UI in a real terminal (tmux 120x40) against headless mode, on
-# the same inventory and prompts (issue 16: the TUI within 0.95 of headless).
+# the same inventory and prompts (the target: the TUI within 0.95 of headless, docs/performance.md).
 #
 #   benchmarks/tui_terminal.sh [OUTFILE] [ROUNDS]   (INV=inventory.yaml to choose another)
 #

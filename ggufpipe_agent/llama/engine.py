@@ -13,7 +13,7 @@ Sequence 0 is the prefill over the prompt; each later sequence is one token
 at the next position. A context holds ``EngineOptions.parallel`` slots (llama.cpp
 sequence ids, each its own KV stream of ``n_ctx`` positions): :meth:`StageEngine.use`
 picks the slot the next calls work on, so several runs step through one stage
-each in its own cache (issue 29, docs/worker.md "Slots"). :meth:`StageEngine.reset` starts a new run with the
+each in its own cache (docs/worker.md, "Slots"). :meth:`StageEngine.reset` starts a new run with the
 loaded weights, and either empties the KV cache or keeps it for
 :meth:`StageEngine.keep`, which trims it to a prefix the new run shares with
 the previous one (prefix reuse, docs/worker.md).

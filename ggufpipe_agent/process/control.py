@@ -6,7 +6,7 @@ the worker thread every stage steps on, the sessions of a shared process) and
 starts a session on stdio; :mod:`ggufpipe_agent.process.listener` starts one per
 authenticated connection of a hand-started agent.
 
-Everything §10 says a stage rejects is refused here with a ``Refused`` message
+Everything docs/design.md, "Security model" says a stage rejects is refused here with a ``Refused`` message
 and a log line; nothing a peer sends can crash the agent.
 """
 
@@ -102,7 +102,7 @@ SILENCE_RANGE_S = (0.5, 3600.0)
 
 
 class SeenRuns:
-    """The run ids this agent has taken, to refuse a stale one (spec §10):
+    """The run ids this agent has taken, to refuse a stale one (docs/design.md, "Security model"):
     the newest :attr:`keep`, so an agent that serves for months stays the
     same size (an id older than that is refused as unknown instead)."""
 
@@ -145,7 +145,7 @@ class ControlChannel:
         self.reader = FrameReader(reader, "control stream")
         self.writer = FrameWriter(writer, what="control stream")
         # The stage's runs, by run id: up to engine.parallel in flight at once,
-        # each on its own slot (issue 29); a stopped run stays until its slot
+        # each on its own slot (docs/architecture.md, "Runs in flight"); a stopped run stays until its slot
         # is taken again, so a retried StopRun is answered.
         self.runs: dict[int, StageJob] = {}
         self.closing = False

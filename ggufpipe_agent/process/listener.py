@@ -10,7 +10,8 @@ open locks nobody out. An attached session ends when its orchestrator goes
 quiet past the heartbeat bound (:class:`~ggufpipe_agent.process.runtime.ControlChannel`),
 and the agent waits for the next one.
 
-Handshakes are budgeted per peer (issue 26): a peer is the user behind a
+Handshakes are budgeted per peer (docs/security.md, "Someone on the same host as
+a stage"): a peer is the user behind a
 loopback or Unix connection (the kernel says which: ``sock_diag`` for TCP,
 ``SO_PEERCRED`` for Unix sockets), else its address (an IPv6 peer's /64).
 One peer may have :data:`PEER_PENDING` connections authenticating at once,

@@ -15,7 +15,7 @@ stage of the process steps on.
   neighbouring stages' agents, set up by the orchestrator over the control
   stream and served like the data stream.
 
-Everything §10 says a stage rejects is refused by the session with a
+Everything docs/design.md, "Security model" says a stage rejects is refused by the session with a
 ``Refused`` message and a log line; nothing a peer sends can crash the agent.
 """
 

@@ -1,17 +1,17 @@
-"""The stage FSM of spec §6, as a pure function.
+"""The stage FSM (docs/design.md, "Stage state machine"), as a pure function.
 
 ``transition(state, event) -> (state, effects)`` does no I/O; the agent
 runtime (:mod:`ggufpipe_agent.process.runtime`) performs the effects and feeds the
 resulting events back. An event the table does not allow in a state raises
 :class:`TransitionError`.
 
-Beyond the spec's table, which names StopRun only in Ready and Faulted:
-StopRun is authoritative for the active run in every non-terminal state (§10:
-"stages must treat StopRun for their active run_id as authoritative"), so it
+Beyond the plain table: StopRun is authoritative for the active run in every
+non-terminal state (docs/design.md, "Stage state machine" and "Security
+model"), so it
 also cancels a stage that is still Preparing and ends one that is Executing
 (the runtime lets the running step finish or aborts a long prefill).
 
-The token ring (the spec's deferred "direct stage-to-stage token feedback",
+The token ring (direct stage-to-stage token feedback, docs/design.md, "Deferred, and where it went",
 docs/rings.md): in a ring run, stage 0 has a third edge end (``ring-in``: its
 inputs after the prompt come from the last stage) and the last stage has one
 (``ring-out``); neither is Ready before it. The last stage decides, from its

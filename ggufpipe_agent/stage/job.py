@@ -1,4 +1,5 @@
-"""One provisioned run of a stage: the §6 FSM with its effects performed.
+"""One provisioned run of a stage: the stage FSM (docs/design.md, "Stage state
+machine") with its effects performed.
 
 The controller is control-path only: it decides when ``ExecuteStep`` runs
 (driven by object arrival and local readiness, never by the orchestrator) and

@@ -1,10 +1,10 @@
-"""Which runs a stage holds, and on which slots (issue 29). Pure: no I/O.
+"""Which runs a stage holds, and on which slots (docs/architecture.md, "Runs in flight"). Pure: no I/O.
 
 A stage's engine has ``parallel`` slots (llama.cpp sequences, each its own KV
 cache). Each provision names its slot; the stage takes it when no live run
 (one not stopped) holds that slot and the run id is not live already. A
 stopped run stays known (a retried StopRun is answered again) until a new run
-takes its slot. Each run's own lifecycle is the §6 FSM of
+takes its slot. Each run's own lifecycle is the stage FSM (docs/design.md, "Stage state machine") of
 :mod:`ggufpipe_agent.stage.fsm`, one per run.
 """
 

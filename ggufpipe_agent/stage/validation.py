@@ -1,7 +1,8 @@
-"""Checks of a ProvisionStage before a stage takes it (spec §6 "validate run_id
-and stage assignment", §10): its shape (stage index, edge kinds, object specs
-that match the model facts) and every number the wire can set, against what
-its use can carry (a header field's width, a queue, llama.cpp's parameters).
+"""Checks of a ProvisionStage before a stage takes it (its run id and stage
+assignment: docs/design.md, "Stage state machine" and "Security model"): its
+shape (stage index, edge kinds, object specs that match the model facts) and
+every number the wire can set, against what its use can carry (a header
+field's width, a queue, llama.cpp's parameters).
 A provision that fails is refused whole; nothing of it reaches a stage run.
 """
 
@@ -94,8 +95,8 @@ def _field_problem(p: ProvisionStage) -> str:
 
 
 def validate_provision(message: ProvisionStage) -> str:
-    """Spec §6 'validate run_id and stage assignment', and every field the
-    wire can set; '' when it is sound."""
+    """The provision's run id and stage assignment (docs/design.md, "Stage state
+    machine"), and every field the wire can set; '' when it is sound."""
     p = message
     problem = _field_problem(p)
     if problem:

@@ -128,7 +128,7 @@ def unpack_header(data: bytes, max_payload: int) -> ObjectHeader:
 
 
 def check_spec(header: ObjectHeader, spec: ObjectSpec) -> None:
-    """Refuse an object that does not match its edge's object spec (§9)."""
+    """Refuse an object that does not match its edge's object spec (docs/design.md, "Object records")."""
     if header.kind_name != spec.kind:
         raise ProtocolError(f"{header.describe()}: edge carries {spec.kind} objects")
     if header.dtype_name != spec.dtype:

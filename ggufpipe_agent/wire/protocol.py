@@ -7,7 +7,8 @@ This is the only module that calls msgpack. A control frame is::
 Object records (token and activation payloads) have their own fixed binary
 header and live in :mod:`ggufpipe_agent.wire.objects`.
 
-Message names and fields follow the orchestration spec (§4, §8); the extra
+Message names and fields follow the design (docs/design.md, "The provisioning
+message" and "Control messages and events"); the extra
 messages (Hello, Inspect, Tokenize, progress and stats) are documented in
 ``docs/protocol.md``.
 """
@@ -167,7 +168,7 @@ class StepStats(Message):
 
 @dataclass(frozen=True, slots=True)
 class Refused(Message):
-    """A frame or message the agent refused (spec §10); it is logged, not fatal."""
+    """A frame or message the agent refused (docs/design.md, "Security model"); it is logged, not fatal."""
 
     what: str
     reason: str
@@ -235,7 +236,7 @@ class StopRun(Message):
 @dataclass(frozen=True, slots=True)
 class RewireEdge(Message):
     """A request to point an edge at another peer. Stages always refuse it
-    (spec §10): only the orchestrator's provision message wires a stage."""
+    (docs/design.md, "Security model"): only the orchestrator's provision message wires a stage."""
 
     run_id: RunId
     edge_id: EdgeId

@@ -30,7 +30,7 @@ class ObjectSpec:
 
     @property
     def max_extent(self) -> int:
-        """Spec §9: ``max_seq_len * hidden_dim * dtype_width_bytes``."""
+        """docs/design.md, "Object records": ``max_seq_len * hidden_dim * dtype_width_bytes``."""
         return self.max_rows * self.width * self.itemsize
 
 
@@ -111,7 +111,7 @@ class EngineOptions:
     exact_reuse: bool = False
     #: Slots: sequences the stage holds at once, each its own KV cache of
     #: ``n_ctx`` positions (llama.cpp sequence ids). A run's provision names
-    #: its slot; runs on different slots are in flight together (issue 29).
+    #: its slot; runs on different slots are in flight together (docs/architecture.md, "Runs in flight").
     parallel: int = 1
 
 
@@ -196,7 +196,8 @@ class MemoryFacts:
 
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
-    """What the orchestrator needs to know of a GGUF model (spec §3 GgufModelPlan)."""
+    """What the orchestrator needs to know of a GGUF model (``GgufModelPlan``:
+    docs/design.md, "The run plan and its checks")."""
 
     path: str
     name: str

@@ -119,7 +119,7 @@ class RunOptions:
     # llama-server does); "exact" only what a cold run computes alike.
     reuse: str = "cache"
     # Slots: runs in flight at once on the chain, each stage holding each
-    # run's KV cache in its own slot (issue 29; the server's --parallel).
+    # run's KV cache in its own slot (the server's --parallel; docs/architecture.md, "Runs in flight").
     # 0: auto (--serve: one per machine, default_parallel; else 1).
     parallel: int = 0
 

@@ -1,4 +1,5 @@
-"""The run plan of spec §3 and its guarantees of §11. Pure: no I/O.
+"""The run plan and its guarantees (docs/design.md, "The run plan and its checks"
+and "Correctness guarantees"). Pure: no I/O.
 
 The orchestrator owns run ids and edge ids; stage code never derives them.
 Edge ``i`` of a run of N stages: edge 0 is TokenIn (orchestrator -> stage 0),
@@ -69,7 +70,7 @@ RING_SLOTS = 2
 
 
 class PlanError(GgufpipeError):
-    """A plan that breaks a guarantee of spec §11."""
+    """A plan that breaks a guarantee (docs/design.md, "Correctness guarantees")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +293,7 @@ def build_plan(
 
 
 def validate_plan(plan: RunPlan) -> None:
-    """Every guarantee of spec §11 that a plan can break; raises PlanError."""
+    """Every guarantee (docs/design.md, "Correctness guarantees") that a plan can break; raises PlanError."""
     stages, edges, n = plan.stages, plan.edges, len(plan.stages)
     if n == 0:
         raise PlanError("a run needs at least one stage")
@@ -353,7 +354,7 @@ def validate_plan(plan: RunPlan) -> None:
     produced = [stage.outbound_edge for stage in stages]
     if len(set(consumed)) != n or len(set(produced)) != n:
         raise PlanError("an edge has more than one producer or consumer")
-    # All stages agree on the model facts that size the object specs (§9).
+    # All stages agree on the model facts that size the object specs (docs/design.md, "Object records").
     for edge in edges:
         spec = edge.object_spec
         if spec.kind == "activation" and (

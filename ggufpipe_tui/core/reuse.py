@@ -1,4 +1,4 @@
-"""Prefix reuse across runs (issue 13), the orchestrator's half. Pure: no I/O.
+"""Prefix reuse across runs (docs/worker.md, "Prefix reuse"), the orchestrator's half. Pure: no I/O.
 
 Each stage keeps its KV cache between runs. A run's provision offers the
 stages the previous run on the chain (:class:`ReuseSource`: its id and the

@@ -1,19 +1,19 @@
-"""The orchestrator's run FSM of spec §5, as a pure function.
+"""The orchestrator's run FSM (docs/design.md, "Run state machine"), as a pure function.
 
 ``transition(run, event) -> (run, effects)``; the orchestrator performs the
 effects (sending messages, writing token objects, timers) and feeds events
 back. Completed and Faulted are passed through on the way to TearingDown: the
 orchestrator feeds :class:`Advance` right after their effects ran.
 
-Additions to the spec's table, each in its spirit:
+Beyond the plain table (docs/design.md, "Run state machine"):
 
 * WaitingReady also waits for the prompt (the token-in producer is ready when
   it has a prompt to inject), so the interactive UI can provision and load
   every stage before the user has typed anything.
 * A user's stop while Running completes the run with what it has; before
-  Running it tears the run down ("torn down" is the third outcome of §11).
+  Running it tears the run down ("torn down" is the third outcome: docs/design.md, "Correctness guarantees").
 * A stage whose connection is lost counts as stopped during teardown.
-* The token ring (``Run.ring``, the spec's deferred direct token feedback):
+* The token ring (``Run.ring``, direct token feedback, docs/design.md, "Deferred, and where it went"):
   the last stage feeds each token to stage 0 itself and stops at EOS/EOG or
   ``max_tokens`` from its provision, so in Running a consumed token is
   accepted (and may complete the run) but never injected. The orchestrator

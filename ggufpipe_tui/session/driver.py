@@ -1,4 +1,4 @@
-"""One run: the pure run FSM of spec §5 fed by events, its effects done here.
+"""One run: the pure run FSM (docs/design.md, "Run state machine") fed by events, its effects done here.
 
 A :class:`RunDriver` knows only what a run needs: the plan, a
 :class:`~ggufpipe_tui.session.stages.StagePort` per stage (send a control

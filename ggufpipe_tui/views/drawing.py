@@ -60,7 +60,7 @@ LOG_SECONDS_MAX = 5.0
 #: :data:`FRAME_SECONDS_MAX`). Every millisecond a frame takes on a machine
 #: whose cores the stages fill is taken from them: on 2 cores the frames were
 #: nearly all the CPU the TUI spent beyond headless while a reply streamed
-#: (docs/performance.md, "Issue 16's TUI target"). From one frame to the
+#: (docs/performance.md, "The terminal UI"). From one frame to the
 #: next the thread spends 4-11 ms there (a frame that scrolls redraws every
 #: line of the transcript and its scrollbar), so the frames come 0.2-0.55 s
 #: apart (median 0.3); where they are cheaper (a faster machine, a smaller

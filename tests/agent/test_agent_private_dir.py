@@ -1,6 +1,6 @@
 """The agent's private directory (its data socket) goes with the agent, also
 when the agent is SIGKILLed: the next agent removes what a dead one left, and
-never a live agent's (issue 14.10)."""
+never a live agent's (a long-lived host stays clean)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Spec §10: a corrupt control stream, sent to a real agent process: refused,
+"""docs/design.md, "Security model": a corrupt control stream, sent to a real agent process: refused,
 and the process ends by itself with status 0 (never a crash).
 
 Every other rejection a stage owes is tested in the unit lane against the
 agent's own runtime and control session with llama.cpp replaced by a fake
-(tests/unit/test_stage_refusals.py, issue 27): none of them depends on what a
+(tests/unit/test_stage_refusals.py): none of them depends on what a
 real stage computes. This one stays with a process because what it checks is
 the process's exit; it loads no model."""
 

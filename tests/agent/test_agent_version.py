@@ -1,5 +1,5 @@
 """An agent of another ggufpipe version is refused at its Hello, with both
-versions named, even where it speaks the same protocol (issue 31: one
+versions named, even where it speaks the same protocol (one
 version everywhere)."""
 
 from __future__ import annotations

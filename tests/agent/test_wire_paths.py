@@ -1,7 +1,7 @@
 """Paths the wire can set (Inspect.path, Tokenize.path, ProvisionStage.gguf_source)
 all go through ``check_gguf_path``: only ``~`` of the agent's own user is
 expanded, never an environment variable or another user's ``~name``, and an
-error never quotes the file's bytes (issue 14, item 3)."""
+error never quotes the file's bytes (docs/security.md, "A misbehaving stage or orchestrator")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A hand-started agent (``ggufpipe-agent --listen``) serves nobody who cannot
 prove they hold its listen key, and the orchestrator believes no endpoint
-that cannot prove it in turn (issue 14, items 1 and 2). Real agent
+that cannot prove it in turn (docs/security.md, "The channels and what protects each"). Real agent
 processes; the SSH attachment through the bridge is in test_ssh.py."""
 
 from __future__ import annotations

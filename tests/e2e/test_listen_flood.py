@@ -1,4 +1,4 @@
-"""One bad peer must not wedge a hand-started agent (issue 26): connections
+"""One bad peer must not wedge a hand-started agent (docs/security.md, "Someone on the same host as a stage"): connections
 held open by another user keep no orchestrator out, hammering the port
 writes a few log lines, not one per connection, and an orchestrator that
 meets a busy agent tries again and, when it gives up, says what each try

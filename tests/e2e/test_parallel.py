@@ -1,4 +1,4 @@
-"""Runs in flight at once on local agents (issue 29): two stages on two
+"""Runs in flight at once on local agents (docs/architecture.md, "Runs in flight"): two stages on two
 local hosts (an agent process each), eight slots; 2, 4 and 8 requests at
 once, prefixes shared and not, each equal to the same request alone; and
 conversations interleaved on the slots, each keeping its own cache."""

@@ -1,4 +1,4 @@
-"""Recovery of a lost stage (issue 30, docs/recovery.md), over the local
+"""Recovery of a lost stage (docs/recovery.md), over the local
 transport with the real model: an agent killed, stopped or lost during
 prefill is started again, the run is replayed and goes on, and its greedy
 output is the unbroken run's token for token (the whole model's, in one
@@ -221,7 +221,7 @@ async def test_a_follow_up_turn_is_recovered_exactly_at_the_default_ubatch(tmp_p
 
 
 async def test_every_run_in_flight_is_replayed_on_its_slot(tmp_path, model_path, no_agent_left):
-    """Two runs in flight (run.parallel 2, issue 29) when stage 1's agent is
+    """Two runs in flight (run.parallel 2) when stage 1's agent is
     killed: both are interrupted, replayed on their slots and complete with
     their unbroken tokens."""
     path = inventory_file(tmp_path, model_path)
@@ -253,7 +253,7 @@ async def test_every_run_in_flight_is_replayed_on_its_slot(tmp_path, model_path,
 
 
 async def test_with_slots_a_stage_lost_while_idle_is_repaired_at_once(tmp_path, model_path, no_agent_left):
-    """The server's way (runs prepared ahead on every slot, issue 29): a stage
+    """The server's way (runs prepared ahead on every slot): a stage
     lost while no request runs is repaired then, not when the next request
     comes, and the next request runs."""
     path = inventory_file(tmp_path, model_path)

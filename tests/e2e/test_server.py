@@ -248,7 +248,7 @@ def test_a_client_that_goes_away_stops_its_run(server: Served) -> None:
 
 
 def test_concurrent_requests_are_in_flight_together_and_each_equals_it_alone(server: Served) -> None:
-    """Three stages, --parallel 3 (issue 29): three requests run at
+    """Three stages, --parallel 3 (docs/architecture.md, "Runs in flight"): three requests run at
     once, and each greedy answer is the one the same request gets alone (both
     cold: cache_prompt false, so both compute the same batches)."""
     prompts = ["Name a colour.", "Name a fruit.", "Name an animal."]

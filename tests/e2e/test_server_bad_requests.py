@@ -1,4 +1,4 @@
-"""One bad request must not wedge or end the server (issue 26).
+"""One bad request must not wedge or end the server (docs/security.md, "A misbehaving stage or orchestrator").
 
 Each case is sent to a real ``--serve`` process (three local stages, real
 llama.cpp) as an outside client would send it: the request gets a 4xx, and

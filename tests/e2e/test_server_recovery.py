@@ -1,4 +1,4 @@
-"""``--serve`` survives a lost stage (issue 30, docs/recovery.md): four
+"""``--serve`` survives a lost stage (docs/recovery.md): four
 requests in flight, a stage's agent SIGKILLed while the first streams; every
 request completes with its unbroken answer (the whole model's greedy tokens),
 ``/health`` said "recovering" meanwhile, and the server goes on serving."""

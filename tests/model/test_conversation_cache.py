@@ -1,4 +1,4 @@
-"""A conversation keeps its cache (issue 29, item 3): with run.reuse: cache
+"""A conversation keeps its cache (docs/worker.md, "Prefix reuse"): with run.reuse: cache
 (the default) each follow-up turn keeps every position the stages hold of
 the previous turn, at the default ubatch of 512 too, computes only its new
 tokens, and its greedy tokens are those of ONE llama.cpp context that kept

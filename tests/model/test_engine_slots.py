@@ -1,4 +1,4 @@
-"""Slots (issue 29): a stage engine with ``parallel`` sequences, each its own
+"""Slots (docs/worker.md, "Slots"): a stage engine with ``parallel`` sequences, each its own
 KV cache. Runs interleaved step by step on different slots give, token for
 token, what each gives alone, and what one llama.cpp context gives."""
 

@@ -160,7 +160,7 @@ async def test_one_stage_feeds_itself(tmp_path, model_path, no_agent_left):
 
 async def test_close_leaves_no_task_running(tmp_path, model_path, no_agent_left):
     """Pipeline.close cancels what it started and awaits it: after it, not
-    one task of the pipeline, its links or its runs is left (issue 14.10)."""
+    one task of the pipeline, its links or its runs is left (a long session stays the same size)."""
     import asyncio
 
     inventory = load_inventory(write_inventory(tmp_path, model_path, UNEVEN, "max_tokens: 3, chat: false"))

@@ -1,4 +1,4 @@
-"""Prefix reuse across runs (issue 13) with real agents, real llama.cpp and the
+"""Prefix reuse across runs (docs/worker.md, "Prefix reuse") with real agents, real llama.cpp and the
 real models: the next turn of a conversation keeps the positions every stage
 holds of the previous run and prefills only the rest, and its greedy tokens
 are those of the whole model run cold on the same tokens. A stage that cannot
@@ -112,7 +112,7 @@ def cold_run(model: Path, prompt: list[int]) -> list[int]:
     return whole_model_greedy(model, prompt, STEPS, n_ctx=CONTEXT, n_ubatch=UBATCH)
 
 
-@pytest.mark.parametrize("mode", ["direct", "spec"])  # the token ring, and the orchestrator feeding tokens back
+@pytest.mark.parametrize("mode", ["direct", "relay-loop"])  # the token ring, and the orchestrator feeding tokens back
 async def test_follow_up_turns_keep_the_prefix_and_match_a_cold_run(tmp_path, model_path, no_agent_left, mode):
     inventory = load_inventory(write_inventory(tmp_path, model_path, SMOLLM_SPLIT, ["here"] * 3, mode))
     events: list[Any] = []

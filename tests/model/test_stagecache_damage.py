@@ -1,4 +1,4 @@
-"""A stage file damaged in the cache is never loaded (issue 26).
+"""A stage file damaged in the cache is never loaded (docs/model-delivery.md).
 
 The sidecar records, when the entry is written or last verified, the file's
 size, mtime, ctime and inode and the digests of sampled blocks. Before every

@@ -1,4 +1,4 @@
-"""Faults over the SSH transport (issue 6, spec §5, §10, §11): real agents
+"""Faults over the SSH transport (docs/design.md, "Run state machine", "Security model", "Correctness guarantees"): real agents
 started through a real sshd on loopback (forwarding off), the real model.
 
 Two hosts, gpu-a and gpu-b, each with its own SSH connection to the same

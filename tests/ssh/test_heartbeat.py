@@ -1,4 +1,4 @@
-"""Heartbeats on the control channel both ways (issue 14, item 9): a stage that
+"""Heartbeats on the control channel both ways (docs/protocol.md, "Heartbeats"): a stage that
 says nothing for ``timeouts.heartbeat`` seconds is lost with "no answer from
 stage N on HOST for T s", and an agent whose orchestrator says nothing for
 as long ends on its own. Frozen processes (SIGSTOP) and a network that stops

@@ -1,4 +1,4 @@
-"""Runs in flight at once over SSH (issue 29): three stages on two SSH
+"""Runs in flight at once over SSH (docs/architecture.md, "Runs in flight"): three stages on two SSH
 hosts (a real OpenSSH server on loopback), eight slots; 2, 4 and 8 requests at once,
 prefixes shared and not, each equal to the same request alone; and
 conversations interleaved on the slots, each keeping its own cache."""

@@ -1,4 +1,4 @@
-"""A host that stops answering altogether (issue 30, docs/recovery.md): its
+"""A host that stops answering altogether (docs/recovery.md): its
 stage moves to a spare host. Real agents through the loopback sshd; gpu-b is
 reached through a TCP proxy of this test's own, which is cut mid-decode (its
 listening socket and every connection closed) while gpu-b's agent is

@@ -1,4 +1,4 @@
-"""Recovery of a lost stage over SSH (issue 30, docs/recovery.md): real
+"""Recovery of a lost stage over SSH (docs/recovery.md): real
 agents through a real sshd on loopback. An agent SIGKILLed mid-decode, or
 its host's SSH connection dropped, is started again on its host (a new SSH
 connection where the old one is gone); the run is replayed and its greedy

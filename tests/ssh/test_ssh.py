@@ -116,7 +116,7 @@ async def test_data_channels_use_stream_local_forwarding_where_sshd_allows_it(
     hosts = {"gpu-a": host_entry(sshd, cache_dir)}
     stages = [("gpu-a", layers) for layers in UNEVEN]
     path = write_inventory(
-        tmp_path / "inv.yaml", model_path, hosts, stages, mode="spec", max_tokens=24, ignore_eos=True
+        tmp_path / "inv.yaml", model_path, hosts, stages, mode="relay-loop", max_tokens=24, ignore_eos=True
     )
     pipeline = Pipeline(load_inventory(path), lambda event: None)
     try:
@@ -275,7 +275,7 @@ def aliased_home(tmp_path: Path, sshd: Sshd, *lines: str) -> Path:
 
 async def test_user_known_hosts_file_none_is_refused(tmp_path, sshd, cache_dir, monkeypatch, none_left):
     """asyncssh reads 'UserKnownHostsFile none' as 'check nothing': a line in
-    ~/.ssh/config must not turn host keys off without a word (issue 14.4)."""
+    ~/.ssh/config must not turn host keys off without a word (docs/security.md, "The channels and what protects each")."""
     monkeypatch.setenv("HOME", str(aliased_home(tmp_path, sshd, "UserKnownHostsFile none")))
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     before = sshd.accepted_logins()

@@ -209,7 +209,7 @@ DATA_MODES = {
     "direct": {"data": "direct", "feedback": "ring"},
     "relay": {"data": "relay", "feedback": "ring"},
     "orchestrator": {"data": "direct", "feedback": "orchestrator"},
-    "spec": {"data": "relay", "feedback": "orchestrator"},  # the MVP spec's own loop
+    "relay-loop": {"data": "relay", "feedback": "orchestrator"},  # the first design's loop (docs/design.md, "Execution semantics")
 }
 
 

@@ -1,4 +1,4 @@
-"""Checks of runs in flight at once (issue 29), shared by the local and the
+"""Checks of runs in flight at once (docs/architecture.md, "Runs in flight"), shared by the local and the
 SSH tests: each concurrent request's greedy tokens are what the same request
 gives alone (one llama.cpp context, cold), and conversations interleaved on
 the slots each keep their own cache, token for token what one llama.cpp

@@ -113,7 +113,7 @@ def test_a_run_that_kept_a_prefix_says_how_much():
 
 def test_a_long_session_keeps_a_bounded_transcript_and_history():
     """A thousand prompts: older exchanges scroll out (the app unmounts their
-    widgets), run records and stage histories are bounded (issue 14.10)."""
+    widgets), run records and stage histories are bounded (a long session stays the same size)."""
     from dataclasses import replace
 
     from ggufpipe_tui.views import viewstate

@@ -8,7 +8,7 @@ accepted holds what the rest of the orchestrator relies on (its sampling is
 what a stage accepts, its timeouts are positive numbers, every stage names a
 defined host, ...). Each property and its budget (``max_examples``; the whole
 file takes about 10 s on two cores); the ``@example`` inputs are what the
-fuzzing found (issue 26), kept so that they are always tried:
+fuzzing found, kept so that they are always tried:
 
 * ``test_any_text_is_an_inventory_or_an_error`` (300): random text, half of
   it drawn from YAML's punctuation so that it is often YAML of some shape.

@@ -13,7 +13,7 @@ contents, prompt, stop strings) can travel on the wire
 (``text_problem(text) == ""``; its messages do go through a Tokenize
 message). Each property and its budget (``max_examples``; the whole file takes
 about 10 s on two cores); the ``@example`` inputs are what the fuzzing found
-(issue 26) and the cases around them, kept so that they are always tried:
+and the cases around them, kept so that they are always tried:
 
 * ``test_any_json_body`` (400): any JSON value (nested objects and arrays of
   null, booleans, integers of any size, floats with NaN and infinities,

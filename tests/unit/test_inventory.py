@@ -96,7 +96,7 @@ PARALLEL_CASES = {
 @pytest.mark.parametrize(("hosts", "stages", "cores", "expected"), PARALLEL_CASES.values(), ids=PARALLEL_CASES)
 def test_the_servers_default_runs_in_flight_count_machines(tmp_path, hosts, stages, cores, expected):
     """One run in flight per machine; on this machine one per stage where
-    each stage has threads of its own that fit its cores (issue 29)."""
+    each stage has threads of its own that fit its cores (docs/architecture.md, "Runs in flight")."""
     layers = [(30 * i // len(stages), 30 * (i + 1) // len(stages)) for i in range(len(stages))]
     pairs = zip(stages, layers, strict=True)
     listed = "".join(f"  - {{host: {host}, layers: [{a}, {b}]}}\n" for host, (a, b) in pairs)

@@ -130,7 +130,7 @@ def test_a_tail_that_only_looks_like_a_stop_string_goes_out_in_the_end():
 
 
 def test_llama_servers_ignore_eos_and_cache_prompt():
-    """issue 29: generate past the end of text; keep nothing of earlier requests."""
+    """llama-server's options: generate past the end of text; keep nothing of earlier requests."""
     plain = parse_completion({"prompt": "Hi"})
     assert plain.options.ignore_eos is None and plain.cache_prompt is True
     given = parse_completion({"prompt": "Hi", "ignore_eos": True, "cache_prompt": False})

@@ -466,7 +466,7 @@ def test_records_without_the_expert_fields_decode_with_their_defaults():
 
 
 def test_too_many_slots_are_refused_with_as_many_as_fit():
-    """Each run in flight (issue 29) holds a KV cache of the whole context:
+    """Each run in flight (docs/architecture.md, "Runs in flight") holds a KV cache of the whole context:
     a plan of too many slots says how many fit, and that many do."""
     hosts = "  a: {local: true, memory: 3GiB}\n  b: {local: true, memory: 4GiB}\n"
     stages = "  - {host: a, layers: [0, 10]}\n  - {host: b, layers: [10, 20]}\n"

@@ -1,5 +1,5 @@
 """The inventory and the run plan: every malformed inventory names the key and
-the line; every guarantee of spec §11 is checked before anything starts."""
+the line; every guarantee (docs/design.md, "Correctness guarantees") is checked before anything starts."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ orchestrator's.
 The receiver checks sizes, chunk digests and the whole file's digest, never
 what the GGUF holds: the stage file here is cut from a llama-shaped GGUF of
 random data (tests/support/bulky_gguf.py), as big as the tests need, not from
-the real model (issue 27). Its bounded memory and the digest's arithmetic are
+the real model. Its bounded memory and the digest's arithmetic are
 tests/model/test_receiver.py's."""
 
 from __future__ import annotations

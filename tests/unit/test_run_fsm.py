@@ -1,4 +1,4 @@
-"""Spec §5, the orchestrator's run FSM, as a table: every (phase, event) pair
+"""docs/design.md, "Run state machine", the orchestrator's run FSM, as a table: every (phase, event) pair
 is either the listed transition or rejected."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The run event log: one file per run, private to the user, and a bounded
-number of them however long the session (issue 14.10)."""
+number of them however long the session."""
 
 from __future__ import annotations
 

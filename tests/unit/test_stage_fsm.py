@@ -1,4 +1,4 @@
-"""Spec §6, the stage FSM, as a table: every (state, event) pair is either the
+"""docs/design.md, "Stage state machine", the stage FSM, as a table: every (state, event) pair is either the
 listed transition or rejected."""
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Spec §10: every rejection a stage owes, driven by a test client speaking the
+"""docs/design.md, "Security model": every rejection a stage owes, driven by a test client speaking the
 protocol to the agent's own runtime and control session, in this process,
 with llama.cpp replaced by a fake engine (tests/support/inprocess_agent.py).
 Each is a Refused message or a StageFault, logged, never a crash: the agent
 answers the next request and its session ends cleanly.
 
 None of these refusals depends on what llama.cpp computes, so none needs the
-real model: they were tests/model/test_agent_rejections.py's (issue 27)."""
+real model: they were tests/model/test_agent_rejections.py's."""
 
 from __future__ import annotations
 
@@ -312,7 +312,7 @@ def _ring(message, **changes):
 
 async def test_a_provision_the_wire_cannot_carry_is_refused(agent, tiny_model):
     """Every field the wire can set is checked before the stage takes the
-    provision (issue 14, item 8): an edge id past u32 used to be accepted and
+    provision (docs/protocol.md, "What a stage refuses"): an edge id past u32 used to be accepted and
     fault the first step with a struct.error."""
     run_id = 900
     for name, (spoil, words) in BAD_PROVISIONS.items():
@@ -330,7 +330,7 @@ async def test_an_object_for_no_run_is_refused_at_its_header(agent, tiny_model):
     """An object of an unknown or stale run, or on an edge the stage does not
     have, is refused as soon as its header is read, and its payload is
     skipped in bounded chunks (never held whole): the data connection stays
-    usable (issue 14, item 6)."""
+    usable (docs/protocol.md, "What a stage refuses")."""
     claimed = 32 << 20  # 32 MiB of tokens, no run to take them
     header = objects.ObjectHeader(objects.KIND_TOKENS, 1, 0xBEEF, 100, 0, claimed // 4, 1, claimed)
     await agent.send_data(header.pack())

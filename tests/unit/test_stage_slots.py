@@ -1,4 +1,4 @@
-"""Several runs in flight on one stage (issue 29): each provision names a
+"""Several runs in flight on one stage (docs/architecture.md, "Runs in flight"): each provision names a
 slot of the stage's engine; runs on different slots take objects in any
 interleaving and step each in its own slot; a slot already in use, or one the
 engine does not have, is refused; stopping one run leaves the others alone.

@@ -1,6 +1,6 @@
 """The stage-file cache trusts nothing it did not write and verify: a private
 directory, files created exclusively and never through a symlink, 0600
-files, a sidecar checked before every use (issue 14, item 5)."""
+files, a sidecar checked before every use (docs/model-delivery.md)."""
 
 from __future__ import annotations
 
