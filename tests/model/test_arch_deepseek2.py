@@ -31,7 +31,13 @@ from ggufpipe_agent.gguf.architectures import SUPPORTED, check_plan, check_split
 from ggufpipe_agent.gguf.families import deepseek2
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles.build import ensure_stage_file
-from tests.support.arch_harness import assert_per_layer_refused, greedy_reference, model_path, run_chain
+from tests.support.arch_harness import (
+    assert_per_layer_refused,
+    greedy_reference,
+    model_path,
+    per_layer_cases,
+    run_chain,
+)
 from tests.support.synthetic_families import FAMILIES
 
 ARCH = MODEL = "deepseek2"
@@ -259,13 +265,7 @@ def test_deepseek2_default_gating_is_written_from_the_whole_model():
 
 @pytest.mark.parametrize(
     ("key", "values"),
-    [
-        ("attention.head_count", [128] * 31 + [64] * 31),
-        ("attention.head_count_kv", [1] * 61 + [2]),
-        ("expert_used_count", [8] * 40 + [6] * 22),
-        ("expert_feed_forward_length", [2048] * 61 + [1024]),
-        ("feed_forward_length", [18432] + [2048] * 61),
-    ],
+    per_layer_cases(62, head=(128, 64), kv=(1, 2), used=(8, 6), expert_ff=(2048, 1024), ff=(18432, 2048)),
 )
 def test_deepseek2_non_uniform_per_layer_counts_are_refused(key, values):
     assert_per_layer_refused(ARCH, V3, key, values, (0, 31), uniform=True)

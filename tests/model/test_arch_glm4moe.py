@@ -34,7 +34,7 @@ from ggufpipe_agent.gguf.families import glm4moe
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles import build as stagefile
 from ggufpipe_agent.stagefiles.build import ensure_stage_file
-from tests.support.arch_harness import OPTIONS, UBATCH, assert_per_layer_refused, run_chain
+from tests.support.arch_harness import OPTIONS, UBATCH, assert_per_layer_refused, per_layer_cases, run_chain
 from tests.support.common import REPO
 from tests.support.stage_chain import Chain
 from tests.support.synthetic import HIDDEN
@@ -210,13 +210,7 @@ GLM45_AIR = {  # what llama.cpp reads of GLM-4.5-Air's shape: 46 trunk blocks an
 
 @pytest.mark.parametrize(
     ("key", "values"),
-    [
-        ("attention.head_count", [96] * 24 + [64] * 23),
-        ("attention.head_count_kv", [8] * 46 + [4]),
-        ("expert_used_count", [8] * 40 + [4] * 7),
-        ("expert_feed_forward_length", [1408] * 46 + [2816]),
-        ("feed_forward_length", [10944] + [1408] * 46),
-    ],
+    per_layer_cases(47, head=(96, 64), kv=(8, 4), used=(8, 4), expert_ff=(1408, 2816), ff=(10944, 1408)),
 )
 def test_glm4moe_non_uniform_per_layer_counts_are_refused(key, values):
     assert_per_layer_refused(ARCH, GLM45_AIR, key, values, (0, 24), rest=(24, 47))

@@ -23,7 +23,7 @@ from ggufpipe_agent.gguf.architectures import SUPPORTED, check_split
 from ggufpipe_agent.gguf.header import read_header
 from ggufpipe_agent.stagefiles import build as stagefile
 from ggufpipe_agent.stagefiles.build import ensure_stage_file
-from tests.support.arch_harness import OPTIONS, assert_per_layer_refused, run_chain
+from tests.support.arch_harness import OPTIONS, assert_per_layer_refused, per_layer_cases, run_chain
 from tests.support.stage_chain import Chain
 from tests.support.synthetic import EXPERTS_USED
 from tests.support.synthetic_families import FAMILIES, write_model
@@ -73,13 +73,7 @@ UNIFORM = {"qwen3moe.block_count": 48, "qwen3moe.attention.head_count": 32, "qwe
 
 @pytest.mark.parametrize(
     ("key", "values"),
-    [
-        ("attention.head_count", [32] * 24 + [16] * 24),
-        ("attention.head_count_kv", [4] * 47 + [8]),
-        ("expert_used_count", [8] * 40 + [4] * 8),
-        ("expert_feed_forward_length", [768] * 47 + [1536]),
-        ("feed_forward_length", [6144] + [3072] * 47),
-    ],
+    per_layer_cases(48, head=(32, 16), kv=(4, 8), used=(8, 4), expert_ff=(768, 1536), ff=(6144, 3072)),
 )
 def test_qwen3moe_non_uniform_per_layer_counts_are_refused(key, values):
     assert_per_layer_refused(ARCH, UNIFORM, key, values, (0, 24), rest=(24, 48))

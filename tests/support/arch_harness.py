@@ -83,6 +83,30 @@ def run_chain(
         chain.close()
 
 
+def per_layer_cases(
+    blocks: int,
+    *,
+    head: tuple[int, int],
+    kv: tuple[int, int],
+    used: tuple[int, int],
+    expert_ff: tuple[int, int],
+    ff: tuple[int, int],
+) -> list[tuple[str, list[int]]]:
+    """The per-layer counts a mixture-of-experts family refuses when they differ
+    between blocks, as ``(key, values)`` over ``blocks`` blocks: the head count
+    changes half way, the KV head count and the experts' width in the last
+    block, the experts used from block 40, the dense width after block 0. Each
+    pair is (the value before, the value after)."""
+    half = (blocks + 1) // 2
+    return [
+        ("attention.head_count", [head[0]] * half + [head[1]] * (blocks - half)),
+        ("attention.head_count_kv", [kv[0]] * (blocks - 1) + [kv[1]]),
+        ("expert_used_count", [used[0]] * 40 + [used[1]] * (blocks - 40)),
+        ("expert_feed_forward_length", [expert_ff[0]] * (blocks - 1) + [expert_ff[1]]),
+        ("feed_forward_length", [ff[0]] + [ff[1]] * (blocks - 1)),
+    ]
+
+
 def assert_per_layer_refused(
     arch: str,
     metadata: dict[str, Any],
