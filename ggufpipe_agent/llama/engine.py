@@ -79,9 +79,9 @@ class StageEngine:
         self.shape = shape
         self.options = options
         self.parallel = max(1, options.parallel)
-        self._layer_devices = [_Slot() for _ in range(self.parallel)]
+        self._slot_states = [_Slot() for _ in range(self.parallel)]
         self._seq = 0  # the slot (llama.cpp sequence id) the calls work on: use()
-        self._state = self._layer_devices[0]  # what that slot holds
+        self._state = self._slot_states[0]  # what that slot holds
         self._batch_seq = 0  # the sequence id the batch's first _batch_rows rows carry
         self._batch_rows = 0
         self._running = -1  # the slot whose step is running
@@ -198,7 +198,7 @@ class StageEngine:
         """Work on slot ``slot`` (a llama.cpp sequence id) from now on."""
         if not 0 <= slot < self.parallel:
             raise EngineError(f"slot {slot} does not exist: the stage has {self.parallel}")
-        self._seq, self._state = slot, self._layer_devices[slot]
+        self._seq, self._state = slot, self._slot_states[slot]
 
     def _clear(self) -> None:
         """Empty the slot's KV cache (the others keep theirs)."""
@@ -465,7 +465,7 @@ class StageEngine:
             return
         self._closed = True
         lib = self._lib
-        for slot in getattr(self, "_layer_devices", ()):
+        for slot in getattr(self, "_slot_states", ()):
             if slot.sampler is not None:
                 lib.llama_sampler_free(slot.sampler)
                 slot.sampler = None
