@@ -285,7 +285,7 @@ def compute_phases(memory: MemoryFacts, start: int, end: int, options: EngineOpt
 
 
 def _layer_devices(blocks: int, options: EngineOptions, free: Sequence[int]) -> list[int]:
-    """llama.cpp's device of each of the ``blocks + 1`` slots (the last one is
+    """llama.cpp's device of each of the ``blocks + 1`` layers (the last one is
     the output layer): -1 for the CPU, else an index into ``free``."""
     if not free:
         return [-1] * (blocks + 1)
@@ -325,7 +325,7 @@ def estimate_stage(
     in RAM (the module docstring says what else changes)."""
     blocks = end - start
     last = end == len(memory.block_bytes)
-    slots = _layer_devices(blocks, options, [free for _, free in devices])
+    layer_devices = _layer_devices(blocks, options, [free for _, free in devices])
     places = ["RAM", *(name for name, _ in devices)]
     weights = [0] * len(places)
     kv = [0] * len(places)
@@ -334,7 +334,7 @@ def estimate_stage(
     split_experts = options.experts_in_ram and bool(memory.expert_bytes)
     for offset in range(blocks):
         block = start + offset
-        where = slots[offset] + 1
+        where = layer_devices[offset] + 1
         weights[where] += memory.block_bytes[block]
         kv[where] += kv_block_bytes(memory, block, options, swa_full)
         counts[where] += 1
@@ -344,7 +344,7 @@ def estimate_stage(
             copies[where] = max(copies[where], memory.expert_tensor_bytes[block])
     # The input layer (token_embd) and the other global tensors stay in RAM.
     weights[0] += memory.token_embd_bytes + memory.global_bytes
-    output = slots[blocks] + 1
+    output = layer_devices[blocks] + 1
     has_projection = last or memory.output_kept
     projection = memory.output_bytes if has_projection and memory.output_bytes else 0
     if output != 0 and not projection:
