@@ -20,7 +20,10 @@ class Queue:
 
 
 @dataclass
-class FakePipeline:
+class SubmittedPrompts:
+    """What a turn hands the session: only its submits, recorded (the queue
+    fake, tests/support/fakes.FakePipeline, runs them; these tests must not)."""
+
     queue: Queue = field(default_factory=Queue)
     prompts: list[Prompt] = field(default_factory=list)
 
@@ -43,7 +46,7 @@ def started(turns: Turns, run_id: int) -> None:
 async def test_a_prompt_waits_for_the_one_before_and_carries_its_reply():
     turns = Turns(raw=False)
     turns.facts = replace(FACTS, chat_template="{{ messages }}")
-    pipeline = FakePipeline()
+    pipeline = SubmittedPrompts()
     turns.add(ExchangeView("France?"))
     turns.add(ExchangeView("Italy?"))
     assert turns.feed(None) is None, "no pipeline yet: they wait"
@@ -69,7 +72,7 @@ async def test_a_prompt_waits_for_the_one_before_and_carries_its_reply():
 async def test_ctrl_n_gives_the_prompts_not_sent_a_new_conversation():
     turns = Turns(raw=False)
     turns.facts = replace(FACTS, chat_template="t")
-    pipeline = FakePipeline()
+    pipeline = SubmittedPrompts()
     turns.add(ExchangeView("one"))
     turns.feed(pipeline)  # type: ignore[arg-type]
     started(turns, 1)
@@ -84,7 +87,7 @@ async def test_ctrl_n_gives_the_prompts_not_sent_a_new_conversation():
 async def test_a_refused_or_orphaned_prompt():
     turns = Turns(raw=False)
     turns.facts = replace(FACTS, chat_template="t")
-    pipeline = FakePipeline()
+    pipeline = SubmittedPrompts()
     turns.conversation.record("before", result(1, "kept"))
     turns.add(ExchangeView("too long"))
     turn = turns.feed(pipeline)  # type: ignore[arg-type]
@@ -105,7 +108,7 @@ async def test_a_refused_or_orphaned_prompt():
 async def test_without_a_chat_template_each_prompt_stands_alone():
     turns = Turns(raw=False)
     turns.facts = FACTS  # no chat template
-    pipeline = FakePipeline()
+    pipeline = SubmittedPrompts()
     turns.add(ExchangeView("alone"))
     turns.feed(pipeline)  # type: ignore[arg-type]
     assert pipeline.prompts[0].messages == () and pipeline.prompts[0].text == "alone"
