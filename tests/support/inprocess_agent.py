@@ -149,7 +149,7 @@ class FakeEngine:
         return [call for call in self.calls if call[0] == "step"]
 
 
-class FakeEngineSlot(LoadedEngine):
+class FakeLoadedEngine(LoadedEngine):
     """The agent's engine slot (which run its cache holds, prefix offers) with
     a :class:`FakeEngine` where llama.cpp would be loaded; :attr:`loaded`
     lists every engine it built, in order."""
@@ -174,7 +174,7 @@ class InProcessAgent(AgentConversation):
     def __init__(self, cache_dir: Path) -> None:
         super().__init__()
         self.runtime = Agent(cache_dir)
-        self.engines = FakeEngineSlot()
+        self.engines = FakeLoadedEngine()
         self.runtime.engines = self.engines
         self.session: ControlChannel | None = None
         self.serving: asyncio.Task[str] | None = None
