@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ggufpipe_agent import PROTOCOL_VERSION
-from ggufpipe_agent.process import key_file
+from ggufpipe_agent.process import key_file as listen_keys
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
 from ggufpipe_agent.wire.protocol import (
     AuthChallenge,
@@ -62,8 +62,8 @@ async def answer_challenge(
     frames, out, writer = await connect(agent)
     challenge = await next_message(frames)
     assert isinstance(challenge, AuthChallenge)
-    nonce = key_file.new_nonce()
-    await out.send(AuthResponse(nonce, key_file.proof(key, key_file.ORCHESTRATOR, challenge.nonce, nonce)))
+    nonce = listen_keys.new_nonce()
+    await out.send(AuthResponse(nonce, listen_keys.proof(key, listen_keys.ORCHESTRATOR, challenge.nonce, nonce)))
     return frames, out, writer, challenge, nonce
 
 
@@ -73,7 +73,7 @@ async def test_a_stranger_gets_a_challenge_and_nothing_else(listening):
     frames, out, writer = await connect(listening)
     challenge = await next_message(frames)
     assert isinstance(challenge, AuthChallenge), f"got {challenge} before authenticating"
-    assert challenge.protocol == PROTOCOL_VERSION and len(challenge.nonce) == key_file.NONCE_BYTES
+    assert challenge.protocol == PROTOCOL_VERSION and len(challenge.nonce) == listen_keys.NONCE_BYTES
     await out.send(Inspect(1, "/etc/passwd", False))
     refused = await next_message(frames)
     assert isinstance(refused, Refused) and "authentication failed" in refused.reason
@@ -82,7 +82,7 @@ async def test_a_stranger_gets_a_challenge_and_nothing_else(listening):
 
 
 async def test_a_wrong_key_is_refused(listening):
-    guess = secrets.token_bytes(key_file.KEY_BYTES)
+    guess = secrets.token_bytes(listen_keys.KEY_BYTES)
     frames, _, writer, _, _ = await answer_challenge(listening, guess)
     refused = await next_message(frames)
     assert isinstance(refused, Refused) and "not this agent's listen key" in refused.reason
@@ -91,11 +91,11 @@ async def test_a_wrong_key_is_refused(listening):
 
 
 async def test_the_right_key_is_answered_with_the_agents_proof_then_hello(listening):
-    key = key_file.read_key_file(listening.key_file)
+    key = listen_keys.read_key_file(listening.key_file)
     frames, _, writer, challenge, nonce = await answer_challenge(listening, key)
     answer = await next_message(frames)
     assert isinstance(answer, AuthProof)
-    assert key_file.verify(key, key_file.AGENT, challenge.nonce, nonce, answer.proof)
+    assert listen_keys.verify(key, listen_keys.AGENT, challenge.nonce, nonce, answer.proof)
     assert isinstance(await next_message(frames), Hello)
     writer.close()
 
@@ -120,7 +120,7 @@ def test_the_key_file_is_private_and_removed_at_exit(tmp_path, no_agent_left):
         info = agent.key_file.stat()
         assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.getuid()
         assert stat.S_IMODE(agent.key_file.parent.stat().st_mode) == 0o700
-        assert len(key_file.read_key_file(agent.key_file)) == key_file.KEY_BYTES
+        assert len(listen_keys.read_key_file(agent.key_file)) == listen_keys.KEY_BYTES
         assert any(str(agent.key_file) in line for line in agent.stderr), "the agent prints where its key is"
     finally:
         stop(agent)
@@ -163,10 +163,10 @@ class Impostor:
 @pytest.mark.parametrize("opening", ["challenge", "hello"])
 async def test_the_orchestrator_refuses_an_endpoint_without_the_key(tmp_path, opening):
     key_file = tmp_path / "agent.key"
-    key_file.write_key_file(key_file)  # the real agent's key, which the impostor does not have
+    listen_keys.write_key_file(key_file)  # the real agent's key, which the impostor does not have
     first: Message
     if opening == "challenge":
-        first = AuthChallenge(PROTOCOL_VERSION, key_file.new_nonce())
+        first = AuthChallenge(PROTOCOL_VERSION, listen_keys.new_nonce())
     else:  # what an agent said first before this issue: the orchestrator believed it
         first = Hello(PROTOCOL_VERSION, "0", "h", 1, "3", "", "cpu", False, (), 0, 0, "unix:/nowhere", "t")
     impostor = Impostor(first)
@@ -211,16 +211,16 @@ async def test_a_missing_key_file_is_named(listening, tmp_path):
 
 
 def test_the_default_key_path_is_the_same_on_both_sides():
-    assert key_file.default_key_path("127.0.0.1:7000") == "~/.local/state/ggufpipe/listen/tcp-127.0.0.1-7000.key"
-    assert key_file.default_key_path("tcp:127.0.0.1:7000") == key_file.default_key_path("127.0.0.1:7000")
-    assert key_file.default_key_path("unix:/run/a b.sock") == "~/.local/state/ggufpipe/listen/unix-run_a_b.sock.key"
+    assert listen_keys.default_key_path("127.0.0.1:7000") == "~/.local/state/ggufpipe/listen/tcp-127.0.0.1-7000.key"
+    assert listen_keys.default_key_path("tcp:127.0.0.1:7000") == listen_keys.default_key_path("127.0.0.1:7000")
+    assert listen_keys.default_key_path("unix:/run/a b.sock") == "~/.local/state/ggufpipe/listen/unix-run_a_b.sock.key"
 
 
 async def test_an_attached_orchestrator_that_falls_silent_is_detached(listening):
     """The idle bound of an attached session is its orchestrator's heartbeat:
     an orchestrator that says nothing for that long (its machine froze, its
     network went) is detached, and the next one can attach."""
-    key = key_file.read_key_file(listening.key_file)
+    key = listen_keys.read_key_file(listening.key_file)
     frames, out, writer, _, _ = await answer_challenge(listening, key)
     assert isinstance(await next_message(frames), AuthProof)
     assert isinstance(await next_message(frames), Hello)

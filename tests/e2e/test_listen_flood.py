@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from ggufpipe_agent.process import key_file, listener
+from ggufpipe_agent.process import key_file as listen_keys
+from ggufpipe_agent.process import listener
 from ggufpipe_agent.wire.framing import FrameReader, FrameWriter
 from ggufpipe_agent.wire.protocol import AuthChallenge, AuthResponse, Refused, encode_message
 from ggufpipe_tui.core.inventory import HostSpec, load_inventory
@@ -169,8 +170,8 @@ async def hammer(host: str, port: int, key_guess: bytes, seconds: float) -> int:
             else:
                 challenge = await asyncio.wait_for(FrameReader(reader).message(), 1)
                 if isinstance(challenge, AuthChallenge):
-                    nonce = key_file.new_nonce()
-                    wrong = key_file.proof(key_guess, key_file.ORCHESTRATOR, challenge.nonce, nonce)
+                    nonce = listen_keys.new_nonce()
+                    wrong = listen_keys.proof(key_guess, listen_keys.ORCHESTRATOR, challenge.nonce, nonce)
                     await FrameWriter(writer).send(AuthResponse(nonce, wrong))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(reader.read(), 1)  # the refusal, and the agent closes it
@@ -199,7 +200,7 @@ async def test_hammering_the_port_writes_a_few_log_lines(listening):
     first few of a peer per minute, then one line that counts the rest."""
     host, port = address(listening)
     before = len(listening.stderr)
-    made = await hammer(host, port, secrets.token_bytes(key_file.KEY_BYTES), 3.0)
+    made = await hammer(host, port, secrets.token_bytes(listen_keys.KEY_BYTES), 3.0)
     await asyncio.sleep(0.3)
     # (the agent's second startup line may arrive after "listening on")
     during = [line for line in listening.stderr[before:] if "orchestrators need listen_key" not in line]
@@ -338,7 +339,7 @@ async def doorman_at(agent: HandStarted | None, script: list[str]) -> Any:
 
 async def test_connections_closed_before_the_challenge_are_retried_then_named(tmp_path):
     key_file = tmp_path / "agent.key"
-    key_file.write_key_file(key_file)
+    listen_keys.write_key_file(key_file)
     async with doorman_at(None, ["close"] * 100) as (doorman, endpoint):
         link = LocalAgent(host_for(endpoint, key_file), 0, lambda line: None)
         with pytest.raises(TransportError) as caught:
@@ -358,7 +359,7 @@ async def test_an_agent_past_its_budget_is_reached_on_a_later_try(listening):
 
 async def test_a_refusal_before_the_challenge_is_named(tmp_path):
     key_file = tmp_path / "agent.key"
-    key_file.write_key_file(key_file)
+    listen_keys.write_key_file(key_file)
     async with doorman_at(None, ["refuse"] * 100) as (doorman, endpoint):
         link = LocalAgent(host_for(endpoint, key_file), 0, lambda line: None)
         with pytest.raises(TransportError, match="try 2: busy: 4 connections from you are authenticating"):
@@ -367,7 +368,7 @@ async def test_a_refusal_before_the_challenge_is_named(tmp_path):
 
 async def test_a_wrong_key_is_not_retried(listening, tmp_path):
     wrong = tmp_path / "wrong.key"
-    key_file.write_key_file(wrong)
+    listen_keys.write_key_file(wrong)
     link = LocalAgent(host_for(listening.endpoint, wrong), 0, lambda line: None)
     began = time.monotonic()
     with pytest.raises(TransportError, match="not the one that agent printed") as caught:
@@ -378,7 +379,7 @@ async def test_a_wrong_key_is_not_retried(listening, tmp_path):
 async def test_no_challenge_in_time_is_not_mistaken_for_busy(tmp_path):
     """Silence is not retried: it is said as before."""
     key_file = tmp_path / "agent.key"
-    key_file.write_key_file(key_file)
+    listen_keys.write_key_file(key_file)
     held: list[asyncio.StreamWriter] = []
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -412,7 +413,7 @@ async def test_through_ssh_a_closed_connection_is_not_a_missing_agent(tmp_path, 
     """Over SSH the bridge that connected and was closed exits 0 (one that
     could not connect says why and exits 1): retried, not "no agent"."""
     key_file = tmp_path / "agent.key"
-    key_file.write_key_file(key_file)
+    listen_keys.write_key_file(key_file)
     async with doorman_at(None, ["refuse"] + ["close"] * 100) as (doorman, endpoint):
         link = SshAgent(ssh_host(tmp_path, sshd, cache_dir, model_path, endpoint, key_file), 0, lambda line: None)
         with pytest.raises(TransportError) as caught:

@@ -137,7 +137,7 @@ def test_glm4moe_stage_without_sections_aborts_llama_cpp(model, tmp_path):
             found.pop(glm4moe.SECTIONS, None)
             return found
 
-        writer.stage_metadata_overrides = without_sections
+        build.stage_metadata_overrides = without_sections
         options = EngineOptions(n_ctx=64, n_batch=64, n_ubatch=16, threads=1)
         chain = Chain(Path({str(model)!r}), [(0, 2), (2, 8)], options, cache_dir=Path({str(tmp_path)!r}))
         chain.generate([1, 2, 3], 2)
