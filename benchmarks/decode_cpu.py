@@ -33,13 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ggufpipe_tui.cli import main  # noqa: E402
 from ggufpipe_tui.core.events import Event, RunFinished, TokenStreamed  # noqa: E402
-from ggufpipe_tui.session.pipeline import Pipeline  # noqa: E402
+from ggufpipe_tui.session.fanout import Fanout  # noqa: E402
 
 OUT = os.environ.get("DECODE_CPU_OUT", "decode_cpu.jsonl")
 UPDATES = os.environ.get("DECODE_CPU_UPDATES", "") not in ("", "0")
 _first: dict[int, float] = {}
 _last: dict[int, float] = {}
-_emit = Pipeline.emit
+_emit = Fanout.emit  # every event of the session, the runs' too, goes out here
 _ui_thread = threading.get_ident()  # the Textual loop runs on the main thread
 _window: dict[str, Any] = {}  # the run decoding now: its start, threads' clocks, updates
 
@@ -72,7 +72,7 @@ def _trace_updates() -> None:
     Screen._on_timer_update = traced  # type: ignore[method-assign]
 
 
-def emit(self: Pipeline, event: Event) -> None:
+def emit(self: Fanout, event: Event) -> None:
     if isinstance(event, TokenStreamed):
         now = time.process_time()
         if event.run_id not in _first and UPDATES:
@@ -102,7 +102,7 @@ def emit(self: Pipeline, event: Event) -> None:
                 out.write(json.dumps(line) + "\n")
 
 
-Pipeline.emit = emit  # type: ignore[method-assign]
+Fanout.emit = emit  # type: ignore[method-assign]
 if UPDATES:
     _trace_updates()
 
