@@ -144,7 +144,7 @@ class DataStreams:
         if problem:
             self.refuse("object", f"{header.describe()}: {problem}")
             return
-        await self.runs[header.run_id].deliver(header, payload)
+        await self.runs[header.run_id].forward(header, payload)
 
     def run_problem(self, run_id: RunId) -> str:
         run = self.runs.get(run_id)

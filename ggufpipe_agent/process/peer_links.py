@@ -147,9 +147,9 @@ class Link:
         self.peer = peer
         # The consumer's run and delivery, when it is in this process.
         self.consumer: ConsumerRun | None = None
-        self.deliver: Forward | None = None
+        self.forward: Forward | None = None
         if local is not None:
-            self.consumer, self.deliver = local
+            self.consumer, self.forward = local
 
 
 class Links:
@@ -163,15 +163,16 @@ class Links:
         serve: ServeLink,
         spawn: Callable[..., asyncio.Task[Any]],
         current_run: ConsumerRun | None = None,
-        deliver: Forward | None = None,
+        forward: Forward | None = None,
     ) -> None:
         self.directory = directory
         self.post = post
         self.serve = serve
         self.spawn = spawn
-        # This session's stage runs (by run id) and their delivery, for a producer in this process.
+        # This channel's stage job (by run id) and how to hand it an object, for a
+        # producer in this process.
         self.current_run = current_run
-        self.deliver = deliver
+        self.forward = forward
         self._listening: list[str] = []
         self.outbound: Link | None = None
         self._servers: list[asyncio.AbstractServer] = []
@@ -224,8 +225,8 @@ class Links:
             server = await asyncio.start_unix_server(on_connect, path=str(path), limit=STREAM_LIMIT)
             os.chmod(path, 0o600)
             endpoint = f"unix:{path}"
-            if self.current_run is not None and self.deliver is not None and chaining_enabled():
-                _IN_PROCESS[str(path)] = (self.current_run, self.deliver)
+            if self.current_run is not None and self.forward is not None and chaining_enabled():
+                _IN_PROCESS[str(path)] = (self.current_run, self.forward)
                 self._listening.append(str(path))
         elif request.transport == "tls":
             server = await asyncio.start_server(
@@ -332,7 +333,7 @@ class Links:
         run: StageJob,
         message: LinkEdge,
         refuse: Callable[[str, str, RunId], None],
-        deliver: Forward,
+        forward: Forward,
     ) -> None:
         """``run``'s outbound (or ring-out) end on the outbound link: the
         consumer's end is opened with an OpenEdge on the link itself, so it
@@ -348,7 +349,7 @@ class Links:
         ring = run.provision.ring
         if message.role == "ring-out" and ring is not None and ring.consume:
             # A one-stage ring: the stage feeds itself, no link at all.
-            run.ring_out = LocalFeed(deliver)
+            run.ring_out = LocalFeed(forward)
             run.apply(EdgeEstablished("ring-out"))
             run.apply(EdgeEstablished("ring-in"))
             return
@@ -368,7 +369,7 @@ class Links:
         # link's socket still carries the OpenEdge above (which the consumer
         # takes before it is Ready, so before any record can come) and its
         # end is still the link's end.
-        writer: RecordSink = link.writer if link.deliver is None else LocalFeed(link.deliver)
+        writer: RecordSink = link.writer if link.forward is None else LocalFeed(link.forward)
         if message.role == "outbound":
             run.outbound, run.outbound_peer = writer, link.peer
             run.local_next = link.consumer

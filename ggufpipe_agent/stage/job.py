@@ -293,7 +293,7 @@ class StageJob:
             self.counters.received(item[0].nbytes)
             self.apply(ObjectLoaded(item[0].sequence))
 
-    async def deliver(self, header: objects.ObjectHeader, payload: bytes) -> None:
+    async def forward(self, header: objects.ObjectHeader, payload: bytes) -> None:
         """An inbound object from the data connection (the inbound pump)."""
         state = self.fsm.state
         ring = self.provision.ring

@@ -26,8 +26,8 @@ class LocalFeed:
     one-stage pipeline (the stage feeds itself), and a shared process's
     direct links (process/peer_links.py)."""
 
-    def __init__(self, deliver: Forward) -> None:
-        self.deliver = deliver
+    def __init__(self, forward: Forward) -> None:
+        self.forward = forward
 
     async def write(self, *parts: bytes | bytearray | memoryview) -> None:
         if len(parts) == 2:  # a header and its payload (activations)
@@ -35,4 +35,4 @@ class LocalFeed:
         else:
             record = b"".join(bytes(part) for part in parts)
             head, payload = record[: objects.HEADER_SIZE], record[objects.HEADER_SIZE :]
-        await self.deliver(objects.unpack_header(head, len(payload)), payload)
+        await self.forward(objects.unpack_header(head, len(payload)), payload)
