@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.ids import FIRST_SLOT, RunId, SlotId
@@ -51,6 +52,11 @@ class RunOverrides:
     top_p: float | None = None
     seed: int | None = None
     ignore_eos: bool | None = None
+    #: llama-server's other sampling fields, by its names (``min_p``,
+    #: ``repeat_penalty``, ``dry_multiplier``, ``logit_bias``, ...), checked
+    #: already (ggufpipe_tui/server/sampling.py); a field absent takes
+    #: llama-server's default.
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
