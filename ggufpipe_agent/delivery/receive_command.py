@@ -218,7 +218,9 @@ class Delivery:
             if receiver.received:
                 log.info(
                     "transfer of %s interrupted at byte %d of %d; kept for a resume",
-                    receiver.target.name, receiver.received, receiver.size,
+                    receiver.target.name,
+                    receiver.received,
+                    receiver.size,
                 )
             receiver.close()
 

@@ -66,6 +66,7 @@ from ggufpipe_agent.wire.protocol import Message, ProvisionStage
 log = logging.getLogger("ggufpipe.delivery")
 T = TypeVar("T")
 
+
 async def serve_delivery(
     first: ReceiveStage, frames: FrameReader, writer: FrameWriter, cache_dir: Path | None
 ) -> None:
@@ -162,8 +163,12 @@ async def _close(
             await pending
     if receiver is not None:
         if receiver.received:
-            log.info("transfer of %s interrupted at byte %d of %d; kept for a resume",
-                     receiver.target.name, receiver.received, receiver.size)
+            log.info(
+                "transfer of %s interrupted at byte %d of %d; kept for a resume",
+                receiver.target.name,
+                receiver.received,
+                receiver.size,
+            )
         closing = executor.submit(receiver.close)
         try:
             await asyncio.wrap_future(closing)

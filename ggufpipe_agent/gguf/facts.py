@@ -32,7 +32,6 @@ __all__ = [
 ]
 
 
-
 def _scalar(value: Any) -> int:
     """Per-layer hyperparameters may be arrays; the widest value bounds memory."""
     if isinstance(value, list):

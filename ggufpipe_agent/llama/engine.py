@@ -26,7 +26,6 @@ import ctypes
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -41,9 +40,9 @@ from ggufpipe_agent.llama.plumbing import (
     gpu_offload_supported,
     init_backend,
     positions_per_token,
-    sampler_chain,
 )
 from ggufpipe_agent.llama.probe import probe_keeping_the_cache
+from ggufpipe_agent.llama.sampler import Sampler
 from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
 
 log = logging.getLogger("ggufpipe.engine")
@@ -57,7 +56,7 @@ class _Slot:
 
     n_past: int = 0  # positions in its KV stream: 0 .. n_past-1
     exact_end: int = 0  # positions [0, this) were computed as a cold run computes them
-    sampler: Any = None  # its run's sampler chain (the last stage)
+    sampler: Sampler | None = None  # its run's sampling (the last stage)
 
 
 class StageEngine:
@@ -222,8 +221,9 @@ class StageEngine:
         if not self.shape.last:
             return
         if self._state.sampler is not None:
-            lib.llama_sampler_free(self._state.sampler)
-        self._state.sampler = sampler_chain(lib, sampling)
+            self._state.sampler.free()
+            self._state.sampler = None
+        self._state.sampler = Sampler(lib, self.model, sampling)
 
     def keepable(self) -> tuple[int, str]:
         """How many leading positions of the cache a new run may keep, and why
@@ -399,7 +399,9 @@ class StageEngine:
             # Whole ubatches from an aligned start are what a cold run computes.
             self._state.exact_end = start + (n // self.granularity) * self.granularity
         if self.shape.last:
-            return int(lib.llama_sampler_sample(self._state.sampler, self.context, -1))
+            sampler = self._state.sampler
+            assert sampler is not None  # reset() made it
+            return sampler.sample(self.context)
         captured, self._capture = self._capture, None
         assert captured is not None
         if self._capture_row != n:
@@ -432,6 +434,12 @@ class StageEngine:
     def vocab_size(self) -> int:
         lib = self._lib
         return int(lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model)))
+
+    def sampled_logprobs(self) -> np.ndarray | None:
+        """The logprob record of the token the slot in use sampled last (its
+        run asked for logprobs), as sampler.logprob_payload words."""
+        sampler = self._state.sampler
+        return None if sampler is None else sampler.last_logprobs
 
     def last_logits(self) -> bytes:
         """The last row's logits after a step of the last stage."""
@@ -467,7 +475,7 @@ class StageEngine:
         lib = self._lib
         for slot in getattr(self, "_slot_states", ()):
             if slot.sampler is not None:
-                lib.llama_sampler_free(slot.sampler)
+                slot.sampler.free()
                 slot.sampler = None
         if getattr(self, "_batch", None) is not None:
             original = getattr(self, "_batch_pos", None)

@@ -1,8 +1,8 @@
 """llama.cpp's C side as the stage engine needs it, through ctypes: the
 backend set up once per process (its log routed to ours), the buffer-type
 overrides that keep routed experts in host RAM, how many positions a token
-of a stage file takes, a context's parameters, the sampler chain of a run,
-and the shape of a stage (what its batch holds and its steps return)."""
+of a stage file takes, a context's parameters, and the shape of a stage
+(what its batch holds and its steps return)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from ggufpipe_agent.errors import EngineError
 from ggufpipe_agent.llama.devices import bind
-from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
+from ggufpipe_agent.wire.protocol import EngineOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,21 +109,6 @@ def gpu_offload_supported() -> bool:
     import llama_cpp
 
     return bool(llama_cpp.llama_supports_gpu_offload())
-
-
-def sampler_chain(lib: Any, sampling: SamplingParams) -> Any:
-    """A new llama.cpp sampler chain for ``sampling`` (greedy at temperature 0)."""
-    chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-    if sampling.temperature <= 0:
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
-    else:
-        if sampling.top_k > 0:
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(sampling.top_k))
-        if 0 < sampling.top_p < 1:
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(sampling.top_p, 1))
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(sampling.temperature))
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(sampling.seed & 0xFFFFFFFF))
-    return chain
 
 
 def context_params_for(lib: Any, options: EngineOptions, parallel: int) -> Any:

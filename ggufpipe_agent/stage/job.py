@@ -384,13 +384,16 @@ class StageJob:
                 raise ConnectionError("outbound edge is not connected")
             if self.last:
                 # The sampled token is fed back at the position after the rows that made it.
-                record = objects.tokens_record(
-                    self.run_id,
-                    p.outbound.edge_id,
-                    sequence,
-                    [int(result)],
-                    position=header.position + header.rows,
-                )
+                position = header.position + header.rows
+                words = engine.sampled_logprobs() if p.sampling.logprobs >= 0 else None
+                if words is not None:  # the run asked for logprobs: they travel with the token
+                    record = objects.sample_record(
+                        self.run_id, p.outbound.edge_id, sequence, words, position=position
+                    )
+                else:
+                    record = objects.tokens_record(
+                        self.run_id, p.outbound.edge_id, sequence, [int(result)], position=position
+                    )
                 await self.outbound.write(record)
                 sent += len(record) - objects.HEADER_SIZE
             else:

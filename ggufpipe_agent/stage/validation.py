@@ -11,7 +11,7 @@ from __future__ import annotations
 from ggufpipe_agent.errors import CacheError
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.protocol import ProvisionStage
-from ggufpipe_agent.wire.records import sampling_problem
+from ggufpipe_agent.wire.records import sampler_problem
 
 #: Bounds on what a provision may ask for: far above any real model, far
 #: below what would overflow a wire field or exhaust memory.
@@ -78,9 +78,12 @@ def _field_problem(p: ProvisionStage) -> str:
     if engine.n_ctx * engine.parallel > MAX_CONTEXT:
         return f"{engine.parallel} slots of {engine.n_ctx} positions exceed {MAX_CONTEXT}"
     sampling = p.sampling
-    field, problem = sampling_problem(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+    field, problem = sampler_problem(sampling, model.vocab_size)
     if field:
         return f"{field} {problem}"
+    width = objects.token_out_width(sampling.logprobs)
+    if p.stage_index == p.stage_count - 1 and p.outbound.object_spec.width != width:
+        return f"the token-out edge carries rows of {p.outbound.object_spec.width} words, not {width}"
     offer = p.reuse
     if not fits_bits(offer.run_id, 64) or not 0 <= offer.positions <= model.max_seq_len:
         return f"a prefix offer of {offer.positions} positions of run {offer.run_id} is out of bounds"

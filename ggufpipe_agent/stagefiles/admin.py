@@ -50,8 +50,16 @@ def list_entries(directory: str | os.PathLike[str]) -> list[CacheEntry]:
         used = _mtime(sidecar_path(path), info.st_mtime)
         entries.append(
             CacheEntry(
-                name, "complete", key.model, key.label, key.start, key.end, key.block_count,
-                info.st_size, sidecar.size, used,
+                name,
+                "complete",
+                key.model,
+                key.label,
+                key.start,
+                key.end,
+                key.block_count,
+                info.st_size,
+                sidecar.size,
+                used,
             )
         )
     return sorted(entries, key=lambda entry: -entry.last_used)
@@ -100,4 +108,3 @@ def remove_entries(directory: str | os.PathLike[str], names: Iterable[str]) -> l
         if found:
             removed.append(name)
     return removed
-

@@ -151,9 +151,7 @@ class StageLayout:
     kv_count: int
 
 
-def stage_layout(
-    files: ModelFiles, start: int, end: int, overrides: Overrides | None = None
-) -> StageLayout:
+def stage_layout(files: ModelFiles, start: int, end: int, overrides: Overrides | None = None) -> StageLayout:
     """The layout of the stage file for blocks ``[start, end)`` of ``files``;
     checks the range and the architecture's split rules first. ``overrides``
     default to :func:`ggufpipe_agent.gguf.architectures.stage_metadata_overrides`."""
@@ -266,9 +264,7 @@ class StageFileStream:
     on demand from the source parts. Open it as a context manager (it holds
     one descriptor per part); ``size`` is known at once."""
 
-    def __init__(
-        self, files: ModelFiles, start: int, end: int, overrides: Overrides | None = None
-    ) -> None:
+    def __init__(self, files: ModelFiles, start: int, end: int, overrides: Overrides | None = None) -> None:
         self.files = files
         self.start = start
         self.end = end

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ggufpipe_agent.errors import ProtocolError
+from ggufpipe_agent.wire.records import GRAMMAR_MAX, HISTORY_MAX, LOGIT_BIAS_MAX
 
 #: Every control message type by its tag (its class name).
 REGISTRY: dict[str, type[Message]] = {}
@@ -89,7 +90,13 @@ def _from_wire(tp: Any, value: Any, where: str) -> Any:
     if origin is tuple:
         if not isinstance(value, list | tuple):
             raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        (item_tp, _ellipsis) = typing.get_args(tp)
+        args = typing.get_args(tp)
+        if len(args) != 2 or args[1] is not Ellipsis:  # a fixed-length tuple: a (token, bias) pair
+            if len(value) != len(args):
+                raise ProtocolError(f"{where}: expected {len(args)} items, got {len(value)}")
+            pairs = enumerate(zip(args, value, strict=True))
+            return tuple(_from_wire(t, v, f"{where}[{i}]") for i, (t, v) in pairs)
+        item_tp = args[0]
         # A vocabulary or a prompt: hundreds of thousands of plain items,
         # checked in one pass (bool is an int to Python, not to the wire).
         if item_tp in (int, bytes, str) and all(type(v) is item_tp for v in value):
@@ -164,6 +171,11 @@ BOUNDS: dict[str, Bounds] = {
     # history of thousands of turns is still far below 1 MiB per thousand).
     "Tokenize": Bounds(str_len=MAX_PROMPT_BYTES, array_len=MAX_PROMPT_TURNS, containers=MAX_PROMPT_TURNS + 8),
     "Tokenized": Bounds(str_len=32 << 20, array_len=MAX_PROMPT_TOKENS),
+    # A provision's sampling may carry a grammar, the prompt's tokens (the
+    # penalties' history) and a logit bias per token (records.SamplingParams).
+    "ProvisionStage": Bounds(
+        str_len=GRAMMAR_MAX + 64, array_len=HISTORY_MAX, containers=LOGIT_BIAS_MAX + 256
+    ),
 }
 HEAD_LIMITS = {"max_str_len": 64, "max_bin_len": 0, "max_array_len": 2, "max_map_len": 0, "max_ext_len": 0}
 

@@ -169,9 +169,7 @@ class FrameWriter:
         except RuntimeError as error:
             raise ConnectionError(f"the {self.what} is closed ({error})") from None
         except asyncio.TimeoutError:
-            raise StalledStream(
-                f"the {self.what}'s peer read nothing for {self.drain_timeout:g}s"
-            ) from None
+            raise StalledStream(f"the {self.what}'s peer read nothing for {self.drain_timeout:g}s") from None
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -141,6 +141,33 @@ def check_spec(header: ObjectHeader, spec: ObjectSpec) -> None:
         raise ProtocolError(f"{header.describe()}: exceeds max_extent {spec.max_extent}")
 
 
+def token_out_width(logprobs: int) -> int:
+    """Words in each token-out record: the token alone, or (``logprobs`` >= 0)
+    the token, its logprob and ``logprobs`` (id, logprob) pairs, logprobs as
+    float32 bits (ggufpipe_agent/llama/sampler.py, logprob_payload)."""
+    return 1 if logprobs < 0 else 2 + 2 * logprobs
+
+
+def sample_record(
+    run_id: RunId, edge_id: EdgeId, sequence: int, words: np.ndarray, *, position: int = 0
+) -> bytes:
+    """One sampled token with its logprobs: one row of ``len(words)`` int32 words."""
+    payload = np.ascontiguousarray(words, dtype="<i4").tobytes()
+    header = ObjectHeader(
+        KIND_TOKENS, DTYPE_CODES["int32"], run_id, edge_id, sequence, 1, len(words), len(payload), position
+    )
+    return header.pack() + payload
+
+
+def read_logprobs(words: list[int]) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+    """The token, its logprob and its (id, logprob) alternatives from a
+    token-out record of :func:`token_out_width` words."""
+    array = np.asarray(words, dtype="<i4")
+    floats = array.view("<f4")
+    pairs = tuple((int(array[i]), float(floats[i + 1])) for i in range(2, len(array) - 1, 2))
+    return int(array[0]), float(floats[1]), pairs
+
+
 def tokens_record(
     run_id: RunId, edge_id: EdgeId, sequence: int, tokens: list[int], *, position: int = 0
 ) -> bytes:

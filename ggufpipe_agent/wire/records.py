@@ -115,15 +115,64 @@ class EngineOptions:
     parallel: int = 1
 
 
+#: llama-server's samplers, in its default order (its ``samplers`` field).
+SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Greedy when ``temperature <= 0``; otherwise top-k, top-p, temperature
-    and a seeded draw, in llama.cpp's sampler chain."""
+    """The last stage's sampler chain, in llama-server's terms and order
+    (llama.cpp's common sampler): logit bias, penalties, DRY, top-n-sigma,
+    top-k, typical, top-p, min-p, XTC, temperature, then a seeded draw; or
+    temperature and mirostat (1 or 2) in place of the middle. The defaults are
+    llama-server's but ``temperature``, which is the inventory's (greedy: a
+    temperature of 0 keeps only the likeliest token, whatever else is set).
+
+    ``grammar``: GBNF the reply is held to (llama-server's rejection sampling:
+    the chain's pick is kept if the grammar allows it, else the grammar
+    prunes first and the chain picks again). ``logprobs``: how many
+    alternatives each sampled token's record carries back (-1: no logprobs;
+    0: only the token's own). ``history``: the prompt's last tokens, which
+    llama-server feeds its sampler before the reply (the penalties and DRY
+    look back over them); empty unless one of those is on."""
 
     temperature: float = 0.0
     top_k: int = 40
     top_p: float = 0.95
     seed: int = 0
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    min_keep: int = 0
+    samplers: tuple[str, ...] = SAMPLER_ORDER
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str = ""
+    logprobs: int = -1
+    history: tuple[int, ...] = ()
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether the penalties or DRY look back at the tokens before the reply."""
+        penalties = self.repeat_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        )
+        return penalties or (self.dry_multiplier != 0.0 and self.dry_penalty_last_n != 0)
 
 
 #: The sampling a stage accepts, one definition for both sides: the agent
@@ -132,6 +181,42 @@ class SamplingParams:
 TEMPERATURE_MAX = 1e6
 TOP_K_MAX = (1 << 31) - 1  # llama_sampler_init_top_k takes an int32
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # the API's range; llama.cpp takes the low 32 bits
+INT32_MAX = (1 << 31) - 1
+#: The most alternatives a token's logprobs name (OpenAI's top_logprobs goes to 20).
+LOGPROBS_MAX = 100
+#: The most GBNF bytes, logit biases, DRY breakers and history tokens a run carries.
+GRAMMAR_MAX = 1 << 20
+LOGIT_BIAS_MAX = 1 << 16
+DRY_BREAKERS_MAX = 64
+HISTORY_MAX = 1 << 20
+
+#: The other sampling fields: (low, high), both included; llama.cpp's own
+#: limits where it has them, else a range outside which a field means nothing.
+SAMPLER_RANGES: dict[str, tuple[float, float]] = {
+    "min_p": (0.0, 1.0),
+    "typical_p": (0.0, 1.0),
+    "top_n_sigma": (-1.0, 1e6),
+    "xtc_probability": (0.0, 1.0),
+    "xtc_threshold": (0.0, 1.0),
+    "dynatemp_range": (0.0, 1e6),
+    "dynatemp_exponent": (0.0, 1e6),
+    "repeat_penalty": (1e-6, 1e6),
+    "repeat_last_n": (-1, INT32_MAX),
+    "frequency_penalty": (-1e6, 1e6),
+    "presence_penalty": (-1e6, 1e6),
+    "dry_multiplier": (0.0, 1e6),
+    "dry_base": (1.0, 1e6),
+    "dry_allowed_length": (0, INT32_MAX),
+    "dry_penalty_last_n": (-1, INT32_MAX),
+    "mirostat": (0, 2),
+    "mirostat_tau": (0.0, 1e6),
+    "mirostat_eta": (0.0, 1e6),
+    "min_keep": (0, INT32_MAX),
+}
+#: The fields of SAMPLER_RANGES that are integers.
+SAMPLER_INTEGERS = frozenset(
+    {"repeat_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat", "min_keep"}
+)
 
 
 def sampling_problem(temperature: float, top_k: int, top_p: float, seed: int) -> tuple[str, str]:
@@ -148,6 +233,54 @@ def sampling_problem(temperature: float, top_k: int, top_p: float, seed: int) ->
         return "top_p", f"{top_p!r} is not a number in (0, 1]"
     if not (isinstance(seed, int) and SEED_MIN <= seed <= SEED_MAX):
         return "seed", f"{seed!r} is not an integer in [{SEED_MIN}, {SEED_MAX}]"
+    return "", ""
+
+
+def sampler_field_problem(name: str, value: object) -> str:
+    """What is wrong with one of :data:`SAMPLER_RANGES`' fields; '' when sound."""
+    low, high = SAMPLER_RANGES[name]
+    if name in SAMPLER_INTEGERS:
+        if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high):
+            return f"{value!r} is not an integer in [{low:g}, {high:g}]"
+        return ""
+    if not (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)):
+        return f"{value!r} is not a finite number"
+    if not low <= value <= high:
+        return f"{value!r} is not in [{low:g}, {high:g}]"
+    return ""
+
+
+def sampler_problem(sampling: SamplingParams, vocab_size: int = INT32_MAX) -> tuple[str, str]:
+    """(field, what is wrong) for any field of ``sampling``; ("", "") when sound."""
+    s = sampling
+    field, problem = sampling_problem(s.temperature, s.top_k, s.top_p, s.seed)
+    if field:
+        return field, problem
+    for name in SAMPLER_RANGES:
+        problem = sampler_field_problem(name, getattr(s, name))
+        if problem:
+            return name, problem
+    if len(s.dry_sequence_breakers) > DRY_BREAKERS_MAX or any(not b for b in s.dry_sequence_breakers):
+        return "dry_sequence_breakers", f"at most {DRY_BREAKERS_MAX} strings, none empty"
+    unknown = [name for name in s.samplers if name not in SAMPLER_ORDER]
+    if unknown or len(s.samplers) > 4 * len(SAMPLER_ORDER):
+        return (
+            "samplers",
+            f"{unknown[0] if unknown else len(s.samplers)!r}: one of {', '.join(SAMPLER_ORDER)}",
+        )
+    if len(s.logit_bias) > LOGIT_BIAS_MAX:
+        return "logit_bias", f"at most {LOGIT_BIAS_MAX} entries"
+    for token, bias in s.logit_bias:
+        if not 0 <= token < vocab_size:
+            return "logit_bias", f"token {token} is not in the vocabulary (0..{vocab_size - 1})"
+        if not (math.isfinite(bias) or bias == -math.inf):
+            return "logit_bias", f"the bias of token {token} is {bias!r}"
+    if len(s.grammar.encode()) > GRAMMAR_MAX:
+        return "grammar", f"more than {GRAMMAR_MAX} bytes"
+    if not -1 <= s.logprobs <= LOGPROBS_MAX:
+        return "logprobs", f"{s.logprobs} is not in [-1, {LOGPROBS_MAX}]"
+    if len(s.history) > HISTORY_MAX or any(not 0 <= t < vocab_size for t in s.history):
+        return "history", f"more than {HISTORY_MAX} tokens, or one outside the vocabulary"
     return "", ""
 
 

@@ -70,9 +70,7 @@ class HostCache:
     error: str = ""
 
 
-async def ask_host(
-    host: HostSpec, request: CacheRequest, timeout: float, log: IO[str] | None
-) -> HostCache:
+async def ask_host(host: HostSpec, request: CacheRequest, timeout: float, log: IO[str] | None) -> HostCache:
     """Start the host's agent, send ``request``, return its answer, end it."""
     from ggufpipe_tui.session.pipeline import default_connection_factory
 

@@ -151,6 +151,9 @@ class TokenStreamed:
     sequence: int
     token: int
     text: str
+    #: (the token's logprob, ((id, logprob), ...) the likeliest) when the run
+    #: asked for logprobs.
+    logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

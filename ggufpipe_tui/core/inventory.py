@@ -122,6 +122,9 @@ class RunOptions:
     # run's KV cache in its own slot (the server's --parallel; docs/architecture.md, "Runs in flight").
     # 0: auto (--serve: one per machine, default_parallel; else 1).
     parallel: int = 0
+    #: llama-server's other sampling fields a request set, by name
+    #: (records.SamplingParams); empty from an inventory.
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,7 +351,7 @@ def parse_inventory(text: str, path: Path) -> Inventory:
             "stage, or on none to split automatically"
         )
 
-    run = fill(reader, RunOptions, top["run"], "run") if "run" in top else RunOptions()
+    run = fill(reader, RunOptions, top["run"], "run", extra=()) if "run" in top else RunOptions()
     timeouts = fill(reader, Timeouts, top["timeouts"], "timeouts") if "timeouts" in top else Timeouts()
     recovery = fill(reader, Recovery, top["recovery"], "recovery") if "recovery" in top else Recovery()
     if recovery.attempts < 0:

@@ -19,6 +19,7 @@ from typing import Protocol
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_agent.gguf.memory import StageMemory, estimate_stage, memory_facts_of
 from ggufpipe_agent.ids import FIRST_SLOT, EdgeId, RunId, SlotId
+from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.objects import HEADER_SIZE
 from ggufpipe_agent.wire.protocol import (
     EngineOptions,
@@ -148,6 +149,14 @@ class RunPlan:
         raise KeyError(edge_id)
 
 
+def sampling_params(options: RunOptions) -> SamplingParams:
+    """The sampling a run's last stage is provisioned with: the inventory's
+    four fields and what a request added (llama-server's other fields)."""
+    return SamplingParams(
+        options.temperature, options.top_k, options.top_p, options.seed, **dict(options.extra)
+    )
+
+
 def new_run_id() -> RunId:
     return RunId(secrets.randbits(63) | 1)
 
@@ -196,7 +205,8 @@ def build_plan(
     )
     base = edge_base if edge_base is not None else secrets.randbits(24) << 8
     tokens_in = ObjectSpec("tokens", "int32", 1, max_seq_len)
-    tokens_out = ObjectSpec("tokens", "int32", 1, 1)
+    sampling = sampling_params(options)
+    tokens_out = ObjectSpec("tokens", "int32", objects.token_out_width(sampling.logprobs), 1)
     activation = ObjectSpec("activation", options.activation_dtype, facts.hidden_dim, max_seq_len)
     node = [inventory.stages[i].host for i in range(n)]
 
@@ -271,7 +281,6 @@ def build_plan(
         )
         for i in range(n)
     )
-    sampling = SamplingParams(options.temperature, options.top_k, options.top_p, options.seed)
     token_ring = None
     if options.feedback == "ring":
         one_token = ObjectSpec("tokens", "int32", 1, 1)

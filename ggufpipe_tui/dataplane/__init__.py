@@ -26,8 +26,9 @@ from ggufpipe_tui.core.events import DataPath
 from ggufpipe_tui.core.inventory import HostSpec
 from ggufpipe_tui.core.plan import RunPlan
 
-#: The bound run's consumer of token-out objects: (sequence, token).
-TokenSink = Callable[[int, int], None]
+#: The bound run's consumer of token-out objects: (sequence, words): the token
+#: first, then its logprobs when the run asked for them (objects.token_out_width).
+TokenSink = Callable[[int, list[int]], None]
 
 
 @dataclass(slots=True)

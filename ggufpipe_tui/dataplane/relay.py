@@ -206,4 +206,4 @@ class RelayPlane:
                     return
                 continue
             tokens = objects.decode_tokens(header, payload)
-            bound[1](header.sequence, tokens[0])
+            bound[1](header.sequence, tokens)

@@ -209,9 +209,7 @@ async def deliver_stage(
         pool.shutdown(wait=False)
 
 
-async def _answer(
-    stage: StageHandle, frames: FrameReader, timeout: float, what: str
-) -> Message:
+async def _answer(stage: StageHandle, frames: FrameReader, timeout: float, what: str) -> Message:
     try:
         message = await asyncio.wait_for(frames.message(), timeout)
     except asyncio.TimeoutError:

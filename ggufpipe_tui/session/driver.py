@@ -20,6 +20,7 @@ from typing import Protocol
 
 from ggufpipe_agent.errors import TransitionError
 from ggufpipe_agent.tasks import TaskOwner
+from ggufpipe_agent.wire.objects import read_logprobs
 from ggufpipe_agent.wire.protocol import (
     Message,
     PrefixHeld,
@@ -180,6 +181,7 @@ class RunDriver:
         # which this run regenerates, checks and does not stream again, and
         # what is called when it has (the injection's and that moment's time).
         self.replay: tuple[int, ...] = ()
+        self.logprobs: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = {}
         self.caught_up: Callable[[float, float], None] | None = None
         self._replayed = 0.0
         self._first_token = 0.0
@@ -199,9 +201,12 @@ class RunDriver:
     def stop(self, reason: str = "stopped by the user") -> None:
         self.feed(fsm.StopRequested(reason))
 
-    def on_token(self, sequence: int, token: int) -> None:
-        """A token object from the token-out edge."""
-        self.feed(fsm.TokenConsumed(sequence, token))
+    def on_token(self, sequence: int, words: list[int]) -> None:
+        """A token object from the token-out edge: the token, and its logprobs
+        when the run asked for them (kept until the token is accepted)."""
+        if len(words) > 1:
+            self.logprobs[sequence] = read_logprobs(words)[1:]
+        self.feed(fsm.TokenConsumed(sequence, words[0]))
 
     def provision_refused(self, stage: int, reason: str) -> None:
         """Stage ``stage`` refused its ProvisionStage: it holds no run, so the
@@ -451,7 +456,7 @@ class RunDriver:
         if replaying:
             self._replayed = now  # streamed before the loss: the client has it
             return None
-        self.emit(TokenStreamed(self.plan.run_id, sequence, token, text))
+        self.emit(TokenStreamed(self.plan.run_id, sequence, token, text, self.logprobs.pop(sequence, None)))
         return None
 
     def _finish(self) -> None:

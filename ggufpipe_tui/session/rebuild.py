@@ -168,6 +168,7 @@ async def _move(
         return trial
     raise PipelineError(f"{error}; no spare host could take {what}: {'; '.join(refused)}")
 
+
 async def _try_spare(
     pipeline: Rebuildable, trial: list[StageHandle], name: str, timeout: float
 ) -> tuple[str, Placement | None]:

@@ -30,7 +30,7 @@ from ggufpipe_agent.wire.codec import MAX_PROMPT_BYTES, MAX_PROMPT_TURNS, text_p
 from ggufpipe_agent.wire.protocol import ChatMessage, SamplingParams
 from ggufpipe_tui.core.events import Event, RunResult
 from ggufpipe_tui.core.inventory import RunOptions, check_run_options
-from ggufpipe_tui.core.plan import GgufModelPlan, RunPlan
+from ggufpipe_tui.core.plan import GgufModelPlan, RunPlan, sampling_params
 from ggufpipe_tui.session.driver import RunDriver
 from ggufpipe_tui.session.stages import PipelineError
 
@@ -112,10 +112,19 @@ def run_options(base: RunOptions, overrides: RunOverrides) -> RunOptions:
 def serves(plan: RunPlan, options: RunOptions) -> bool:
     """Whether a run prepared with ``plan`` samples (and stops) as ``options``
     ask. Greedy is greedy whatever the other sampling parameters say."""
-    wanted = SamplingParams(options.temperature, options.top_k, options.top_p, options.seed)
+    wanted = sampling_params(options)
     if plan.ignore_eos != options.ignore_eos:
         return False
-    return plan.sampling == wanted or (plan.sampling.temperature <= 0 and wanted.temperature <= 0)
+    if plan.sampling == wanted:
+        return True
+
+    # Greedy is greedy whatever the seed and the top-k/top-p/min-p cuts say.
+    def greedy(s: SamplingParams) -> SamplingParams:
+        return replace(s, temperature=0.0, seed=0, top_k=0, top_p=1.0, min_p=0.0)
+
+    return (
+        plan.sampling.temperature <= 0 and wanted.temperature <= 0 and greedy(plan.sampling) == greedy(wanted)
+    )
 
 
 def reply_limit(prompt: Prompt, prompt_tokens: int, options: RunOptions, context: int) -> int:

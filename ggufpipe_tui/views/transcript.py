@@ -32,6 +32,8 @@ from ggufpipe_tui.views.entries import Entry, Exchange, Line, Note
 #: two and a whole repaint comes once a block, not with every line. When the
 #: run ends the text settles at the bottom again.
 JUMP = 1 / 2
+
+
 def _offset(strip: Strip) -> tuple[int, int]:
     for segment in strip:
         style = segment.style
@@ -325,5 +327,3 @@ def _select(strip: Strip, start: int, end: int | None, style: Style) -> Strip:
                 segments.append(Segment(text[b:], seg_style))
         position = stop
     return Strip(segments, strip.cell_length)
-
-

@@ -203,7 +203,7 @@ class Rig:
     async def tokens(self, *tokens: int) -> None:
         """The last stage's ``tokens``, sequence 0 on, each settled."""
         for sequence, token in enumerate(tokens):
-            self.driver.on_token(sequence, token)
+            self.driver.on_token(sequence, [token])
             await settle()
 
     async def timed_out(self) -> None:
@@ -268,10 +268,10 @@ class Autopilot:
             return
         ring = self.rig.provisioned(len(self.rig.stages) - 1).ring
         if ring is None:
-            self.rig.driver.on_token(sequence, 9 + sequence)
+            self.rig.driver.on_token(sequence, [9 + sequence])
             return
         for fed in range(ring.max_tokens):  # the last stage stops where its provision says
-            self.rig.driver.on_token(fed, 9 + fed)
+            self.rig.driver.on_token(fed, [9 + fed])
 
 
 class FakePipeline:

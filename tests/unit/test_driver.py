@@ -105,7 +105,7 @@ async def test_a_provision_that_cannot_be_sent_faults_the_run():
 async def test_the_step_timeout_names_the_token_it_waited_for():
     rig = Rig(step=0.05)
     await rig.prompted()
-    rig.driver.on_token(0, 9)
+    rig.driver.on_token(0, [9])
     await asyncio.sleep(0.2)
     await finish(rig)
     result = rig.driver.result
@@ -139,8 +139,8 @@ async def test_step_statistics_reach_the_views_and_the_result():
     await rig.prompted()
     counters = StepCounters(steps=4, last_ms=2.0, total_ms=10.0)
     rig.agent_says(1, StepStats(rig.plan.run_id, 1, counters))
-    rig.driver.on_token(0, 9)
-    rig.driver.on_token(1, 10)
+    rig.driver.on_token(0, [9])
+    rig.driver.on_token(1, [10])
     await settle()
     assert any(isinstance(e, StageStats) and e.counters == counters for e in rig.events)
     final = StepCounters(steps=5, last_ms=2.0, total_ms=15.0)
@@ -231,7 +231,7 @@ async def test_a_run_keeps_what_every_stage_holds_of_the_last_run():
     assert rig.edges.written == [(0, [10, 11, 12])] and rig.edges.positions == [4]
     await rig.tokens(20, 21)
     assert rig.edges.positions == [4, 7, 8], "each fed token at the position after the ones before"
-    rig.driver.on_token(2, 22)
+    rig.driver.on_token(2, [22])
     await finish(rig)
     result = rig.driver.result
     assert result is not None and result.prompt_reused == 4 and result.prompt_computed == 3

@@ -101,8 +101,10 @@ def valid_value(tp: Any) -> st.SearchStrategy[Any]:
         inner = st.one_of(*(valid_value(o) for o in options))
         return st.none() | inner if len(options) < len(typing.get_args(tp)) else inner
     if origin is tuple:
-        item, _ellipsis = typing.get_args(tp)
-        return st.lists(valid_value(item), max_size=4).map(tuple)
+        args = typing.get_args(tp)
+        if len(args) != 2 or args[1] is not Ellipsis:  # fixed length: a (token, bias) pair
+            return st.tuples(*(valid_value(a) for a in args))
+        return st.lists(valid_value(args[0]), max_size=4).map(tuple)
     if dataclasses.is_dataclass(tp):
         return valid_record(tp)
     if tp is bool:
