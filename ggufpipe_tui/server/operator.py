@@ -26,7 +26,7 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -35,9 +35,27 @@ from ggufpipe_tui.server.prometheus import CONTENT_TYPE, Exposition
 from ggufpipe_tui.session.stages import PipelineError
 
 if TYPE_CHECKING:
-    from ggufpipe_tui.server.http import Server
+    from ggufpipe_tui.core.inventory import Inventory
+    from ggufpipe_tui.server.metrics import Metrics
     from ggufpipe_tui.session.driver import RunDriver
+    from ggufpipe_tui.session.pipeline import Pipeline
     from ggufpipe_tui.session.runs import RunHandle
+
+
+class Server(Protocol):
+    """What these handlers read of the server (server/http.py's Server)."""
+
+    pipeline: Pipeline
+    inventory: Inventory
+    api_key: str
+    model: str
+    queue: int
+    admitted: int  # requests submitted and not answered, the running ones included
+    handles: set[RunHandle]
+    ready: bool
+    closing: bool
+    metrics: Metrics
+
 
 #: llama-server's sampling fields in /props' default_generation_settings.params,
 #: each from the run options' field of that name where ggufpipe has one.
