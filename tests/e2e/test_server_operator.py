@@ -1,4 +1,4 @@
-"""The operator's endpoints and CORS on a real ``--serve`` (two stages of
+"""The operator's endpoints and CORS on a real ``--serve`` (three stages of
 SmolLM2, real agents): /tokenize and /detokenize through the pipeline's own
 tokenizer and pieces, equal to llama.cpp's vocabulary here; /props, /slots;
 /metrics scraped as Prometheus text; a browser's preflight."""
@@ -71,7 +71,7 @@ def test_operator_endpoints_and_a_preflight(tmp_path: Path, model_path: Path) ->
             (("endpoint", "/tokenize"), ("method", "POST"), ("status", "200")),
         )
         assert samples[tokenized] == 2
-        assert samples[("ggufpipe_slots_total", ())] == 2 and samples[("ggufpipe_stages", ())] == 2
+        assert samples[("ggufpipe_slots_total", ())] == 2 and samples[("ggufpipe_stages", ())] == 3
         assert samples[("llamacpp:requests_processing", ())] == 0
         assert samples[("ggufpipe_ready", ())] == 1
 
