@@ -57,9 +57,11 @@ filters the log by stage, ctrl+r starts the pipeline again, ctrl+q stops every
 stage and quits.
 
 --serve: POST /v1/chat/completions, POST /v1/completions, GET /v1/models and
-GET /health on HOST:PORT (127.0.0.1 unless told otherwise; port 0 picks one);
-requests run one at a time in order. SIGTERM finishes or stops the running
-request, tears every stage down and exits 0; a fault of the pipeline exits 1.
+GET /health on HOST:PORT (127.0.0.1 unless told otherwise; port 0 picks one),
+and llama-server's POST /tokenize, POST /detokenize, GET /props, GET /slots
+and GET /metrics (Prometheus' text format); requests run one at a time in
+order. SIGTERM finishes or stops the running request, tears every stage down
+and exits 0; a fault of the pipeline exits 1.
 
 exit status (headless): 0 the run completed, 1 the run faulted (the output so
 far is printed, the reason is the last line on stderr), 2 the pipeline could
@@ -104,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=16,
         metavar="N",
         help="waiting requests allowed behind the running ones (16)",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN (e.g. http://localhost:5173; repeatable; '*': any) call the "
+        "server, preflights answered; off by default, since otherwise a page from any site the browser "
+        "opens could drive a server that has no API key, e.g. one on localhost",
     )
     serve.add_argument(
         "--parallel",
@@ -199,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt is not None and (problem := text_problem(args.prompt)):
         print(f"ggufpipe: error: --prompt: {problem}", file=sys.stderr)
         return 2
+    if args.cors_origin and args.serve is None:
+        parser.error("--cors-origin: only with --serve")
+    if bad := [origin for origin in args.cors_origin if origin != "*" and "://" not in origin]:
+        parser.error(f"--cors-origin {bad[0]!r}: an origin is SCHEME://HOST[:PORT] (or '*')")
     if args.queue < 0:
         parser.error("--queue: must not be negative")
     if args.parallel is not None and args.serve is None and not args.plan:
@@ -251,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         from ggufpipe_agent import aio
         from ggufpipe_tui.server.serve import run_server
 
-        return aio.run(run_server(inventory, args.serve, api_key=args.api_key, queue=args.queue, **printing))
+        cors = args.cors_origin
+        serving = run_server(
+            inventory, args.serve, api_key=args.api_key, queue=args.queue, cors_origins=cors, **printing
+        )
+        return aio.run(serving)
     from ggufpipe_tui.views.app import run_app
 
     return run_app(inventory, log_dir=args.log_dir)

@@ -40,7 +40,7 @@ import hmac
 import json
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -57,7 +57,9 @@ from ggufpipe_tui.core.events import (
 )
 from ggufpipe_tui.core.format import reuse_line
 from ggufpipe_tui.core.inventory import Inventory
+from ggufpipe_tui.server import cors, operator
 from ggufpipe_tui.server import openai_api as api
+from ggufpipe_tui.server.metrics import Metrics
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.session.runs import REFUSE, SHORTEN, ContextOverflow, Prompt, RunHandle
 from ggufpipe_tui.session.stages import PipelineError
@@ -106,6 +108,7 @@ class Server:
         api_key: str = "",
         queue: int = 16,
         err: IO[str] = sys.stderr,
+        cors_origins: Sequence[str] = (),
     ) -> None:
         self.pipeline = pipeline
         self.inventory = inventory
@@ -118,11 +121,16 @@ class Server:
         self.handles: set[RunHandle] = set()
         self.closing = False
         self.ready = False
-        self.app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY)
+        self.metrics = Metrics()
+        pipeline.subscribe(self.metrics.on_event)
+        middlewares = [self.metrics.middleware, self._errors]
+        self.app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
+        cors.install(self.app, cors_origins)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_post("/v1/completions", self.completion)
+        operator.add_routes(self.app, self)
 
     # ------------------------------------------------------------ plumbing
 
@@ -154,6 +162,8 @@ class Server:
                 raise
             kind = "not_found_error" if error.status == 404 else "invalid_request_error"
             message = f"{request.method} {request.path}: {error.reason}"
+            if error.status == 404:
+                message += f"; this server serves {operator.served(self.app)}"
             self._log_refusal(request, error.status, error.reason)
             return web.json_response(api.error_body(message, kind), status=error.status)
         except Exception as error:  # a bug of ours: this request fails, the server goes on
@@ -165,6 +175,7 @@ class Server:
         self.log(f"{request.remote} {request.method} {request.path} {status}: {why}")
 
     def _log_exchange(self, exchange: Exchange) -> None:
+        self.metrics.exchange(exchange)
         took = time.perf_counter() - exchange.arrived
         line = (
             f"{exchange.peer} {exchange.method} {exchange.path} {exchange.status} · "

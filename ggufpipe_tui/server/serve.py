@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import Sequence
 from typing import IO
 
 from aiohttp import web
@@ -84,11 +85,12 @@ async def run_server(
     quiet: bool = False,
     log_dir: str | None = None,
     err: IO[str] = sys.stderr,
+    cors_origins: Sequence[str] = (),
 ) -> int:
     """Serve until SIGTERM or SIGINT (exit 0) or a fault of the pipeline (exit 1)."""
     printer = ServerPrinter(inventory, err, verbose, quiet)
     pipeline = Pipeline(inventory, printer, log_dir=log_dir, prepare_ahead=True)
-    server = Server(pipeline, inventory, api_key=api_key, queue=queue, err=err)
+    server = Server(pipeline, inventory, api_key=api_key, queue=queue, err=err, cors_origins=cors_origins)
     runner = web.AppRunner(
         server.app,
         handler_cancellation=True,
@@ -114,6 +116,11 @@ async def run_server(
         server.log(f"listening on http://{shown}:{port}/v1 (OpenAI-compatible); starting the stages")
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             server.log(f"warning: {host} without --api-key: whoever reaches this port can use the pipeline")
+        if "*" in cors_origins and not api_key:
+            server.log(
+                "warning: --cors-origin '*' without --api-key: "
+                "any web page a browser here opens can use the pipeline"
+            )
         starting = asyncio.ensure_future(pipeline.start())
         signalled = asyncio.ensure_future(stop.wait())
         await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)

@@ -119,7 +119,10 @@ class RunEdges(Protocol):
 
 class Detokenizer:
     """Token ids to text as they stream: piece bytes through an incremental
-    UTF-8 decoder, so a character split over two tokens prints once whole."""
+    UTF-8 decoder, so a character split over two tokens prints once whole.
+    Bytes that cannot begin or go on a character become U+FFFD where they
+    are; a character the run ends inside (cut by max_tokens or a stop) is
+    left out, as llama-server ends the text before it."""
 
     def __init__(self, pieces: tuple[bytes, ...]) -> None:
         self.pieces = pieces
@@ -130,7 +133,11 @@ class Detokenizer:
         return self._decoder.decode(piece)
 
     def flush(self) -> str:
-        return self._decoder.decode(b"", final=True)
+        """The text's end: nothing more. What the decoder still holds is the
+        start of a character the next token would have finished (it passes
+        every byte that cannot be one at once, replaced), so it is dropped."""
+        self._decoder.reset()
+        return ""
 
 
 class RunDriver:
