@@ -1,0 +1,445 @@
+"""What every family shares: the :class:`Family` record, the streaming parser
+of call regions in the generated text, and a cursor to read one region.
+
+A family's :class:`Syntax` says which markers open a call region and how to
+read one (:meth:`Syntax.region`); :class:`MarkupParser` does the rest the
+same way for all: text outside calls comes out as :class:`Text` at once,
+less what may be the start of a marker; a region comes out as its calls
+(:class:`CallStart` and the whole arguments as one :class:`CallArguments`)
+once it is complete, or as text if it turns out not to be a call. Every
+decision is taken only when no further text could change it, so the pieces
+are the same however the text is cut into chunks.
+
+Reasoning (``<think>...</think>``, or the family's own tags) passes
+through as Text, tags included, and no call is looked for inside it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ggufpipe_tui.server.request import CallArguments, CallStart, Piece, Text, Tool
+from ggufpipe_tui.server.tools.grammar import GrammarFn
+
+IdFactory = Callable[[], str]
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+WHITESPACE = " \t\r\n"
+
+
+def new_call_id() -> str:
+    """A fresh call id, as OpenAI's look."""
+    return "call_" + secrets.token_hex(12)
+
+
+def compact(arguments: Mapping[str, Any]) -> str:
+    """Arguments as compact JSON text (non-ASCII kept as is)."""
+    return json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A call read from the text; ``id`` when the model wrote one of its own."""
+
+    name: str
+    arguments: Mapping[str, Any]
+    id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A region read: it ends at ``end``; ``calls`` None when it was no call
+    (its text is then reply text)."""
+
+    end: int
+    calls: list[Call] | None
+    text: str | None = None  # reply text the region stands for (the generic form's answer)
+
+
+class NeedMore(Exception):
+    """The region cannot be decided before more text comes."""
+
+
+class NoMatch(Exception):
+    """The text is not a call."""
+
+
+class Scan:
+    """A cursor over ``buf`` from ``pos``. ``final``: no more text will come,
+    so a missing closer at the very end is forgiven and nothing waits."""
+
+    def __init__(self, buf: str, pos: int, final: bool) -> None:
+        self.buf, self.pos, self.final = buf, pos, final
+
+    @property
+    def at_end(self) -> bool:
+        return self.pos >= len(self.buf)
+
+    def ws(self, chars: str = WHITESPACE) -> None:
+        while self.pos < len(self.buf) and self.buf[self.pos] in chars:
+            self.pos += 1
+        if self.at_end and not self.final:
+            raise NeedMore
+
+    def maybe(self, lit: str) -> bool:
+        """Consume ``lit`` if it comes next."""
+        rest = self.buf[self.pos : self.pos + len(lit)]
+        if rest == lit:
+            self.pos += len(lit)
+            return True
+        if lit.startswith(rest) and not self.final:
+            raise NeedMore
+        return False
+
+    def expect(self, lit: str) -> None:
+        if not self.maybe(lit):
+            raise NoMatch
+
+    def closer(self, lit: str) -> None:
+        """``lit``, or nothing at the very end of a finished reply."""
+        if not self.maybe(lit) and not (self.final and self.at_end):
+            raise NoMatch
+
+    def until(self, word: str, *, forgive: bool = False) -> str:
+        """The text up to ``word`` (not consumed); with ``forgive``, the rest
+        of a finished reply when it never comes."""
+        i = self.buf.find(word, self.pos)
+        if i < 0:
+            if not self.final:
+                raise NeedMore
+            if not forgive:
+                raise NoMatch
+            i = len(self.buf)
+        text, self.pos = self.buf[self.pos : i], i
+        return text
+
+    def until_any(self, words: Sequence[str]) -> str:
+        """The text up to the first of ``words`` (not consumed)."""
+        found = [i for i in (self.buf.find(w, self.pos) for w in words) if i >= 0]
+        if not found:
+            if not self.final:
+                raise NeedMore
+            raise NoMatch
+        i = min(found)
+        text, self.pos = self.buf[self.pos : i], i
+        return text
+
+    def ident(self, extra: str = "_.-") -> str:
+        """A name: letters, digits and ``extra`` (at least one)."""
+        start = self.pos
+        while self.pos < len(self.buf) and (self.buf[self.pos].isalnum() or self.buf[self.pos] in extra):
+            self.pos += 1
+        if self.at_end and not self.final:
+            raise NeedMore
+        if self.pos == start:
+            raise NoMatch
+        return self.buf[start : self.pos]
+
+    def peek(self) -> str:
+        """The next character ('' at the end of a finished reply)."""
+        if self.at_end:
+            if not self.final:
+                raise NeedMore
+            return ""
+        return self.buf[self.pos]
+
+    def value_until(self, close: str, nexts: Sequence[str]) -> str:
+        """An XML parameter's raw text: up to the first ``close`` that is
+        followed (after whitespace) by one of ``nexts``, so a value may hold
+        the closing tag itself. ``close`` is consumed. A finished reply
+        that never closes it gives its rest."""
+        buf, search = self.buf, self.pos
+        while True:
+            i = buf.find(close, search)
+            if i < 0:
+                if not self.final:
+                    raise NeedMore
+                text, self.pos = buf[self.pos :], len(buf)
+                return text
+            j = i + len(close)
+            while j < len(buf) and buf[j] in WHITESPACE:
+                j += 1
+            rest = buf[j:]
+            if j >= len(buf):
+                if not self.final:
+                    raise NeedMore
+            elif not any(rest.startswith(n) for n in nexts):
+                if not self.final and any(n.startswith(rest) for n in nexts):
+                    raise NeedMore
+                search = i + 1
+                continue
+            text, self.pos = buf[self.pos : i], i + len(close)
+            return text
+
+    def json(self) -> Any:
+        """The JSON object or array that comes next (after whitespace)."""
+        self.ws()
+        end = json_end(self.buf, self.pos)
+        if end is None:
+            if not self.final:
+                raise NeedMore
+            raise NoMatch
+        if end < 0:
+            raise NoMatch
+        try:
+            value = json.loads(self.buf[self.pos : end])
+        except ValueError:
+            raise NoMatch from None
+        self.pos = end
+        return value
+
+
+def json_end(buf: str, i: int) -> int | None:
+    """Where the JSON object or array at ``buf[i]`` ends; None if it is not
+    finished yet; -1 if none starts there."""
+    if i >= len(buf):
+        return None
+    if buf[i] not in "{[":
+        return -1
+    depth, in_str, esc = 0, False, False
+    for j in range(i, len(buf)):
+        ch = buf[j]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+def arguments_object(value: Any) -> Mapping[str, Any]:
+    """A call's arguments: an object, or JSON text of one (some models quote it)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError:
+            raise NoMatch from None
+    if not isinstance(value, dict):
+        raise NoMatch
+    return value
+
+
+class Syntax:
+    """How one family writes calls. ``markers``: text that opens a region;
+    ``json_start``: a JSON object at the reply's start (or after a call)
+    opens one too; ``between``: what may separate calls (dropped)."""
+
+    markers: tuple[str, ...] = ()
+    json_start: bool = False
+    think: tuple[str, str] | None = (THINK_OPEN, THINK_CLOSE)
+    between: str = WHITESPACE
+
+    def __init__(self, tools: Sequence[Tool]) -> None:
+        self.tools = {t.name: t for t in tools}
+
+    def read(self, scan: Scan) -> list[Call]:
+        """Read the region at ``scan.pos`` (an opener is there); raise
+        NeedMore or NoMatch."""
+        raise NotImplementedError
+
+    def region(self, buf: str, start: int, final: bool) -> Region | None:
+        scan = Scan(buf, start, final)
+        try:
+            calls = self.read(scan)
+        except NeedMore:
+            if final:  # a read must not wait on a finished reply
+                return Region(len(buf), None)
+            return None
+        except NoMatch:
+            opener = next((m for m in self.markers if buf.startswith(m, start)), buf[start])
+            return Region(start + len(opener), None)
+        return Region(scan.pos, calls)
+
+
+class Parser:
+    """A reply's text in, its pieces out: :meth:`feed` as it is generated,
+    :meth:`close` at its end."""
+
+    def feed(self, text: str) -> list[Piece]:
+        raise NotImplementedError
+
+    def close(self) -> list[Piece]:
+        raise NotImplementedError
+
+
+def holdback(buf: str, markers: Sequence[str]) -> int:
+    """How many of ``buf``'s last characters may begin a marker."""
+    longest = max((len(m) for m in markers), default=1)
+    for k in range(min(len(buf), longest - 1), 0, -1):
+        tail = buf[-k:]
+        if any(m.startswith(tail) for m in markers):
+            return k
+    return 0
+
+
+class MarkupParser(Parser):
+    """Calls as regions in the text, read by a :class:`Syntax`."""
+
+    def __init__(self, syntax: Syntax, ids: IdFactory, thinking: bool = False) -> None:
+        self.syntax, self.ids = syntax, ids
+        self.buf = ""
+        self.think_open, self.think_close = syntax.think or ("", "")
+        self.thinking = thinking and syntax.think is not None
+        self.after_call = False
+        self.at_start = True
+        self.index = 0
+        self.markers = syntax.markers + ((self.think_open,) if syntax.think else ())
+
+    def feed(self, text: str) -> list[Piece]:
+        self.buf += text
+        return self._run(final=False)
+
+    def close(self) -> list[Piece]:
+        return self._run(final=True)
+
+    def _text(self, out: list[Piece], text: str) -> None:
+        if text:
+            if text.strip(WHITESPACE):
+                self.at_start = False
+            out.append(Text(text))
+
+    def _calls(self, out: list[Piece], calls: list[Call]) -> None:
+        for call in calls:
+            out.append(CallStart(self.index, call.id or self.ids(), call.name))
+            out.append(CallArguments(self.index, compact(call.arguments)))
+            self.index += 1
+
+    def _run(self, final: bool) -> list[Piece]:
+        out: list[Piece] = []
+        while self.buf:
+            if self.thinking:
+                i = self.buf.find(self.think_close)
+                if i >= 0:
+                    cut, self.thinking = i + len(self.think_close), False
+                else:
+                    cut = len(self.buf) - (0 if final else holdback(self.buf, (self.think_close,)))
+                self._text(out, self.buf[:cut])
+                self.buf = self.buf[cut:]
+                if self.thinking:
+                    break
+                continue
+            if self.after_call:
+                rest = self.buf.lstrip(self.syntax.between)
+                if not rest:
+                    self.buf = ""
+                    break
+                self.buf, self.after_call = rest, False
+            start, opener = self._find()
+            if start < 0:
+                cut = len(self.buf) - (0 if final else holdback(self.buf, self.markers))
+                if self.syntax.json_start and self.at_start and not final and not self.buf.strip(WHITESPACE):
+                    cut = 0  # whitespace only: a call may still open the reply
+                self._text(out, self.buf[:cut])
+                self.buf = self.buf[cut:]
+                break
+            self._text(out, self.buf[:start])
+            self.buf = self.buf[start:]
+            if opener == self.think_open:
+                self._text(out, opener)
+                self.buf, self.thinking = self.buf[len(opener) :], True
+                continue
+            region = self.syntax.region(self.buf, 0, final)
+            if region is None:
+                break
+            if region.calls is None:
+                self._text(out, self.buf[: region.end] if region.text is None else region.text)
+            else:
+                if region.text:
+                    out.append(Text(region.text))
+                self._calls(out, region.calls)
+                self.after_call = True
+                self.at_start = True
+            self.buf = self.buf[region.end :]
+        return out
+
+    def _find(self) -> tuple[int, str]:
+        best, opener = -1, ""
+        for m in self.markers:
+            i = self.buf.find(m)
+            if i >= 0 and (best < 0 or i < best):
+                best, opener = i, m
+        if self.syntax.json_start and self.at_start:
+            j = len(self.buf) - len(self.buf.lstrip(WHITESPACE))
+            if j < len(self.buf) and self.buf[j] == "{" and (best < 0 or j < best):
+                best, opener = j, "{"
+        return best, opener
+
+
+ParserFactory = Callable[[Sequence[Tool], IdFactory, bool], Parser]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A chat-template family's way with tools.
+
+    ``native``: the template itself renders ``tools`` (pass them to it);
+    otherwise describe them with :meth:`system_prompt`. ``prefix``: text to
+    put after the rendered prompt before generating (none of ours needs any).
+    """
+
+    name: str
+    native: bool
+    make_parser: ParserFactory
+    make_grammar: GrammarFn
+    new_id: IdFactory = new_call_id
+    prefix: str = ""
+    prompt: Callable[[Sequence[Tool], str], str] | None = field(default=None, repr=False)
+    any_grammar: Callable[[Sequence[Tool], bool], str] | None = field(default=None, repr=False)
+
+    def parser(self, tools: Sequence[Tool], ids: IdFactory | None = None, thinking: bool = False) -> Parser:
+        """A streaming parser of one reply. ``ids`` makes call ids (default
+        :attr:`new_id`); ``thinking``: the prompt ends inside an open
+        ``<think>`` block, so the reply starts with reasoning."""
+        return self.make_parser(tools, ids or self.new_id, thinking)
+
+    def call_grammar(
+        self,
+        tools: Sequence[Tool],
+        name: str | None = None,
+        parallel: bool = False,
+        thinking: bool = False,
+    ) -> str:
+        """GBNF (root ``root``) whose every sentence is one call (one or more
+        with ``parallel``) of ``name`` (any of ``tools`` when None), its
+        arguments valid against the function's schema. Reasoning may come
+        first where the family reasons (``thinking`` as for :meth:`parser`)."""
+        return self.make_grammar(tools, name, parallel, thinking)
+
+    def auto_grammar(self, tools: Sequence[Tool], parallel: bool = False) -> str:
+        """GBNF for ``tool_choice`` auto: a call or a plain answer (only the
+        generic form has one: a native family samples freely)."""
+        return self.any_grammar(tools, parallel) if self.any_grammar else ""
+
+    def system_prompt(self, tools: Sequence[Tool], tool_choice: str = "auto") -> str:
+        """The tools described in a system message (only for a family that is
+        not ``native``; empty for the others)."""
+        return self.prompt(tools, tool_choice) if self.prompt else ""
+
+
+def markup_family(
+    name: str,
+    syntax: Callable[[Sequence[Tool]], Syntax],
+    grammar: GrammarFn,
+    new_id: IdFactory = new_call_id,
+) -> Family:
+    """A native family whose calls are regions read by ``syntax``."""
+
+    def make_parser(tools: Sequence[Tool], ids: IdFactory, thinking: bool) -> Parser:
+        return MarkupParser(syntax(tools), ids, thinking)
+
+    return Family(name, True, make_parser, grammar, new_id)
