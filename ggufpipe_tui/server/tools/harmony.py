@@ -33,7 +33,7 @@ class HarmonyParser(Parser):
     def __init__(self, ids: IdFactory) -> None:
         self.ids = ids
         self.buf = ""
-        self.kind = "text"  # text: outside a message; or in one: show, drop, call
+        self.kind = "text"  # outside a message; header: reading one; in one: show, drop, call
         self.name = ""
         self.index = 0
         self.fresh = True  # the reply's start: " to=..." ends the prompt's role header
@@ -52,10 +52,13 @@ class HarmonyParser(Parser):
             if ROLE_TO.startswith(head) and len(head) < len(ROLE_TO) and not final:
                 return out
             self.fresh = False
-            if head == ROLE_TO and not self._header(final):
-                return out
+            if head == ROLE_TO:
+                self.kind = "header"
         while self.buf:
-            if self.kind in ("text", "show", "drop"):
+            if self.kind == "header":
+                if not self._header(final):
+                    break
+            elif self.kind in ("text", "show", "drop"):
                 stops = HEADERS if self.kind == "text" else TERMINATORS
                 found = [i for i in (self.buf.find(s) for s in stops) if i >= 0]
                 i = min(found) if found else -1
@@ -65,11 +68,10 @@ class HarmonyParser(Parser):
                 self.buf = self.buf[cut:]
                 if i < 0:
                     break
-                if self.kind != "text":
+                if self.kind == "text":
+                    self.kind = "header"
+                else:
                     self._terminate()
-                    continue
-                if not self._header(final):
-                    break
             else:  # call
                 found = [i for i in (self.buf.find(s) for s in TERMINATORS) if i >= 0]
                 if not found and not final:
