@@ -5,18 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ggufpipe_tui.server.tools import (
-    deepseek,
-    generic,
-    glm,
-    harmony,
-    hermes,
-    kimi,
-    llama3,
-    minimax,
-    mistral,
-    qwen3_coder,
-)
+import ggufpipe_tui.server.tools.deepseek as deepseek
+import ggufpipe_tui.server.tools.generic as generic
+import ggufpipe_tui.server.tools.glm as glm
+import ggufpipe_tui.server.tools.harmony as harmony
+import ggufpipe_tui.server.tools.hermes as hermes
+import ggufpipe_tui.server.tools.kimi as kimi
+import ggufpipe_tui.server.tools.llama3 as llama3
+import ggufpipe_tui.server.tools.minimax as minimax
+import ggufpipe_tui.server.tools.mistral as mistral
+import ggufpipe_tui.server.tools.qwen3_coder as qwen3_coder
 from ggufpipe_tui.server.tools.base import Family
 
 
