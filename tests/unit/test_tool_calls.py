@@ -348,6 +348,19 @@ CASES: list[tuple[str, str, str, list[Piece]]] = [
     ),
     ("generic-answer", "plain", '{"response": "Hi \\"there\\" {"}', expect(("text", 'Hi "there" {'))),
     ("generic-text", "plain", "just text", expect(("text", "just text"))),
+    (
+        "generic-escapes",
+        "plain",
+        '  { "response" : "caf\\u00e9 \\ud83d\\ude00\\n\\\\ \\/"}',
+        expect(("text", "café 😀\n\\ /")),
+    ),
+    ("generic-response-later", "plain", '{"note": "x", "response": "hi"}', expect(("text", "hi"))),
+    (
+        "qwen3-bare-function",
+        "qwen3-coder",
+        "Try <function=x> then <function=get_time>\n</function>",
+        expect(("text", "Try <function=x> then "), ("call", "get_time", "{}")),
+    ),
 ]
 
 
@@ -389,6 +402,13 @@ def test_variants_follow_the_template() -> None:
     assert "```json" not in family("deepseek-v31").call_grammar([WEATHER])
     assert "[CALL_ID]" in family("mistral-call-id").call_grammar([WEATHER])
     assert '\\"id\\": ' in family("mistral-list").call_grammar([WEATHER])
+
+
+def test_a_prompt_that_opens_reasoning_is_told() -> None:
+    assert family("deepseek-r1").opens_reasoning("...<｜Assistant｜><think>\n")
+    assert not family("deepseek-r1").opens_reasoning("...<｜Assistant｜>")
+    assert family("mistral-args").opens_reasoning("[INST]hi[/INST][THINK]")
+    assert not family("harmony").opens_reasoning("<think>")
 
 
 def test_mistral_ids_are_nine_letters_and_digits() -> None:

@@ -400,6 +400,13 @@ class Family:
     prefix: str = ""
     prompt: Callable[[Sequence[Tool], str], str] | None = field(default=None, repr=False)
     any_grammar: Callable[[Sequence[Tool], bool], str] | None = field(default=None, repr=False)
+    think_open: str = ""  # the tag that opens reasoning, where the family reasons in tags
+
+    def opens_reasoning(self, prompt: str) -> bool:
+        """Whether the rendered ``prompt`` ends inside an open reasoning block
+        (DeepSeek-R1's and some Qwen3 templates start the reply so): pass it
+        as ``thinking`` to :meth:`parser` and :meth:`call_grammar`."""
+        return bool(self.think_open) and prompt.rstrip().endswith(self.think_open)
 
     def parser(self, tools: Sequence[Tool], ids: IdFactory | None = None, thinking: bool = False) -> Parser:
         """A streaming parser of one reply. ``ids`` makes call ids (default
@@ -442,4 +449,5 @@ def markup_family(
     def make_parser(tools: Sequence[Tool], ids: IdFactory, thinking: bool) -> Parser:
         return MarkupParser(syntax(tools), ids, thinking)
 
-    return Family(name, True, make_parser, grammar, new_id)
+    think = getattr(syntax, "think", None)
+    return Family(name, True, make_parser, grammar, new_id, think_open=think[0] if think else "")

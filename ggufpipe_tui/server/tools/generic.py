@@ -1,17 +1,19 @@
 """The generic form, for a template that knows no tools: the tools are
 described in a system message and the model answers with one JSON object,
 ``{"tool_calls": [{"name": ..., "arguments": {...}}]}`` to call tools or
-``{"response": "..."}`` to answer (as llama.cpp's generic format). The
-parser takes the object whole once it closes (so an answer comes at the
-end, not streamed); a reply that is not such an object is Text."""
+``{"response": "..."}`` to answer (as llama.cpp's generic format). An
+answer that opens the reply (``{"response": "``) streams out as Text as its
+string is generated; calls come once the object closes; a reply that is not
+such an object is Text."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 
-from ggufpipe_tui.server.request import Tool
+from ggufpipe_tui.server.request import Piece, Text, Tool
 from ggufpipe_tui.server.tools.base import (
+    WHITESPACE,
     Call,
     Family,
     IdFactory,
@@ -107,8 +109,118 @@ def auto_grammar(tools: Sequence[Tool], parallel: bool) -> str:
     return g.render(f"{_calls(g, tools, None, parallel)} | {answer}")
 
 
+_HEAD = ("{", '"response"', ":", '"')
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f"}
+
+
+def answer_start(buf: str) -> int | None:
+    """Where the answer's string begins in ``{"response": "...``; None if
+    ``buf`` may still become that; -1 if it cannot."""
+    i = 0
+    for part in _HEAD:
+        while i < len(buf) and buf[i] in WHITESPACE:
+            i += 1
+        rest = buf[i : i + len(part)]
+        if rest == part:
+            i += len(part)
+        elif part.startswith(rest):
+            return None
+        else:
+            return -1
+    return i
+
+
+def decode(buf: str, final: bool) -> tuple[str, int, bool]:
+    """A JSON string's text from ``buf`` (after its opening quote): the text,
+    how much of ``buf`` it used (an escape cut short waits), and whether the
+    closing quote came."""
+    out: list[str] = []
+    i = 0
+    while i < len(buf):
+        c = buf[i]
+        if c == '"':
+            return "".join(out), i + 1, True
+        if c != "\\":
+            out.append(c)
+            i += 1
+            continue
+        if i + 1 >= len(buf):
+            break
+        e = buf[i + 1]
+        if e != "u":
+            out.append(_ESCAPES.get(e, e))
+            i += 2
+            continue
+        if i + 6 > len(buf):
+            break
+        try:
+            code = int(buf[i + 2 : i + 6], 16)
+        except ValueError:
+            out.append(buf[i : i + 6])
+            i += 6
+            continue
+        if 0xD800 <= code < 0xDC00:  # a high surrogate: its low half follows
+            if i + 12 > len(buf) and not final:
+                break
+            low = buf[i + 6 : i + 12]
+            if low.startswith("\\u"):
+                try:
+                    code2 = int(low[2:], 16)
+                except ValueError:
+                    code2 = 0
+                if 0xDC00 <= code2 < 0xE000:
+                    out.append(chr(0x10000 + ((code - 0xD800) << 10) + (code2 - 0xDC00)))
+                    i += 12
+                    continue
+        out.append(chr(code) if not 0xD800 <= code < 0xE000 else "\ufffd")
+        i += 6
+    return "".join(out), i, False
+
+
+class GenericParser(Parser):
+    """An answer streamed from its string; anything else read whole."""
+
+    def __init__(self, tools: Sequence[Tool], ids: IdFactory) -> None:
+        self.inner = MarkupParser(GenericSyntax(tools), ids)
+        self.buf = ""
+        self.state = "start"  # then: answer (in its string), after (past it), whole (inner)
+
+    def feed(self, text: str) -> list[Piece]:
+        if self.state == "whole":
+            return self.inner.feed(text)
+        self.buf += text
+        return self._run(final=False)
+
+    def close(self) -> list[Piece]:
+        if self.state == "whole":
+            return self.inner.close()
+        return self._run(final=True)
+
+    def _run(self, final: bool) -> list[Piece]:
+        out: list[Piece] = []
+        if self.state == "start":
+            start = answer_start(self.buf)
+            if start is None and not final:
+                return out
+            if start is None or start < 0:
+                self.state = "whole"
+                pieces = self.inner.feed(self.buf)
+                return pieces + self.inner.close() if final else pieces
+            self.state, self.buf = "answer", self.buf[start:]
+        if self.state == "answer":
+            text, used, closed = decode(self.buf, final)
+            if text:
+                out.append(Text(text))
+            self.buf = self.buf[used:]
+            if closed:
+                self.state = "after"
+        if self.state == "after":
+            self.buf = ""  # the object's close
+        return out
+
+
 def _parser(tools: Sequence[Tool], ids: IdFactory, thinking: bool) -> Parser:
-    return MarkupParser(GenericSyntax(tools), ids)
+    return GenericParser(tools, ids)
 
 
 FAMILY = Family("generic", False, _parser, grammar, prompt=system_prompt, any_grammar=auto_grammar)

@@ -33,10 +33,15 @@ def strip_newline(text: str) -> str:
 
 
 class Qwen3CoderSyntax(Syntax):
-    markers = (OPEN,)
+    """Qwen3-Coder at times leaves out ``<tool_call>``: ``<function=NAME>`` of
+    a tool offered opens a call too (as llama.cpp takes it)."""
+
+    def __init__(self, tools: Sequence[Tool]) -> None:
+        super().__init__(tools)
+        self.markers = (OPEN, *(f"{FUNCTION}{t.name}>" for t in tools))
 
     def read(self, scan: Scan) -> list[Call]:
-        scan.expect(OPEN)
+        wrapped = scan.maybe(OPEN)
         scan.ws()
         scan.expect(FUNCTION)
         name = scan.until(">").strip()
@@ -52,8 +57,9 @@ class Qwen3CoderSyntax(Syntax):
             raw = scan.value_until(PARAM_END, (PARAM, FUNCTION_END, CLOSE))
             args[key] = xml_value(strip_newline(raw), property_schema(tool, key))
         scan.closer(FUNCTION_END)
-        scan.ws()
-        scan.closer(CLOSE)
+        if wrapped:
+            scan.ws()
+            scan.closer(CLOSE)
         return [Call(name, args)]
 
 
