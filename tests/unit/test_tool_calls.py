@@ -242,6 +242,17 @@ CASES: list[tuple[str, str, str, list[Piece]]] = [
         K_CALL.format("get_time", 0, "{}"),
         expect(("call", "get_time", "{}", "functions.get_time:0")),
     ),
+    (
+        "kimi-spaced",
+        "kimi",
+        "Checking.\n\n<|tool_calls_section_begin|>\n<|tool_call_begin|>\nfunctions.get_weather:0 <|tool_call_argument_begin|>\n"
+        '{"city": "Paris"}\n<|tool_call_end|>\n<|tool_calls_section_end|>\n\nDone soon.',
+        expect(
+            ("text", "Checking.\n\n"),
+            ("call", "get_weather", PARIS, "functions.get_weather:0"),
+            ("text", "Done soon."),
+        ),
+    ),
     # deepseek
     (
         "deepseek-v31",
