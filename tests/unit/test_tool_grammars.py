@@ -179,6 +179,34 @@ def test_harmony_may_reason_on_the_analysis_channel_first() -> None:
     assert grammar("harmony").accepts("<|channel|>analysis<|message|>time?<|end|><|start|>assistant" + call)
 
 
+def test_a_schema_with_references_gives_the_same_grammar_every_time() -> None:
+    tool = Tool(
+        "move",
+        parameters={
+            "type": "object",
+            "$defs": {
+                "point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+            },
+            "properties": {"to": {"$ref": "#/$defs/point"}},
+            "required": ["to"],
+        },
+    )
+    hermes = family_for(TEMPLATES["hermes"][0])
+    first = hermes.call_grammar([tool])
+    assert hermes.call_grammar([tool]) == first and compiles(first)
+    assert Grammar.parse(first).accepts(write("hermes", ("move", {"to": {"x": 1}})))
+    assert not Grammar.parse(first).accepts(write("hermes", ("move", {"to": {"y": 1}})))
+    assert schema_problem(tool.parameters) is None
+
+
+def test_a_grammar_needs_a_tool_to_call() -> None:
+    hermes = family_for(TEMPLATES["hermes"][0])
+    with pytest.raises(ValueError, match="no tool named 'nope'"):
+        hermes.call_grammar(TOOLS, "nope")
+    with pytest.raises(ValueError, match="no tools"):
+        hermes.call_grammar([])
+
+
 # --------------------------------------------------------------- schemas
 
 

@@ -8,6 +8,7 @@ renders them with ``root`` last.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -77,7 +78,8 @@ class Gbnf:
     def json(self, schema: Mapping[str, Any], name: str) -> str:
         """A rule for a JSON value valid against ``schema`` (it allows trailing space)."""
         self._schemas += 1
-        schema = self.converter.resolve_refs(dict(schema), f"schema{self._schemas}")
+        # a copy: resolving rewrites the "$ref"s it meets, in place
+        schema = self.converter.resolve_refs(copy.deepcopy(dict(schema)), f"schema{self._schemas}")
         return str(self.converter.visit(schema, f"x{self._schemas}-{_NAME.sub('-', name)}"))
 
     def arguments(self, tool: Tool, index: int) -> str:
@@ -128,7 +130,7 @@ def choose(tools: Sequence[Tool], name: str | None) -> list[tuple[int, Tool]]:
     """The tools a call may be of: the one named, or all."""
     chosen = [(i, t) for i, t in enumerate(tools) if name is None or t.name == name]
     if not chosen:
-        raise ValueError(f"no tool named {name!r}")
+        raise ValueError(f"no tool named {name!r}" if name is not None else "no tools to call")
     return chosen
 
 
