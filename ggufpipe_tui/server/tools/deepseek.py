@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ggufpipe_tui.server.request import Tool
-from ggufpipe_tui.server.tools.base import Call, Family, Scan, Syntax, arguments_object, markup_family
+from ggufpipe_tui.server.tools.base import Family, Syntax, markup_family
 from ggufpipe_tui.server.tools.grammar import Gbnf, GrammarFn, alternatives, choose, literal, think_prefix
+from ggufpipe_tui.server.tools.scan import Call, Scan, arguments_object
 
 CALLS, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"

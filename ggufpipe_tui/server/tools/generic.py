@@ -12,20 +12,9 @@ import json
 from collections.abc import Sequence
 
 from ggufpipe_tui.server.request import Piece, Text, Tool
-from ggufpipe_tui.server.tools.base import (
-    WHITESPACE,
-    Call,
-    Family,
-    IdFactory,
-    MarkupParser,
-    NoMatch,
-    Parser,
-    Region,
-    Scan,
-    Syntax,
-    arguments_object,
-)
+from ggufpipe_tui.server.tools.base import Family, IdFactory, MarkupParser, Parser, Region, Syntax
 from ggufpipe_tui.server.tools.grammar import Gbnf, alternatives, choose, literal, tool_schema
+from ggufpipe_tui.server.tools.scan import WHITESPACE, Call, NoMatch, Scan, arguments_object
 
 
 class GenericSyntax(Syntax):

@@ -7,8 +7,9 @@ import json
 from collections.abc import Sequence
 
 from ggufpipe_tui.server.request import Tool
-from ggufpipe_tui.server.tools.base import Call, NoMatch, Scan, Syntax, arguments_object, markup_family
+from ggufpipe_tui.server.tools.base import Syntax, markup_family
 from ggufpipe_tui.server.tools.grammar import Gbnf, alternatives, choose, literal, repeat, think_prefix
+from ggufpipe_tui.server.tools.scan import Call, NoMatch, Scan, arguments_object
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

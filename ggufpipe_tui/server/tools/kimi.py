@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ggufpipe_tui.server.request import Tool
-from ggufpipe_tui.server.tools.base import Call, Scan, Syntax, arguments_object, markup_family
+from ggufpipe_tui.server.tools.base import Syntax, markup_family
 from ggufpipe_tui.server.tools.grammar import Gbnf, alternatives, choose, literal, think_prefix
+from ggufpipe_tui.server.tools.scan import Call, Scan, arguments_object
 
 SECTION, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL, ARGS, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"

@@ -11,16 +11,9 @@ import json
 from collections.abc import Sequence
 
 from ggufpipe_tui.server.request import Tool
-from ggufpipe_tui.server.tools.base import (
-    WHITESPACE,
-    Call,
-    NoMatch,
-    Scan,
-    Syntax,
-    arguments_object,
-    markup_family,
-)
+from ggufpipe_tui.server.tools.base import Syntax, markup_family
 from ggufpipe_tui.server.tools.grammar import Gbnf, alternatives, choose, literal, repeat
+from ggufpipe_tui.server.tools.scan import WHITESPACE, Call, NoMatch, Scan, arguments_object
 
 PYTHON_TAG, EOM = "<|python_tag|>", "<|eom_id|>"
 

@@ -13,16 +13,9 @@ import string
 from collections.abc import Sequence
 
 from ggufpipe_tui.server.request import Tool
-from ggufpipe_tui.server.tools.base import (
-    Call,
-    Family,
-    NoMatch,
-    Scan,
-    Syntax,
-    arguments_object,
-    markup_family,
-)
+from ggufpipe_tui.server.tools.base import Family, Syntax, markup_family
 from ggufpipe_tui.server.tools.grammar import Gbnf, GrammarFn, alternatives, choose, literal, think_prefix
+from ggufpipe_tui.server.tools.scan import Call, NoMatch, Scan, arguments_object
 
 MARK, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 THINK = ("[THINK]", "[/THINK]")

@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ggufpipe_tui.server.request import Tool
-from ggufpipe_tui.server.tools.base import Call, Scan, Syntax, markup_family
+from ggufpipe_tui.server.tools.base import Syntax, markup_family
 from ggufpipe_tui.server.tools.grammar import Gbnf, alternatives, choose, literal, repeat, think_prefix
+from ggufpipe_tui.server.tools.scan import Call, Scan
 from ggufpipe_tui.server.tools.schema import property_schema, xml_value
 from ggufpipe_tui.server.tools.xmlargs import params_rule
 
