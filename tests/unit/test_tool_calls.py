@@ -425,3 +425,15 @@ def test_mistral_ids_are_nine_letters_and_digits() -> None:
     call_id = family("mistral-args").new_id()
     assert len(call_id) == 9 and call_id.isalnum()
     assert family("hermes").new_id().startswith("call_")
+
+
+def test_the_generic_system_prompt_describes_the_tools_and_the_answer() -> None:
+    generic = family("plain")
+    auto = generic.system_prompt(TOOLS, "auto")
+    assert all(t.name in auto and t.description in auto for t in TOOLS)
+    assert '"response"' in auto and '"tool_calls"' in auto and '"city"' in auto
+    required = generic.system_prompt(TOOLS, "required", parallel=False)
+    assert "You must call one tool" in required and '"response"' not in required
+    assert "You must call the tool get_time" in generic.system_prompt(TOOLS, "function", "get_time")
+    assert generic.system_prompt(TOOLS, "none") == ""
+    assert family("hermes").system_prompt(TOOLS) == ""

@@ -214,7 +214,7 @@ class Family:
     make_grammar: GrammarFn
     new_id: IdFactory = new_call_id
     prefix: str = ""
-    prompt: Callable[[Sequence[Tool], str], str] | None = field(default=None, repr=False)
+    prompt: Callable[[Sequence[Tool], str, str, bool], str] | None = field(default=None, repr=False)
     any_grammar: Callable[[Sequence[Tool], bool], str] | None = field(default=None, repr=False)
     think_open: str = ""  # the tag that opens reasoning, where the family reasons in tags
 
@@ -248,10 +248,13 @@ class Family:
         generic form has one: a native family samples freely)."""
         return self.any_grammar(tools, parallel) if self.any_grammar else ""
 
-    def system_prompt(self, tools: Sequence[Tool], tool_choice: str = "auto") -> str:
-        """The tools described in a system message (only for a family that is
-        not ``native``; empty for the others)."""
-        return self.prompt(tools, tool_choice) if self.prompt else ""
+    def system_prompt(
+        self, tools: Sequence[Tool], tool_choice: str = "auto", name: str = "", parallel: bool = True
+    ) -> str:
+        """The tools described in a system message, for a family that is not
+        ``native`` (empty for the others). ``tool_choice``: auto, required,
+        none, or function with ``name`` the function to call."""
+        return self.prompt(tools, tool_choice, name, parallel) if self.prompt else ""
 
 
 def markup_family(

@@ -51,8 +51,14 @@ class GenericSyntax(Syntax):
         return calls
 
 
-def system_prompt(tools: Sequence[Tool], tool_choice: str = "auto") -> str:
-    """The tools and how to answer, for a system message."""
+def system_prompt(
+    tools: Sequence[Tool], tool_choice: str = "auto", name: str = "", parallel: bool = True
+) -> str:
+    """The tools and how to answer, for a system message. ``tool_choice``:
+    auto, required, or function (then ``name`` is the one to call); none:
+    no tools, so nothing to say."""
+    if tool_choice == "none" or not tools:
+        return ""
     listed = [{"name": t.name, "description": t.description, "parameters": tool_schema(t)} for t in tools]
     call = '{"tool_calls": [{"name": "<tool name>", "arguments": {<its arguments>}}]}'
     lines = [
@@ -60,14 +66,15 @@ def system_prompt(tools: Sequence[Tool], tool_choice: str = "auto") -> str:
         json.dumps(listed, ensure_ascii=False, indent=2),
         "",
     ]
+    some = "one or more tools" if parallel else "one tool"
     if tool_choice == "auto":
         lines.append(
             "Reply with one JSON object and nothing else: either "
-            f"{call} to call one or more tools, or "
+            f"{call} to call {some}, or "
             '{"response": "<your answer>"} to answer the user directly.'
         )
     else:
-        which = "one or more of the tools" if tool_choice == "required" else f"the tool {tool_choice}"
+        which = f"the tool {name}" if tool_choice == "function" else some
         lines.append(f"You must call {which}. Reply with one JSON object and nothing else: {call}")
     return "\n".join(lines)
 
