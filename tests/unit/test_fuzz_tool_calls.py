@@ -58,7 +58,7 @@ def call(key: str) -> st.SearchStrategy[tuple[str, dict[str, Any]]]:
 
 
 @st.composite
-def replies(draw: st.DrawFn) -> tuple[str, str, str, list[tuple[str, dict[str, Any]]], list[int]]:
+def replies(draw: st.DrawFn) -> tuple[str, str, str, list[tuple[str, dict[str, Any]]], list[int], bool]:
     key = draw(st.sampled_from(sorted(k for k in TEMPLATES if k != "mistral-call-id")))
     many = key not in ("harmony", "plain", "mistral-call-id")
     calls = draw(st.lists(call(key), min_size=1, max_size=3 if many else 1))
@@ -68,16 +68,16 @@ def replies(draw: st.DrawFn) -> tuple[str, str, str, list[tuple[str, dict[str, A
     if prose.strip() == "":
         prose = ""
     cuts = draw(st.lists(st.integers(1, 9), min_size=1, max_size=6))
-    return key, prose, prose + write(key, *calls), calls, cuts
+    return key, prose, prose + write(key, *calls), calls, cuts, draw(st.booleans())
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(replies())
 def test_generated_calls_come_back_whatever_the_cuts(
-    reply: tuple[str, str, str, list[tuple[str, dict[str, Any]]], list[int]],
+    reply: tuple[str, str, str, list[tuple[str, dict[str, Any]]], list[int], bool],
 ) -> None:
-    key, prose, text, calls, cuts = reply
-    parser = family_for(TEMPLATES[key][0]).parser(TOOLS, ids=counter())
+    key, prose, text, calls, cuts, stream = reply
+    parser = family_for(TEMPLATES[key][0]).parser(TOOLS, ids=counter(), stream=stream)
     pieces: list[Piece] = []
     i = n = 0
     while i < len(text):

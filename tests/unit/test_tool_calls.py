@@ -5,6 +5,7 @@ rendered and read back (ggufpipe_tui/server/tools)."""
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -59,8 +60,8 @@ def merged(pieces: Sequence[Piece]) -> list[Piece]:
     return out
 
 
-def parse(family: Family, text: str, size: int, thinking: bool = False) -> list[Piece]:
-    parser = family.parser(TOOLS, ids=counter(), thinking=thinking)
+def parse(family: Family, text: str, size: int, thinking: bool = False, stream: bool = False) -> list[Piece]:
+    parser = family.parser(TOOLS, ids=counter(), thinking=thinking, stream=stream)
     pieces: list[Piece] = []
     for i in range(0, len(text), size):
         pieces += parser.feed(text[i : i + size])
@@ -376,10 +377,11 @@ CASES: list[tuple[str, str, str, list[Piece]]] = [
 
 @pytest.mark.parametrize(("key", "text", "want"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_parser_gives_the_same_pieces_however_the_text_is_cut(
-    key: str, text: str, want: list[Piece], size: int
+    key: str, text: str, want: list[Piece], size: int, stream: bool
 ) -> None:
-    assert parse(family(key), text, size) == want
+    assert parse(family(key), text, size, stream=stream) == want
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -437,3 +439,39 @@ def test_the_generic_system_prompt_describes_the_tools_and_the_answer() -> None:
     assert "You must call the tool get_time" in generic.system_prompt(TOOLS, "function", "get_time")
     assert generic.system_prompt(TOOLS, "none") == ""
     assert family("hermes").system_prompt(TOOLS) == ""
+
+
+LONG = '{"path": "notes.txt", "data": {"text": "' + "many words " * 20 + '"}}'
+STREAMED = {
+    "hermes": '<tool_call>\n{"name": "write", "arguments": ' + LONG + "}\n</tool_call>",
+    "llama3": '{"name": "write", "parameters": ' + LONG + "}",
+    "kimi": K_SEC.format(K_CALL.format("write", 0, LONG)),
+    "deepseek-r1": D_SEC.format(R1_CALL.format("write", LONG)),
+    "deepseek-v31": D_SEC.format(D_CALL.format("write", LONG)),
+    "mistral-args": "[TOOL_CALLS]write[ARGS]" + LONG,
+    "harmony": HARMONY_CALL.format("write", LONG),
+}
+
+
+@pytest.mark.parametrize("key", sorted(STREAMED))
+def test_streamed_arguments_come_as_they_are_generated(key: str) -> None:
+    text = STREAMED[key]
+    parser = family(key).parser(TOOLS, ids=counter(), stream=True)
+    seen: list[list[Piece]] = [parser.feed(text[i : i + 4]) for i in range(0, len(text), 4)]
+    seen.append(parser.close())
+    started = next(i for i, ps in enumerate(seen) if any(isinstance(p, CallStart) for p in ps))
+    done = max(i for i, ps in enumerate(seen) if any(isinstance(p, CallArguments) for p in ps))
+    assert done - started > 20, "the arguments came in many pieces"
+    args = "".join(p.arguments for ps in seen for p in ps if isinstance(p, CallArguments))
+    assert args == json.dumps(json.loads(LONG), separators=(",", ":"))
+    own = ("functions.write:0",) if key == "kimi" else ()
+    assert merged([p for ps in seen for p in ps]) == expect(("call", "write", args, *own))
+
+
+def test_a_streamed_call_cut_off_stays_as_far_as_it_came() -> None:
+    cut = '<tool_call>\n{"name": "write", "arguments": {"path": "a b'
+    assert parse(family("hermes"), cut, 3, stream=True) == [
+        CallStart(0, "id0", "write"),
+        CallArguments(0, '{"path":"a b'),
+    ]
+    assert parse(family("hermes"), cut, 3) == [Text(cut)]

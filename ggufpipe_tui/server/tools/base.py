@@ -24,7 +24,7 @@ from typing import Any
 
 from ggufpipe_tui.server.request import CallArguments, CallStart, Piece, Text, Tool
 from ggufpipe_tui.server.tools.grammar import GrammarFn
-from ggufpipe_tui.server.tools.scan import WHITESPACE, Call, NeedMore, NoMatch, Scan
+from ggufpipe_tui.server.tools.scan import WHITESPACE, Call, JsonStream, NeedMore, NoMatch, Scan
 
 IdFactory = Callable[[], str]
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -68,6 +68,16 @@ class Syntax:
         NeedMore or NoMatch."""
         raise NotImplementedError
 
+    def opening(self, scan: Scan) -> tuple[str, str]:
+        """For streamed arguments: read a call's start up to its JSON
+        arguments object (left at its ``{``): the name, and the model's own
+        id or "". NoMatch where the call cannot stream (it is then read whole)."""
+        raise NoMatch
+
+    def closing(self, scan: Scan) -> None:
+        """For streamed arguments: read what follows the arguments object to
+        the call's end."""
+
     def region(self, buf: str, start: int, final: bool) -> Region | None:
         scan = Scan(buf, start, final)
         try:
@@ -106,8 +116,10 @@ def holdback(buf: str, markers: Sequence[str]) -> int:
 class MarkupParser(Parser):
     """Calls as regions in the text, read by a :class:`Syntax`."""
 
-    def __init__(self, syntax: Syntax, ids: IdFactory, thinking: bool = False) -> None:
-        self.syntax, self.ids = syntax, ids
+    def __init__(self, syntax: Syntax, ids: IdFactory, thinking: bool = False, stream: bool = False) -> None:
+        self.syntax, self.ids, self.stream = syntax, ids, stream
+        self.args: JsonStream | None = None  # the streamed call's arguments, while they come
+        self.closing = False  # past its arguments, reading to its end
         self.buf = ""
         self.think_open, self.think_close = syntax.think or ("", "")
         self.thinking = thinking and syntax.think is not None
@@ -121,7 +133,9 @@ class MarkupParser(Parser):
         return self._run(final=False)
 
     def close(self) -> list[Piece]:
-        return self._run(final=True)
+        out = self._run(final=True)
+        self._end(out)
+        return out
 
     def _text(self, out: list[Piece], text: str) -> None:
         if text:
@@ -138,6 +152,10 @@ class MarkupParser(Parser):
     def _run(self, final: bool) -> list[Piece]:
         out: list[Piece] = []
         while self.buf:
+            if self.args is not None or self.closing:
+                if not self._streamed(out, final):
+                    break
+                continue
             if self.thinking:
                 i = self.buf.find(self.think_close)
                 if i >= 0:
@@ -169,6 +187,18 @@ class MarkupParser(Parser):
                 self._text(out, opener)
                 self.buf, self.thinking = self.buf[len(opener) :], True
                 continue
+            if self.stream:
+                scan = Scan(self.buf, 0, final)
+                try:
+                    name, call_id = self.syntax.opening(scan)
+                except NeedMore:
+                    break
+                except NoMatch:
+                    pass
+                else:
+                    out.append(CallStart(self.index, call_id or self.ids(), name))
+                    self.buf, self.args = self.buf[scan.pos :], JsonStream()
+                    continue
             region = self.syntax.region(self.buf, 0, final)
             if region is None:
                 break
@@ -183,6 +213,34 @@ class MarkupParser(Parser):
             self.buf = self.buf[region.end :]
         return out
 
+    def _streamed(self, out: list[Piece], final: bool) -> bool:
+        """Go on with a streamed call; False: wait for more text."""
+        if self.args is not None:
+            text, used = self.args.feed(self.buf)
+            if text:
+                out.append(CallArguments(self.index, text))
+            self.buf = self.buf[used:]
+            if not self.args.done:
+                return False
+            self.args, self.closing = None, True
+        scan = Scan(self.buf, 0, final)
+        try:
+            self.syntax.closing(scan)
+        except NeedMore:
+            return False
+        except NoMatch:
+            scan.pos = 0
+        self.buf, self.closing = self.buf[scan.pos :], False
+        self.index += 1
+        self.after_call = self.at_start = True
+        return True
+
+    def _end(self, out: list[Piece]) -> None:
+        """A finished reply inside a streamed call: the call ends there."""
+        if self.args is not None or self.closing:
+            self.args, self.closing = None, False
+            self.index += 1
+
     def _find(self) -> tuple[int, str]:
         best, opener = -1, ""
         for m in self.markers:
@@ -196,7 +254,7 @@ class MarkupParser(Parser):
         return best, opener
 
 
-ParserFactory = Callable[[Sequence[Tool], IdFactory, bool], Parser]
+ParserFactory = Callable[[Sequence[Tool], IdFactory, bool, bool], Parser]
 
 
 @dataclass(frozen=True)
@@ -224,11 +282,28 @@ class Family:
         as ``thinking`` to :meth:`parser` and :meth:`call_grammar`."""
         return bool(self.think_open) and prompt.rstrip().endswith(self.think_open)
 
-    def parser(self, tools: Sequence[Tool], ids: IdFactory | None = None, thinking: bool = False) -> Parser:
+    def parser(
+        self,
+        tools: Sequence[Tool],
+        ids: IdFactory | None = None,
+        thinking: bool = False,
+        stream: bool = False,
+    ) -> Parser:
         """A streaming parser of one reply. ``ids`` makes call ids (default
         :attr:`new_id`); ``thinking``: the prompt ends inside an open
-        ``<think>`` block, so the reply starts with reasoning."""
-        return self.make_parser(tools, ids or self.new_id, thinking)
+        ``<think>`` block, so the reply starts with reasoning.
+
+        ``stream``: a call whose arguments are a JSON object in the text
+        (hermes, llama3, kimi, deepseek, mistral's ``[ARGS]``, harmony)
+        starts as soon as its name is read and its arguments come as they
+        are generated (compact: the model's text less the whitespace outside
+        strings), so a long call shows progress; a call cut off by the end
+        of the reply then stays as far as it came. Without it a call comes
+        whole when it closes (arguments as ``json.dumps`` writes them), and
+        a call cut off comes out as its text unless its JSON is complete.
+        Calls in XML tags, the generic form and Mistral's JSON list come
+        whole either way."""
+        return self.make_parser(tools, ids or self.new_id, thinking, stream)
 
     def call_grammar(
         self,
@@ -265,8 +340,8 @@ def markup_family(
 ) -> Family:
     """A native family whose calls are regions read by ``syntax``."""
 
-    def make_parser(tools: Sequence[Tool], ids: IdFactory, thinking: bool) -> Parser:
-        return MarkupParser(syntax(tools), ids, thinking)
+    def make_parser(tools: Sequence[Tool], ids: IdFactory, thinking: bool, stream: bool) -> Parser:
+        return MarkupParser(syntax(tools), ids, thinking, stream)
 
     think = getattr(syntax, "think", None)
     return Family(name, True, make_parser, grammar, new_id, think_open=think[0] if think else "")

@@ -18,9 +18,11 @@ FENCE, FENCE_END = "```json", "```"
 
 
 class DeepseekSyntax(Syntax):
-    markers = (CALLS, CALL)
+    markers = (CALLS, CALL, CALLS_END)
 
     def read(self, scan: Scan) -> list[Call]:
+        if scan.maybe(CALLS_END):  # the end of a block whose calls streamed
+            return []
         block = scan.maybe(CALLS)
         calls = []
         while True:
@@ -47,6 +49,26 @@ class DeepseekSyntax(Syntax):
                 return calls
         scan.closer(CALLS_END)
         return calls
+
+    def opening(self, scan: Scan) -> tuple[str, str]:
+        scan.maybe(CALLS)
+        scan.ws()
+        scan.expect(CALL)
+        head = scan.until(SEP).strip()
+        scan.expect(SEP)
+        name = head
+        if head == "function":
+            name = scan.until_any(("\n", FENCE, "{")).strip()
+            scan.ws()
+            scan.maybe(FENCE)
+        scan.object_next()
+        return name, ""
+
+    def closing(self, scan: Scan) -> None:
+        scan.ws()
+        if scan.maybe(FENCE_END):
+            scan.ws()
+        scan.closer(CALL_END)
 
 
 def grammar_for(fenced: bool) -> GrammarFn:

@@ -215,7 +215,7 @@ class GenericParser(Parser):
         return out
 
 
-def _parser(tools: Sequence[Tool], ids: IdFactory, thinking: bool) -> Parser:
+def _parser(tools: Sequence[Tool], ids: IdFactory, thinking: bool, stream: bool) -> Parser:
     return GenericParser(tools, ids)
 
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from ggufpipe_tui.server.request import CallArguments, CallStart, Piece, Text, Tool
 from ggufpipe_tui.server.tools.base import Family, IdFactory, Parser, compact, holdback
 from ggufpipe_tui.server.tools.grammar import Gbnf, alternatives, choose, literal
+from ggufpipe_tui.server.tools.scan import WHITESPACE, JsonStream
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -30,20 +31,26 @@ ROLE_TO = " to="
 
 
 class HarmonyParser(Parser):
-    def __init__(self, ids: IdFactory) -> None:
-        self.ids = ids
+    def __init__(self, ids: IdFactory, stream: bool = False) -> None:
+        self.ids, self.stream = ids, stream
+        self.args: JsonStream | None = None  # a streamed call's arguments, while they come
         self.buf = ""
         self.kind = "text"  # outside a message; header: reading one; in one: show, drop, call
         self.name = ""
         self.index = 0
         self.fresh = True  # the reply's start: " to=..." ends the prompt's role header
+        self.whole = False  # this call's arguments are no JSON object: read them whole
 
     def feed(self, text: str) -> list[Piece]:
         self.buf += text
         return self._run(final=False)
 
     def close(self) -> list[Piece]:
-        return self._run(final=True)
+        out = self._run(final=True)
+        if self.args is not None:  # cut off: the call ends as far as it came
+            self.args = None
+            self.index += 1
+        return out
 
     def _run(self, final: bool) -> list[Piece]:
         out: list[Piece] = []
@@ -72,7 +79,25 @@ class HarmonyParser(Parser):
                     self.kind = "header"
                 else:
                     self._terminate()
+            elif self.kind == "args":
+                text, used = self.args.feed(self.buf) if self.args else ("", 0)
+                if text:
+                    out.append(CallArguments(self.index, text))
+                self.buf = self.buf[used:]
+                if self.args is None or not self.args.done:
+                    break
+                self.args, self.kind = None, "drop"  # to the message's end
+                self.index += 1
             else:  # call
+                if self.stream and not self.whole:
+                    rest = self.buf.lstrip(WHITESPACE)
+                    if not rest and not final:
+                        break
+                    if rest.startswith("{"):
+                        out.append(CallStart(self.index, self.ids(), self.name))
+                        self.buf, self.args, self.kind = rest, JsonStream(), "args"
+                        continue
+                    self.whole = True
                 found = [i for i in (self.buf.find(s) for s in TERMINATORS) if i >= 0]
                 if not found and not final:
                     break
@@ -104,6 +129,7 @@ class HarmonyParser(Parser):
             recipient = header.split(" to=", 1)[1].split(" ")[0].split("<|")[0].strip()
         if recipient and recipient != "assistant":
             self.kind, self.name = "call", recipient.removeprefix("functions.")
+            self.whole = False
         elif channel == "analysis":
             self.kind = "drop"
         else:
@@ -136,8 +162,8 @@ def grammar(tools: Sequence[Tool], name: str | None, parallel: bool, thinking: b
     return g.render(f"( {analysis} )? {call}")
 
 
-def _parser(tools: Sequence[Tool], ids: IdFactory, thinking: bool) -> Parser:
-    return HarmonyParser(ids)
+def _parser(tools: Sequence[Tool], ids: IdFactory, thinking: bool, stream: bool) -> Parser:
+    return HarmonyParser(ids, stream)
 
 
 FAMILY = Family("harmony", True, _parser, grammar)

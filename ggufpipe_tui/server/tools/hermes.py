@@ -27,6 +27,24 @@ class HermesSyntax(Syntax):
         scan.closer(CLOSE)
         return [Call(obj["name"], args)]
 
+    def opening(self, scan: Scan) -> tuple[str, str]:
+        scan.expect(OPEN)
+        scan.ws()
+        scan.expect("{")
+        scan.key("name")
+        name = scan.string()
+        scan.ws()
+        scan.expect(",")
+        scan.key("arguments", "parameters")
+        scan.object_next()
+        return name, ""
+
+    def closing(self, scan: Scan) -> None:
+        scan.ws()
+        scan.maybe("}")
+        scan.ws()
+        scan.closer(CLOSE)
+
 
 def grammar(tools: Sequence[Tool], name: str | None, parallel: bool, thinking: bool) -> str:
     g = Gbnf()

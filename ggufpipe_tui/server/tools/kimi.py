@@ -27,9 +27,11 @@ def name_of(call_id: str) -> str:
 
 
 class KimiSyntax(Syntax):
-    markers = (SECTION, CALL)
+    markers = (SECTION, CALL, SECTION_END)
 
     def read(self, scan: Scan) -> list[Call]:
+        if scan.maybe(SECTION_END):  # the end of a section whose calls streamed
+            return []
         section = scan.maybe(SECTION)
         calls = []
         while True:
@@ -46,6 +48,19 @@ class KimiSyntax(Syntax):
                 return calls
         scan.closer(SECTION_END)
         return calls
+
+    def opening(self, scan: Scan) -> tuple[str, str]:
+        scan.maybe(SECTION)
+        scan.ws()
+        scan.expect(CALL)
+        call_id = scan.until(ARGS).strip()
+        scan.expect(ARGS)
+        scan.object_next()
+        return name_of(call_id), call_id
+
+    def closing(self, scan: Scan) -> None:
+        scan.ws()
+        scan.closer(CALL_END)
 
 
 def grammar(tools: Sequence[Tool], name: str | None, parallel: bool, thinking: bool) -> str:

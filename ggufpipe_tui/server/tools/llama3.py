@@ -60,6 +60,26 @@ class Llama3Syntax(Syntax):
         args = arguments_object(obj.get("parameters", obj.get("arguments")))
         return [Call(obj["name"], args)]
 
+    def opening(self, scan: Scan) -> tuple[str, str]:
+        if scan.maybe(PYTHON_TAG):
+            scan.ws()
+        scan.expect("{")
+        if scan.key("type", "name") == "type":
+            scan.string()
+            scan.ws()
+            scan.expect(",")
+            scan.key("name")
+        name = scan.string()
+        scan.ws()
+        scan.expect(",")
+        scan.key("parameters", "arguments")
+        scan.object_next()
+        return name, ""
+
+    def closing(self, scan: Scan) -> None:
+        scan.ws()
+        scan.maybe("}")
+
 
 def grammar(tools: Sequence[Tool], name: str | None, parallel: bool, thinking: bool) -> str:
     g = Gbnf()

@@ -55,6 +55,19 @@ class MistralSyntax(Syntax):
         scan.expect(ARGS)
         return [Call(name, arguments_object(scan.json()), call_id)]
 
+    def opening(self, scan: Scan) -> tuple[str, str]:
+        scan.expect(MARK)
+        scan.ws()
+        if scan.peek() in ("[", "{"):
+            raise NoMatch  # the JSON list: read whole
+        name = scan.ident()
+        call_id = ""
+        if scan.maybe(CALL_ID):
+            call_id = _id(scan.until(ARGS).strip())
+        scan.expect(ARGS)
+        scan.object_next()
+        return name, call_id
+
 
 def grammar_for(form: str) -> GrammarFn:
     def grammar(tools: Sequence[Tool], name: str | None, parallel: bool, thinking: bool) -> str:

@@ -136,6 +136,46 @@ class Scan:
             text, self.pos = buf[self.pos : i], i + len(close)
             return text
 
+    def string(self) -> str:
+        """The JSON string that comes next, decoded."""
+        if self.peek() != '"':
+            raise NoMatch
+        i, esc = self.pos + 1, False
+        while i < len(self.buf):
+            ch = self.buf[i]
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                try:
+                    value = json.loads(self.buf[self.pos : i + 1])
+                except ValueError:
+                    raise NoMatch from None
+                self.pos = i + 1
+                return str(value)
+            i += 1
+        if not self.final:
+            raise NeedMore
+        raise NoMatch
+
+    def key(self, *names: str) -> str:
+        """``"NAME":`` for one of ``names`` (whitespace around), which one."""
+        self.ws()
+        for name in names:
+            if self.maybe(json.dumps(name)):
+                self.ws()
+                self.expect(":")
+                self.ws()
+                return name
+        raise NoMatch
+
+    def object_next(self) -> None:
+        """Whitespace, then the start of a JSON object (not consumed)."""
+        self.ws()
+        if self.peek() != "{":
+            raise NoMatch
+
     def json(self) -> Any:
         """The JSON object or array that comes next (after whitespace)."""
         self.ws()
@@ -194,3 +234,37 @@ def arguments_object(value: Any) -> Mapping[str, Any]:
     if not isinstance(value, dict):
         raise NoMatch
     return value
+
+
+class JsonStream:
+    """A JSON value's text as it comes, made compact: whitespace outside
+    strings dropped, the rest as the model wrote it (escapes too)."""
+
+    def __init__(self) -> None:
+        self.depth, self.in_str, self.esc, self.done = 0, False, False, False
+
+    def feed(self, text: str) -> tuple[str, int]:
+        """The compact text of ``text`` and how much of it the value took
+        (all, unless the value ends inside it: then :attr:`done`)."""
+        out = []
+        for i, ch in enumerate(text):
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch in WHITESPACE:
+                continue
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+            out.append(ch)
+            if self.depth == 0 and not self.in_str:
+                self.done = True
+                return "".join(out), i + 1
+        return "".join(out), len(text)
