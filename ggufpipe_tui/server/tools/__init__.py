@@ -17,7 +17,7 @@ How a run uses it::
     thinking = family.opens_reasoning(prompt)
     grammar = (family.call_grammar(tools, tool_name or None, parallel, thinking)
                if tool_choice in ("required", "function") else family.auto_grammar(tools, parallel))
-    parser = family.parser(tools, thinking=thinking)
+    parser = family.parser(tools, thinking=thinking, stream=True)
     for text in generated: pieces = parser.feed(text)   # then parser.close()
 
 The generated text must be detokenized with special tokens rendered (the
