@@ -90,5 +90,3 @@ def no_agent_left():
     yield
     left = wait_no_new_agents(before)
     assert not left, f"agent processes left behind: {sorted(left)}"
-
-

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -75,9 +76,11 @@ class Vocabulary:
                 capacity = -count
         raise ModelError(f"{self.path}: tokenization failed")
 
-    def render_chat(self, template: str, messages: Sequence[ChatMessage]) -> str:
+    def render_chat(self, template: str, messages: Sequence[ChatMessage], tools: str = "") -> str:
         """A conversation in the model's chat template, ready for the next
-        assistant turn: the template sees every turn as it was said."""
+        assistant turn: the template sees every turn as it was said (with its
+        tool calls or the call it answers), and ``tools`` (JSON text of
+        OpenAI's list) as the model was trained to see them."""
         formatter = self._formatters.get(template)
         if formatter is None:  # compiling the Jinja template once per model
             from llama_cpp.llama_chat_format import Jinja2ChatFormatter
@@ -92,14 +95,17 @@ class Vocabulary:
             )
             self._formatters[template] = formatter
         # llama-cpp-python types the messages as its request TypedDicts; these are plain.
-        turns: Any = [{"role": message.role, "content": message.content} for message in messages]
+        turns: Any = [
+            {"role": message.role, "content": message.content, **_fields(message)} for message in messages
+        ]
         try:
-            return formatter(messages=turns).prompt
+            listed = json.loads(tools) if tools else None
+            return formatter(messages=turns, tools=listed).prompt
         except Exception as error:  # noqa: BLE001 - jinja2 raises many kinds
             raise ModelError(f"{self.path}: the chat template failed: {error}") from None
 
     def prompt_tokens(
-        self, template: str, text: str, chat: bool, messages: Sequence[ChatMessage] = ()
+        self, template: str, text: str, chat: bool, messages: Sequence[ChatMessage] = (), tools: str = ""
     ) -> tuple[list[int], str]:
         """The prompt's tokens and the text they came from. ``messages``: a
         whole conversation (it needs the chat template); else ``text`` as the
@@ -109,9 +115,9 @@ class Vocabulary:
                 raise ModelError("a conversation (messages) needs the chat template: chat must be on")
             if not template:
                 raise ModelError(f"{self.path}: the model has no chat template to render a conversation with")
-            rendered = self.render_chat(template, messages)
+            rendered = self.render_chat(template, messages, tools)
         elif chat and template:
-            rendered = self.render_chat(template, [ChatMessage("user", text)])
+            rendered = self.render_chat(template, [ChatMessage("user", text)], tools)
         else:
             rendered = text
         bos = self._lib.llama_vocab_bos(self._vocab)
@@ -130,6 +136,19 @@ class Vocabulary:
             self.close()
         except Exception:  # noqa: BLE001 - nothing to report to
             pass
+
+
+def _fields(message: ChatMessage) -> dict[str, Any]:
+    """A turn's other fields (tool calls, the call a tool result answers)."""
+    if not message.fields:
+        return {}
+    try:
+        fields = json.loads(message.fields)
+    except ValueError as error:
+        raise ModelError(f"a {message.role} turn's fields are not JSON: {error}") from None
+    if not isinstance(fields, dict):
+        raise ModelError(f"a {message.role} turn's fields are not a JSON object")
+    return {key: value for key, value in fields.items() if key not in ("role", "content")}
 
 
 @functools.lru_cache(maxsize=4)

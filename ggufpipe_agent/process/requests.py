@@ -33,7 +33,10 @@ def answer_request(request: Inspect | Tokenize | CacheRequest, cache_dir: Path |
             facts = replace(facts, eog_token_ids=vocab.eog_tokens())
         return ModelInfo(request.request_id, facts, pieces, model_identity(facts.path))
     vocab = vocabulary(facts.path)
-    tokens, rendered = vocab.prompt_tokens(facts.chat_template, request.text, request.chat, request.messages)
+    template = request.template or facts.chat_template
+    tokens, rendered = vocab.prompt_tokens(
+        template, request.text, request.chat, request.messages, request.tools
+    )
     if len(tokens) > MAX_PROMPT_TOKENS:
         # Refused here: a reply this long would break the control stream.
         return RequestFailed(

@@ -203,6 +203,11 @@ class Tokenize(Message):
     text: str
     chat: bool  # apply the model's chat template first
     messages: tuple[ChatMessage, ...] = ()
+    #: The functions the model may call, JSON text of OpenAI's ``tools`` list,
+    #: which the chat template renders as the model was trained; "" none.
+    tools: str = ""
+    #: A chat template to use instead of the model's own; "" the model's.
+    template: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -288,8 +288,12 @@ def sampler_problem(sampling: SamplingParams, vocab_size: int = INT32_MAX) -> tu
 class ChatMessage:
     """One turn of a conversation, as the model's chat template takes it."""
 
-    role: str  # "system", "user" or "assistant"
+    role: str  # "system", "user", "assistant" or "tool"
     content: str
+    #: The turn's other fields as the chat template takes them, as JSON text
+    #: of an object (an assistant's tool_calls, a tool result's tool_call_id
+    #: and name); "" when it has none.
+    fields: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,11 +108,18 @@ class HostCopies:
             )
 
     async def tokenize(
-        self, text: str, chat: bool, messages: tuple[ChatMessage, ...] = ()
+        self,
+        text: str,
+        chat: bool,
+        messages: tuple[ChatMessage, ...] = (),
+        tools: str = "",
+        template: str = "",
     ) -> tuple[list[int], str]:
         stage = self.stages[0]
         path = self.inventory.model_path_for(stage.host)
-        reply = await stage.request(lambda rid: Tokenize(rid, path, text, chat, messages), 60.0)
+        reply = await stage.request(
+            lambda rid: Tokenize(rid, path, text, chat, messages, tools, template), 60.0
+        )
         if isinstance(reply, RequestFailed):
             raise PipelineError(f"tokenizing on {stage.host.name}: {reply.reason}")
         assert isinstance(reply, Tokenized)
@@ -134,11 +141,11 @@ def _read_local(path: str) -> tuple[ModelRead, ModelFiles]:
 
 
 def _tokenize_local(
-    path: str, template: str, text: str, chat: bool, messages: tuple[ChatMessage, ...]
+    path: str, template: str, text: str, chat: bool, messages: tuple[ChatMessage, ...], tools: str = ""
 ) -> tuple[list[int], str]:
     from ggufpipe_agent.llama.vocabulary import vocabulary
 
-    tokens, rendered = vocabulary(path).prompt_tokens(template, text, chat, messages)
+    tokens, rendered = vocabulary(path).prompt_tokens(template, text, chat, messages, tools)
     return list(tokens), rendered
 
 
@@ -164,13 +171,18 @@ class LocalModel:
         """Nothing to check: the stage file sent to the host is checked by its digest."""
 
     async def tokenize(
-        self, text: str, chat: bool, messages: tuple[ChatMessage, ...] = ()
+        self,
+        text: str,
+        chat: bool,
+        messages: tuple[ChatMessage, ...] = (),
+        tools: str = "",
+        template: str = "",
     ) -> tuple[list[int], str]:
         assert self.facts is not None, "read the model first"
         facts = self.facts
         try:
             return await asyncio.to_thread(
-                _tokenize_local, facts.path, facts.chat_template, text, chat, messages
+                _tokenize_local, facts.path, template or facts.chat_template, text, chat, messages, tools
             )
         except GgufpipeError as error:  # a template that fails, a conversation without one
             raise PipelineError(f"tokenizing on this machine: {error}") from None

@@ -36,7 +36,7 @@ from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_tui.core.inventory import RunOptions
 from ggufpipe_tui.core.slots import choose_slot
 from ggufpipe_tui.session.driver import RunDriver
-from ggufpipe_tui.session.runs import RunHandle, RunQueue, Turn, first_of, serves
+from ggufpipe_tui.session.runs import RunHandle, RunQueue, Turn, first_of, serves, with_history
 from ggufpipe_tui.session.serving import Runner, Serving, pipeline_error, queue_failure
 from ggufpipe_tui.session.stages import PipelineError
 
@@ -116,7 +116,8 @@ class ParallelRunner(Runner):
         self, slot: SlotId, handle: RunHandle, tokens: list[int], options: RunOptions, limit: int
     ) -> None:
         pipeline = self.pipeline
-        options = replace(options, max_tokens=limit)  # provisioned with its own limit
+        # Provisioned with its own limit, and the prompt for the penalties to look back over.
+        options = with_history(replace(options, max_tokens=limit), tokens)
         try:
             try:
                 driver = await self._driver_for(slot, handle, options, limit)

@@ -278,7 +278,7 @@ class Pipeline:
             )
 
     async def tokenize(
-        self, text: str, chat: bool, messages: Sequence[ChatMessage] = ()
+        self, text: str, chat: bool, messages: Sequence[ChatMessage] = (), tools: str = "", template: str = ""
     ) -> tuple[list[int], str]:
         """A prompt's tokens and the text they came from: ``text`` (through the
         chat template when ``chat``) or a whole conversation (``messages``,
@@ -286,7 +286,7 @@ class Pipeline:
         ``send: true`` (session/modelsource.py)."""
         if self.model is None:
             raise PipelineError("the pipeline is not running")
-        return await self.model.tokenize(text, chat, tuple(messages))
+        return await self.model.tokenize(text, chat, tuple(messages), tools, template)
 
     # --------------------------------------------------------------- runs
 

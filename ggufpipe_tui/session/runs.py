@@ -74,6 +74,10 @@ class Prompt:
     overflow: str = RUN_ANYWAY  # one of OVERFLOW_POLICIES
     # False: the run keeps nothing the stages hold (llama-server's cache_prompt).
     cache_prompt: bool = True
+    #: The functions the model may call (JSON text of OpenAI's tools list),
+    #: rendered by the chat template; and a template instead of the model's.
+    tools: str = ""
+    template: str = ""
     submitted: float = field(default_factory=time.perf_counter)  # for the time to first token
 
 
@@ -125,6 +129,20 @@ def serves(plan: RunPlan, options: RunOptions) -> bool:
     return (
         plan.sampling.temperature <= 0 and wanted.temperature <= 0 and greedy(plan.sampling) == greedy(wanted)
     )
+
+
+def with_history(options: RunOptions, tokens: Sequence[int]) -> RunOptions:
+    """``options`` with the prompt's tokens for the penalties and DRY to look
+    back over, as llama-server feeds its sampler the prompt; unchanged when
+    neither is on (nothing to look back for)."""
+    sampling = sampling_params(options)
+    if not sampling.uses_history:
+        return options
+    windows = [sampling.repeat_last_n, sampling.dry_penalty_last_n]
+    back = len(tokens) if -1 in windows else max(windows)
+    history = tuple(tokens[len(tokens) - min(back, len(tokens)) :])
+    extra = tuple((k, v) for k, v in options.extra if k != "history") + (("history", history),)
+    return replace(options, extra=extra)
 
 
 def reply_limit(prompt: Prompt, prompt_tokens: int, options: RunOptions, context: int) -> int:
@@ -305,7 +323,7 @@ class RunQueue:
         self._stopped.set()
 
 
-Tokenize = Callable[[str, bool, Sequence[ChatMessage]], Awaitable[tuple[list[int], str]]]
+Tokenize = Callable[[str, bool, Sequence[ChatMessage], str, str], Awaitable[tuple[list[int], str]]]
 
 
 async def prompt_tokens(
@@ -340,5 +358,5 @@ async def prompt_tokens(
             limit = MAX_PROMPT_BYTES
             raise PipelineError(f"not run: the prompt is {size} bytes of text, at most {limit}")
         chat = chat if prompt.chat is None else prompt.chat
-        tokens, _ = await tokenize(prompt.text, chat, prompt.messages)
+        tokens, _ = await tokenize(prompt.text, chat, prompt.messages, prompt.tools, prompt.template)
     return tokens, reply_limit(prompt, len(tokens), options, model.max_seq_len)

@@ -35,7 +35,16 @@ from ggufpipe_tui.core.events import RunResult
 from ggufpipe_tui.core.inventory import Inventory, RunOptions
 from ggufpipe_tui.core.plan import GgufModelPlan
 from ggufpipe_tui.session.driver import RunDriver
-from ggufpipe_tui.session.runs import Prompt, RunHandle, RunQueue, Turn, prompt_tokens, run_options, serves
+from ggufpipe_tui.session.runs import (
+    Prompt,
+    RunHandle,
+    RunQueue,
+    Turn,
+    prompt_tokens,
+    run_options,
+    serves,
+    with_history,
+)
 from ggufpipe_tui.session.stages import PipelineError
 
 log = logging.getLogger(__name__)
@@ -56,7 +65,7 @@ class Serving(Protocol):
     ) -> RunDriver: ...
 
     async def tokenize(
-        self, text: str, chat: bool, messages: Sequence[ChatMessage] = ()
+        self, text: str, chat: bool, messages: Sequence[ChatMessage] = (), tools: str = "", template: str = ""
     ) -> tuple[list[int], str]: ...
 
     def model_plan(self) -> GgufModelPlan:
@@ -164,18 +173,22 @@ class SerialRunner(Runner):
                 if handle.done:  # withdrawn while it was tokenized
                     prepared = driver
                     continue
-                if driver.plan.ring is not None and limit != driver.plan.max_tokens:
+                # The penalties look back over the prompt: its tokens go to the last stage.
+                wanted = with_history(options, tokens)
+                if (driver.plan.ring is not None and limit != driver.plan.max_tokens) or not serves(
+                    driver.plan, wanted
+                ):
                     # On the token ring the last stage stops at the max_tokens
                     # of its provision (no step runs past the stop), so a reply
                     # limit other than the prepared run's needs a run
                     # provisioned with it, as other sampling does.
-                    driver.stop("the next prompt has another reply limit")
+                    driver.stop("the next prompt has another reply limit or sampling")
                     await driver.done.wait()
                     if pipeline.broken:
                         break
-                    driver = await pipeline.prepare_run(replace(options, max_tokens=limit), reuse=keep)
+                    driver = await pipeline.prepare_run(replace(wanted, max_tokens=limit), reuse=keep)
                 self.last_options = options
-                turn = Turn(handle, tokens, limit, replace(options, max_tokens=limit))
+                turn = Turn(handle, tokens, limit, replace(wanted, max_tokens=limit))
                 result = await pipeline.run(driver, turn)
                 if pipeline.broken or result.outcome == "faulted":
                     reason = result.failure or pipeline.broken

@@ -29,7 +29,10 @@ RANGE = (8, 21)
 def start(cache: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "ggufpipe_agent", "receive", "--cache-dir", str(cache)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
     )
 
 
@@ -53,7 +56,9 @@ def test_a_stage_file_arrives_and_a_cut_stream_is_kept_for_a_resume(model_path, 
                 first.stdin.write(encode_message(StageData(chunk.index, chunk.digest, len(chunk.data))))
                 first.stdin.write(chunk.data[:1000])  # the connection breaks inside a chunk
                 break
-            first.stdin.write(encode_message(StageData(chunk.index, chunk.digest, len(chunk.data))) + chunk.data)
+            first.stdin.write(
+                encode_message(StageData(chunk.index, chunk.digest, len(chunk.data))) + chunk.data
+            )
         first.stdin.close()
         assert first.wait(60) == 1
         assert b"interrupted at byte 20971520" in first.stderr.read()  # type: ignore[union-attr]
@@ -66,7 +71,9 @@ def test_a_stage_file_arrives_and_a_cut_stream_is_kept_for_a_resume(model_path, 
         assert isinstance(resumed, ReceiveAnswer)
         assert (resumed.status.state, resumed.status.verified_chunks) == ("partial", 20)
         for chunk in sender.chunks(20):
-            second.stdin.write(encode_message(StageData(chunk.index, chunk.digest, len(chunk.data))) + chunk.data)
+            second.stdin.write(
+                encode_message(StageData(chunk.index, chunk.digest, len(chunk.data))) + chunk.data
+            )
         second.stdin.write(encode_message(StageDataEnd(sender.digest)))
         second.stdin.flush()
         stored = answer(second)

@@ -63,7 +63,9 @@ async def answer_challenge(
     challenge = await next_message(frames)
     assert isinstance(challenge, AuthChallenge)
     nonce = listen_keys.new_nonce()
-    await out.send(AuthResponse(nonce, listen_keys.proof(key, listen_keys.ORCHESTRATOR, challenge.nonce, nonce)))
+    await out.send(
+        AuthResponse(nonce, listen_keys.proof(key, listen_keys.ORCHESTRATOR, challenge.nonce, nonce))
+    )
     return frames, out, writer, challenge, nonce
 
 
@@ -211,9 +213,17 @@ async def test_a_missing_key_file_is_named(listening, tmp_path):
 
 
 def test_the_default_key_path_is_the_same_on_both_sides():
-    assert listen_keys.default_key_path("127.0.0.1:7000") == "~/.local/state/ggufpipe/listen/tcp-127.0.0.1-7000.key"
-    assert listen_keys.default_key_path("tcp:127.0.0.1:7000") == listen_keys.default_key_path("127.0.0.1:7000")
-    assert listen_keys.default_key_path("unix:/run/a b.sock") == "~/.local/state/ggufpipe/listen/unix-run_a_b.sock.key"
+    assert (
+        listen_keys.default_key_path("127.0.0.1:7000")
+        == "~/.local/state/ggufpipe/listen/tcp-127.0.0.1-7000.key"
+    )
+    assert listen_keys.default_key_path("tcp:127.0.0.1:7000") == listen_keys.default_key_path(
+        "127.0.0.1:7000"
+    )
+    assert (
+        listen_keys.default_key_path("unix:/run/a b.sock")
+        == "~/.local/state/ggufpipe/listen/unix-run_a_b.sock.key"
+    )
 
 
 async def test_an_attached_orchestrator_that_falls_silent_is_detached(listening):

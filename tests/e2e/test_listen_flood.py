@@ -415,7 +415,9 @@ async def test_through_ssh_a_closed_connection_is_not_a_missing_agent(tmp_path, 
     key_file = tmp_path / "agent.key"
     listen_keys.write_key_file(key_file)
     async with doorman_at(None, ["refuse"] + ["close"] * 100) as (doorman, endpoint):
-        link = SshAgent(ssh_host(tmp_path, sshd, cache_dir, model_path, endpoint, key_file), 0, lambda line: None)
+        link = SshAgent(
+            ssh_host(tmp_path, sshd, cache_dir, model_path, endpoint, key_file), 0, lambda line: None
+        )
         with pytest.raises(TransportError) as caught:
             await start_then_close(link, 4)
     message = str(caught.value)

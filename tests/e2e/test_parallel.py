@@ -43,7 +43,9 @@ async def pipeline(tmp_path_factory: pytest.TempPathFactory, model_path: Path):
 
 
 @pytest.mark.parametrize("count", [2, 4, 8])
-async def test_requests_in_flight_each_equal_it_alone(pipeline: Pipeline, model_path: Path, count: int) -> None:
+async def test_requests_in_flight_each_equal_it_alone(
+    pipeline: Pipeline, model_path: Path, count: int
+) -> None:
     await concurrent_equal_alone(pipeline, model_path, count, STEPS, CONTEXT, UBATCH)
 
 

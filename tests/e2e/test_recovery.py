@@ -69,7 +69,9 @@ def of(saboteur: Saboteur, kind: type) -> list[Any]:
     return [e for e in saboteur.events if isinstance(e, kind)]
 
 
-def assert_recovered(saboteur: Saboteur, result: Any, model_path: Path, stage: int, recoveries: int = 1) -> None:
+def assert_recovered(
+    saboteur: Saboteur, result: Any, model_path: Path, stage: int, recoveries: int = 1
+) -> None:
     assert result.outcome == "completed", result.failure
     assert list(result.tokens) == unbroken(model_path, result), "the output differs from an unbroken run"
     tokens, text = streamed(saboteur)
@@ -94,7 +96,9 @@ async def test_agent_killed_mid_decode_is_restarted(tmp_path, model_path, no_age
     (event,) = of(saboteur, RunRecovered)
     assert event.at_token >= 9 and event.replayed == len(result.prompt_tokens) + event.at_token
     line = recovery_line(event)
-    assert line.startswith(f"stage {stage} on here (local) lost at token {event.at_token}; restarted; replayed ")
+    assert line.startswith(
+        f"stage {stage} on here (local) lost at token {event.at_token}; restarted; replayed "
+    )
     pids = {e.hello.pid for e in of(saboteur, AgentConnected) if e.stage == stage}
     assert len(pids) == 2, "a new agent process for the stage"
 
@@ -140,7 +144,9 @@ async def test_a_second_loss_is_recovered_then_a_third_is_the_end(tmp_path, mode
     result = await run_with(saboteur, inventory_file(tmp_path, model_path))
     assert kills["count"] == 3
     assert result.outcome == "faulted"
-    assert result.failure.startswith("stage 1 on here (local): the agent exited (killed by signal 9) (recovery gave up")
+    assert result.failure.startswith(
+        "stage 1 on here (local): the agent exited (killed by signal 9) (recovery gave up"
+    )
     assert "2 of recovery.attempts 2 used" in result.failure
     assert "attempt 1: restarted stage 1 on here" in result.failure
     assert "attempt 2: restarted stage 2 on here" in result.failure
@@ -174,7 +180,9 @@ async def test_a_stage_lost_between_runs_is_restarted_before_the_next(tmp_path, 
     assert states == ["Lost", "Recovering", "Ready"]
 
 
-async def test_a_follow_up_turn_is_recovered_exactly_at_the_default_ubatch(tmp_path, model_path, no_agent_left):
+async def test_a_follow_up_turn_is_recovered_exactly_at_the_default_ubatch(
+    tmp_path, model_path, no_agent_left
+):
     """run.reuse: cache at ubatch 512, where llama.cpp's CPU kernels are not
     batch-invariant: a stage lost during the third turn of a conversation is
     restarted, the conversation's earlier turns are replayed (quietly) in the
@@ -210,7 +218,9 @@ async def test_a_follow_up_turn_is_recovered_exactly_at_the_default_ubatch(tmp_p
     for result in results:
         assert result.outcome == "completed", result.failure
     assert results[2].prompt_reused > 0, "the third turn kept the conversation so far"
-    oracle = whole_model_turns(model_path, [list(r.prompt_tokens) for r in results], 24, n_ctx=1024, n_ubatch=512)
+    oracle = whole_model_turns(
+        model_path, [list(r.prompt_tokens) for r in results], 24, n_ctx=1024, n_ubatch=512
+    )
     assert [list(r.tokens) for r in results] == oracle
     assert len(of(saboteur, RunRecovered)) == 1
     third = [e for e in saboteur.events if isinstance(e, TokenStreamed) and e.run_id != results[0].run_id]

@@ -29,12 +29,6 @@ FRANCE = "What is the capital of France? Answer in one short sentence."
 COUNT = "Count from one to one hundred, one number per line."
 
 
-
-
-
-
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[Served]:
     before = agent_pids()
@@ -74,13 +68,15 @@ def test_models_and_health(server: Served) -> None:
     assert [model.id for model in models.data] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
     assert models.data[0].owned_by == "ggufpipe"
     health = (200, {"status": "ok", "requests": 0, "queue": 2, "slots": 3, "recoveries": 0})
-    assert raw(server, "GET", "/health", key=None) == health, (
-        "health needs no key"
+    assert raw(server, "GET", "/health", key=None) == health, "health needs no key"
+    assert any(line.startswith("  curl -s http://127.0.0.1:") for line in server.lines), (
+        "a curl example at start"
     )
-    assert any(line.startswith("  curl -s http://127.0.0.1:") for line in server.lines), "a curl example at start"
 
 
-def test_chat_plain_and_streamed_equal_headless(server: Served, headless: dict[str, dict[str, object]]) -> None:
+def test_chat_plain_and_streamed_equal_headless(
+    server: Served, headless: dict[str, dict[str, object]]
+) -> None:
     expected = headless["chat"]
     client = server.client()
     messages: list[dict[str, str]] = [{"role": "user", "content": FRANCE}]
@@ -105,10 +101,14 @@ def test_chat_plain_and_streamed_equal_headless(server: Served, headless: dict[s
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert len({chunk.id for chunk in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({chunk.id for chunk in chunks}) == 1 and all(
+        c.object == "chat.completion.chunk" for c in chunks
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == expected["text"]
-    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 3, "streamed, not in one piece"
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 3, (
+        "streamed, not in one piece"
+    )
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [plain.choices[0].finish_reason]
     usage = chunks[-1].usage
@@ -132,8 +132,11 @@ def test_a_follow_up_request_reuses_the_conversation_so_far(server: Served, mode
     first: list[dict[str, str]] = [{"role": "user", "content": FRANCE}]
     france = client.chat.completions.create(model="m", messages=first, max_tokens=24)  # type: ignore[arg-type]
     assert france.usage is not None and "Paris" in str(france.choices[0].message.content)
-    turns = [*first, {"role": "assistant", "content": str(france.choices[0].message.content)},
-             {"role": "user", "content": "And of Italy?"}]
+    turns = [
+        *first,
+        {"role": "assistant", "content": str(france.choices[0].message.content)},
+        {"role": "user", "content": "And of Italy?"},
+    ]
     raw = client.chat.completions.with_raw_response.create(model="m", messages=turns, max_tokens=24)  # type: ignore[arg-type]
     italy = raw.parse()
     assert "Rome" in str(italy.choices[0].message.content), italy.choices[0].message.content
@@ -146,7 +149,9 @@ def test_a_follow_up_request_reuses_the_conversation_so_far(server: Served, mode
     (finished,) = [e for e in server.run_log(run) if e["event"] == "RunFinished"]
     result = finished["result"]
     assert isinstance(result, dict) and result["prompt_reused"] == cached
-    cold = whole_model_greedy(model_path, result["prompt_tokens"], len(result["tokens"]), n_ctx=512, n_ubatch=32)
+    cold = whole_model_greedy(
+        model_path, result["prompt_tokens"], len(result["tokens"]), n_ctx=512, n_ubatch=32
+    )
     assert result["tokens"] == cold, "the follow-up differs from a cold run of the same tokens"
 
 
@@ -161,16 +166,23 @@ def test_a_completion_and_stop_strings(server: Served, headless: dict[str, dict[
 
     stop = " " + text.split()[3]  # a word of the greedy continuation: it stops there
     cut = text[: text.index(stop)]
-    stopped = client.completions.create(model="m", prompt="Once upon a time", max_tokens=24, stop=[stop, "zzz"])
+    stopped = client.completions.create(
+        model="m", prompt="Once upon a time", max_tokens=24, stop=[stop, "zzz"]
+    )
     assert stopped.choices[0].text == cut and stopped.choices[0].finish_reason == "stop"
     assert stopped.usage is not None and stopped.usage.completion_tokens < 24
-    pieces = list(client.completions.create(model="m", prompt="Once upon a time", max_tokens=24, stop=stop, stream=True))
+    pieces = list(
+        client.completions.create(model="m", prompt="Once upon a time", max_tokens=24, stop=stop, stream=True)
+    )
     assert "".join(p.choices[0].text for p in pieces) == cut
     assert pieces[-1].choices[0].finish_reason == "stop"
     chat = client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": FRANCE}], max_tokens=24, stop=["Paris"]
     )
-    assert chat.choices[0].message.content == "The capital of France is " and chat.choices[0].finish_reason == "stop"
+    assert (
+        chat.choices[0].message.content == "The capital of France is "
+        and chat.choices[0].finish_reason == "stop"
+    )
 
 
 def test_each_request_samples_as_it_asks(server: Served) -> None:
@@ -178,7 +190,9 @@ def test_each_request_samples_as_it_asks(server: Served) -> None:
     messages: list[dict[str, str]] = [{"role": "user", "content": "Write a short poem about the sea."}]
 
     def ask(**options: object) -> tuple[str, str]:
-        raw = client.chat.completions.with_raw_response.create(model="m", messages=messages, max_tokens=12, **options)  # type: ignore[arg-type]
+        raw = client.chat.completions.with_raw_response.create(
+            model="m", messages=messages, max_tokens=12, **options
+        )  # type: ignore[arg-type]
         return str(raw.parse().choices[0].message.content), raw.headers["x-ggufpipe-run"]
 
     first, run = ask(temperature=1.0, seed=11)
@@ -197,12 +211,18 @@ def test_malformed_requests_and_api_keys(server: Served) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="m", messages=[])
     assert refused.value.status_code == 400
-    assert refused.value.body == {"message": "messages: a non-empty list of messages is required",
-                                  "type": "invalid_request_error", "param": "messages", "code": None}
+    assert refused.value.body == {
+        "message": "messages: a non-empty list of messages is required",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": None,
+    }
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=7)
     with pytest.raises(openai.BadRequestError) as overflow:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=100_000)
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], max_tokens=100_000
+        )
     assert isinstance(overflow.value.body, dict) and overflow.value.body["code"] == "context_length_exceeded"
     assert "maximum context length is 512 tokens" in overflow.value.body["message"]
 
@@ -331,7 +351,11 @@ def test_a_full_queue_is_refused_not_left_hanging(server: Served) -> None:
     status, body = asyncio.run(main())
     assert status == 503
     error = body["error"]
-    assert isinstance(error, dict) and error["type"] == "unavailable_error" and "queue is full" in error["message"]
+    assert (
+        isinstance(error, dict)
+        and error["type"] == "unavailable_error"
+        and "queue is full" in error["message"]
+    )
     assert server.client().completions.create(model="m", prompt="Hi", max_tokens=2).choices[0].text
 
 
@@ -361,11 +385,15 @@ def test_sigterm_finishes_the_running_request_and_leaves_no_agent(
 
 
 def children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True
+    ).stdout
     return sorted(int(line.split()[0]) for line in out.splitlines() if "ggufpipe_agent" in line)
 
 
-def test_a_fault_ends_the_server_with_its_reason(tmp_path: Path, model_path: Path, no_agent_left: None) -> None:
+def test_a_fault_ends_the_server_with_its_reason(
+    tmp_path: Path, model_path: Path, no_agent_left: None
+) -> None:
     """With recovery off (tests/e2e/test_server_recovery.py has it on)."""
     served = start_server(tmp_path, model_path, data="recovery: {attempts: 0}\n")
     try:

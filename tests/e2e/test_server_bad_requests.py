@@ -25,7 +25,9 @@ NORMAL = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Iterator[tuple[Served, str, set[int]]]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path
+) -> Iterator[tuple[Served, str, set[int]]]:
     before = agent_pids()
     served = start_server(tmp_path_factory.mktemp("server-bad"), model_path)
     try:
@@ -49,16 +51,28 @@ def still_serving(served: Served, text: str, agents: set[int]) -> None:
     assert agents <= agent_pids(), "a stage's agent died"
 
 
-def post_bytes(served: Served, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
-    return raw(served, "POST", path, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+def post_bytes(
+    served: Served, path: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, dict]:
+    return raw(
+        served, "POST", path, data=body, headers={"Content-Type": "application/json", **(headers or {})}
+    )
 
 
 @pytest.mark.parametrize(
     "path, body, param",
     [
         ("/v1/completions", {"prompt": "x \udfff y", "max_tokens": 4}, "prompt"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a \ud800 b"}]}, "messages[0].content"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["\udc00"]}, "stop"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a \ud800 b"}]},
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "stop": ["\udc00"]},
+            "stop",
+        ),
     ],
 )
 def test_a_lone_surrogate_is_a_400(server, path: str, body: dict, param: str) -> None:
@@ -71,8 +85,13 @@ def test_a_lone_surrogate_is_a_400(server, path: str, body: dict, param: str) ->
 
 @pytest.mark.parametrize(
     "field, value",
-    [("temperature", "NaN"), ("temperature", "Infinity"), ("top_p", "NaN"), ("top_k", "2147483648"),
-     ("seed", "9223372036854775808")],
+    [
+        ("temperature", "NaN"),
+        ("temperature", "Infinity"),
+        ("top_p", "NaN"),
+        ("top_k", "2147483648"),
+        ("seed", "9223372036854775808"),
+    ],
 )
 def test_a_sampling_value_a_stage_would_refuse_is_a_400(server, field: str, value: str) -> None:
     served, text, agents = server
@@ -104,13 +123,17 @@ def test_more_messages_than_a_stage_takes_is_a_400(server) -> None:
 def test_token_ids_outside_the_vocabulary_are_a_400(server) -> None:
     served, text, agents = server
     status, answer = post_bytes(served, "/v1/completions", b'{"prompt": [1, 999999999], "max_tokens": 2}')
-    assert status == 400 and "token id 999999999 is not in the vocabulary" in answer["error"]["message"], answer
+    assert status == 400 and "token id 999999999 is not in the vocabulary" in answer["error"]["message"], (
+        answer
+    )
     still_serving(served, text, agents)
 
 
 def test_an_integer_of_thousands_of_digits_is_a_400(server) -> None:
     served, text, agents = server
-    status, answer = post_bytes(served, "/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}")
+    status, answer = post_bytes(
+        served, "/v1/completions", b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}"
+    )
     assert status == 400 and "not JSON" in answer["error"]["message"], answer
     still_serving(served, text, agents)
 
@@ -168,19 +191,35 @@ def test_headless_refuses_a_prompt_that_is_not_utf8(tmp_path: Path, model_path: 
     from tests.support.common import REPO
 
     done = subprocess.run(
-        [sys.executable.encode(), b"-m", b"ggufpipe_tui.cli", str(inventory).encode(), b"--prompt", b"bad \xff\xfe bytes"],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
+        [
+            sys.executable.encode(),
+            b"-m",
+            b"ggufpipe_tui.cli",
+            str(inventory).encode(),
+            b"--prompt",
+            b"bad \xff\xfe bytes",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
     )
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == "ggufpipe: error: --prompt: byte 0xff at character 4 is not UTF-8", done.stderr
+    assert done.stderr.strip() == "ggufpipe: error: --prompt: byte 0xff at character 4 is not UTF-8", (
+        done.stderr
+    )
     (tmp_path / "bad.txt").write_bytes(b"bad \xff bytes")
     done = run_cli(str(inventory), "--prompt-file", str(tmp_path / "bad.txt"))
     assert done.returncode == 2 and done.stderr.strip().endswith("is not UTF-8 (byte 4)"), done.stderr
     done = run_cli(str(inventory), "--prompt-file", str(tmp_path / "missing.txt"))
-    assert done.returncode == 2 and "--prompt-file" in done.stderr and "cannot read" in done.stderr, done.stderr
+    assert done.returncode == 2 and "--prompt-file" in done.stderr and "cannot read" in done.stderr, (
+        done.stderr
+    )
 
 
-def test_a_prompt_from_stdin_or_a_file_runs_like_prompt(tmp_path: Path, model_path: Path, no_agent_left) -> None:
+def test_a_prompt_from_stdin_or_a_file_runs_like_prompt(
+    tmp_path: Path, model_path: Path, no_agent_left
+) -> None:
     import subprocess
     import sys
 
@@ -194,7 +233,11 @@ def test_a_prompt_from_stdin_or_a_file_runs_like_prompt(tmp_path: Path, model_pa
     from_file = run_cli(str(inventory), "--prompt-file", str(tmp_path / "prompt.txt"), "--json", "-q")
     from_stdin = subprocess.run(
         [sys.executable, "-m", "ggufpipe_tui.cli", str(inventory), "--prompt", "-", "--json", "-q"],
-        input=prompt, capture_output=True, text=True, timeout=180, cwd=REPO,
+        input=prompt,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
     )
     for done in (from_file, from_stdin):
         assert done.returncode == 0, done.stderr

@@ -95,7 +95,9 @@ def test_four_requests_survive_a_killed_stage(tmp_path: Path, model_path: Path) 
             assert answers[index] == expected_text(model_path, prompt), f"request {index}"
         assert "recovering" in health, sorted(set(health))
         assert health[-1] == "ok"
-        served.wait_line(lambda line: "lost at token" in line and "restarted" in line, 10, "the recovery line")
+        served.wait_line(
+            lambda line: "lost at token" in line and "restarted" in line, 10, "the recovery line"
+        )
         # And it goes on serving.
         again = client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
         assert again.choices[0].text == answers[1]

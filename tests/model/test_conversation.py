@@ -10,7 +10,9 @@ from ggufpipe_tui.core.conversation import Conversation
 from ggufpipe_tui.core.events import RunResult, Timings
 
 
-def ended(outcome: str, stop_reason: str, text: str = "Paris.", tokens: tuple[int, ...] = (5, 6)) -> RunResult:
+def ended(
+    outcome: str, stop_reason: str, text: str = "Paris.", tokens: tuple[int, ...] = (5, 6)
+) -> RunResult:
     return RunResult(
         run_id=1,
         outcome=outcome,

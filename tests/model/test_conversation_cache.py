@@ -73,15 +73,21 @@ async def test_each_turn_keeps_everything_and_equals_one_context_that_kept_its_c
     assert [list(result.tokens) for result in results] == oracle
     assert results[0].prompt_reused == 0
     for before, result in zip(results, results[1:], strict=False):
-        kept = len(before.prompt_tokens) + STEPS - 1  # every position fed: the prompt, the reply but its last token
+        kept = (
+            len(before.prompt_tokens) + STEPS - 1
+        )  # every position fed: the prompt, the reply but its last token
         assert result.prompt_reused == kept, "the default ubatch of 512 keeps everything"
-        assert prefill_rows(events, result) == [(kept, len(result.prompt_tokens) - kept)] * 3, "only the new tokens"
+        assert prefill_rows(events, result) == [(kept, len(result.prompt_tokens) - kept)] * 3, (
+            "only the new tokens"
+        )
 
 
 async def test_exact_reuse_keeps_what_a_cold_run_computes_alike(tmp_path, model_path, no_agent_left):
     results, _ = await conversation(write_inventory(tmp_path, model_path, "exact"), model_path)
     for result in results[1:]:
         assert result.outcome == "completed", result.failure
-        assert result.prompt_reused % 512 == 0  # whole ubatches only, or everything where rows are batch-invariant
+        assert (
+            result.prompt_reused % 512 == 0
+        )  # whole ubatches only, or everything where rows are batch-invariant
         cold = whole_model_greedy(model_path, list(result.prompt_tokens), STEPS, n_ctx=CONTEXT, n_ubatch=512)
         assert list(result.tokens) == cold, "exact: a follow-up equals a cold run of its tokens"

@@ -26,9 +26,6 @@ from tests.support.splitset import write_split_set
 pytestmark = pytest.mark.model
 
 
-
-
-
 async def run_once(path: Path, prompt: str = "Once upon a time") -> tuple[Pipeline, Any, list[Any]]:
     events: list[Any] = []
     pipeline = Pipeline(load_inventory(path), events.append)
@@ -122,7 +119,9 @@ async def test_a_chunk_that_does_not_verify_is_refused_and_the_rest_resumes(
         with pytest.raises(DeliveryError) as refused:
             await deliver_stage(stages[0], files, (8, 21), lambda event: None, Timeouts(), chunk_size=chunk)
         monkeypatch.setattr(StageSender, "chunks", original)
-        done = await deliver_stage(stages[0], files, (8, 21), lambda event: None, Timeouts(), chunk_size=chunk)
+        done = await deliver_stage(
+            stages[0], files, (8, 21), lambda event: None, Timeouts(), chunk_size=chunk
+        )
     finally:
         await stopped(stages, readers)
     assert str(refused.value).startswith("stage 0 on h0 (local): ")
@@ -158,7 +157,10 @@ def test_headless_reports_the_delivery(tmp_path, model_path, no_agent_left):
     first = run_cli(str(path), "--prompt", "Hello", "--json")
     assert first.returncode == 0, first.stderr
     rows = json.loads(first.stdout)["delivery"]
-    assert [(row["stage"], row["host"], row["outcome"]) for row in rows] == [(0, "h0", "sent"), (1, "h1", "sent")]
+    assert [(row["stage"], row["host"], row["outcome"]) for row in rows] == [
+        (0, "h0", "sent"),
+        (1, "h1", "sent"),
+    ]
     assert all(row["bytes_sent"] == row["size"] and row["seconds"] > 0 for row in rows)
     progress = [line for line in first.stderr.splitlines() if " on h0: " in line or " on h1: " in line]
     assert any(": sent " in line for line in progress), first.stderr
@@ -183,7 +185,10 @@ def test_inventory_send_is_read_and_checked(tmp_path):
     assert inventory.send and inventory.local_model_path() == str(tmp_path / "models" / "m.gguf")
     assert inventory.model_path_for(inventory.hosts["gpu"]) == str(tmp_path / "models" / "m.gguf")
     with pytest.raises(InventoryError, match=r"inv.yaml:3: hosts.gpu.model_path: has no use with model.send"):
-        parse_inventory(text.replace("{address: 10.0.0.1}", "{address: 10.0.0.1, model_path: /m.gguf}"), tmp_path / "inv.yaml")
+        parse_inventory(
+            text.replace("{address: 10.0.0.1}", "{address: 10.0.0.1, model_path: /m.gguf}"),
+            tmp_path / "inv.yaml",
+        )
     with pytest.raises(InventoryError, match=r"inv.yaml:1: model.send: expected true or false"):
         parse_inventory(text.replace("send: true", "send: yes please"), tmp_path / "inv.yaml")
 
@@ -213,8 +218,14 @@ async def test_the_tui_shows_the_stage_files_being_sent(tmp_path, model_path, no
             assert row.delivery is not None and (row.delivery.state, row.delivery.outcome) == ("done", "sent")
         logged = [line.plain for _, line in app.query_one(LogPane).entries]
         for stage in (0, 1):
-            steps = [line for line in logged if line.startswith(f"[{stage}] stage {stage}: ") and ".gguf: " in line]
-            assert [line.split(".gguf: ")[1].split(" ")[0] for line in steps] == ["checking", "sending", "sent"], steps
+            steps = [
+                line for line in logged if line.startswith(f"[{stage}] stage {stage}: ") and ".gguf: " in line
+            ]
+            assert [line.split(".gguf: ")[1].split(" ")[0] for line in steps] == [
+                "checking",
+                "sending",
+                "sent",
+            ], steps
         await pilot.press("ctrl+q")
         await wait_for(pilot, lambda: app.return_code is not None, 60, "the app to quit")
 
@@ -226,8 +237,12 @@ async def test_a_conversation_is_tokenized_here_as_stage_0_would(tmp_path, model
     its own copy."""
     from ggufpipe_agent.wire.protocol import ChatMessage
 
-    turns = (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"), ChatMessage("assistant", "Hello!"),
-             ChatMessage("user", "What is 2+2?"))
+    turns = (
+        ChatMessage("system", "Be brief."),
+        ChatMessage("user", "Hi"),
+        ChatMessage("assistant", "Hello!"),
+        ChatMessage("user", "What is 2+2?"),
+    )
     sent = send_inventory(tmp_path, model_path, [tmp_path / "c0"])
     own = tmp_path / "own.yaml"
     own.write_text(sent.read_text().replace(", send: true}", "}"))

@@ -29,8 +29,17 @@ KEY = StageKey("ab" * 32, "tiny", 0, 2, 4, 3)
 
 
 def event(state: str, done: int, size: int = int(12.4 * GIB), rate: float = 240e6, **extra) -> StageDelivery:
-    fields = {"stage": 0, "host": "a", "state": state, "name": "tiny.blk0-2of4.x.gguf", "size": size,
-              "done": done, "sent": done, "seconds": 3.0, "rate": rate}
+    fields = {
+        "stage": 0,
+        "host": "a",
+        "state": state,
+        "name": "tiny.blk0-2of4.x.gguf",
+        "size": size,
+        "done": done,
+        "sent": done,
+        "seconds": 3.0,
+        "rate": rate,
+    }
     return StageDelivery(**(fields | extra))
 
 
@@ -42,7 +51,9 @@ MESSAGES = [
     messages.StageStored("n.gguf", 123, "f" * 64),
     messages.ReceiveFailed("no space left for /c/n.gguf: ...", "disk_full", "/c/n.gguf", 123, 4),
     messages.CacheRequest(7, "remove", ("a.gguf", "b.gguf"), every=False),
-    messages.CacheReport(7, "/c", 5, (CacheEntry("a.gguf", "complete", "ab" * 32, "tiny", 0, 2, 4, 10, 10, 1.5),), ("b.gguf",)),
+    messages.CacheReport(
+        7, "/c", 5, (CacheEntry("a.gguf", "complete", "ab" * 32, "tiny", 0, 2, 4, 10, 10, 1.5),), ("b.gguf",)
+    ),
 ]
 
 
@@ -73,7 +84,10 @@ def test_the_wording_of_a_delivery():
     cached = dataclasses.replace(done, sent=0, outcome="cached")
     assert fmt.delivery_line(cached) == "on the host already (62.0 MiB), nothing sent"
     resumed = dataclasses.replace(done, sent=20 << 20, outcome="resumed")
-    assert fmt.delivery_line(resumed) == "resumed: sent 20.0 MiB of 62.0 MiB in 2.0 s, 10 MB/s (42.0 MiB were there)"
+    assert (
+        fmt.delivery_line(resumed)
+        == "resumed: sent 20.0 MiB of 62.0 MiB in 2.0 s, 10 MB/s (42.0 MiB were there)"
+    )
 
 
 def test_the_stage_table_shows_a_stage_file_being_sent():
@@ -99,7 +113,9 @@ def test_headless_prints_a_few_lines_a_second_and_nothing_with_quiet(monkeypatch
     clock = [0.0]
     monkeypatch.setattr(printing.time, "monotonic", lambda: clock[0])
     err = io.StringIO()
-    printer = printing.Printer(inventory(stages=2), io.StringIO(), err, as_json=True, verbose=False, quiet=False)
+    printer = printing.Printer(
+        inventory(stages=2), io.StringIO(), err, as_json=True, verbose=False, quiet=False
+    )
     printer(event("checking", 0))
     for step in range(1, 41):  # four seconds of updates, ten a second, for two stages
         clock[0] = step / 10
@@ -112,11 +128,18 @@ def test_headless_prints_a_few_lines_a_second_and_nothing_with_quiet(monkeypatch
     assert lines[0] == "ggufpipe: stage 0 on a: checking what the host has of 12.4 GiB"
     assert lines[-1].startswith("ggufpipe: stage 0 on a: sent 40.0 MiB in 3.0 s")
     assert printer.delivery_json()[0] | {"seconds": 0} == {
-        "stage": 0, "host": "a", "file": "tiny.blk0-2of4.x.gguf", "size": int(12.4 * GIB),
-        "bytes_sent": 40 << 20, "seconds": 0, "outcome": "sent",
+        "stage": 0,
+        "host": "a",
+        "file": "tiny.blk0-2of4.x.gguf",
+        "size": int(12.4 * GIB),
+        "bytes_sent": 40 << 20,
+        "seconds": 0,
+        "outcome": "sent",
     }
     quiet = io.StringIO()
-    silent = printing.Printer(inventory(stages=2), io.StringIO(), quiet, as_json=False, verbose=False, quiet=True)
+    silent = printing.Printer(
+        inventory(stages=2), io.StringIO(), quiet, as_json=False, verbose=False, quiet=True
+    )
     silent(event("sending", 1))
     silent(event("done", 40 << 20, outcome="sent"))
     assert quiet.getvalue() == ""

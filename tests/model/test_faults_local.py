@@ -33,7 +33,9 @@ def inventory_file(
     limits = {"connect": 30, "ready": 60, "step": 30, "teardown": 5, **timeouts}
     data, feedback = mode_yaml(mode)
     ranges = [(0, 7), (7, 23), (23, 30)]
-    stages = "".join(f"- {{host: {h}, layers: [{a}, {b}]}}\n" for h, (a, b) in zip(stage_hosts, ranges, strict=True))
+    stages = "".join(
+        f"- {{host: {h}, layers: [{a}, {b}]}}\n" for h, (a, b) in zip(stage_hosts, ranges, strict=True)
+    )
     return write_inventory(
         tmp_path,
         model_path,
@@ -112,7 +114,9 @@ async def test_a_stage_that_never_becomes_ready(tmp_path, model_path, no_agent_l
     assert {0, 2} <= {int(stage) for stage in named.split(", ")}, result.failure
 
 
-async def refused_at_start(tmp_path: Path, model_path: Path, other: Path, stage_hosts: tuple[str, ...]) -> str:
+async def refused_at_start(
+    tmp_path: Path, model_path: Path, other: Path, stage_hosts: tuple[str, ...]
+) -> str:
     """Why a run with host "other"'s copy at ``other`` is refused; no run began."""
     hosts = f"  other: {{local: true, model_path: {other}}}\n"
     saboteur = Saboteur(lambda e: False, lambda pipeline: None)
@@ -125,7 +129,9 @@ async def refused_at_start(tmp_path: Path, model_path: Path, other: Path, stage_
 async def test_model_missing_on_one_host(tmp_path, model_path, no_agent_left):
     """Every host's copy is read (and checked to be stage 0's model) before
     anything loads: a missing one is refused at the start, naming the host."""
-    reason = await refused_at_start(tmp_path, model_path, tmp_path / "elsewhere.gguf", ("here", "other", "here"))
+    reason = await refused_at_start(
+        tmp_path, model_path, tmp_path / "elsewhere.gguf", ("here", "other", "here")
+    )
     assert reason.startswith(f"model on other: {tmp_path / 'elsewhere.gguf'}: no such file (")
 
 

@@ -26,10 +26,6 @@ from tests.support.one_run import generate_once
 pytestmark = pytest.mark.model
 
 
-
-
-
-
 @pytest.mark.parametrize("mode", list(DATA_MODES))
 async def test_three_local_stages_match_the_whole_model(tmp_path, model_path, no_agent_left, mode):
     data, feedback = mode_yaml(mode)
@@ -72,8 +68,6 @@ async def test_second_run_reuses_the_loaded_stages(tmp_path, model_path, no_agen
     assert first.run_id != second.run_id
     assert first.tokens == second.tokens  # greedy, fresh KV cache each run
     assert loads == sum(1 for e in events if isinstance(e, AgentLog) and "load_tensors" in e.line)
-
-
 
 
 def test_headless_json(tmp_path, model_path, no_agent_left):
@@ -149,7 +143,9 @@ def test_the_agent_package_is_a_leaf():
 async def test_one_stage_feeds_itself(tmp_path, model_path, no_agent_left):
     """A one-stage token ring: the stage is its own consumer, no link at all."""
     inventory = load_inventory(
-        write_inventory(tmp_path, model_path, "- {host: here}\n", "max_tokens: 24, ignore_eos: true, chat: false")
+        write_inventory(
+            tmp_path, model_path, "- {host: here}\n", "max_tokens: 24, ignore_eos: true, chat: false"
+        )
     )
     events: list[object] = []
     result = await generate_once(inventory, events, "The capital of France is")

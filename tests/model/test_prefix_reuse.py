@@ -50,7 +50,9 @@ def write_inventory(
     mode: str = "direct",
     reuse: str = "cache",
 ) -> Path:
-    stages = "".join(f"- {{host: {host}, layers: [{a}, {b}]}}\n" for host, (a, b) in zip(hosts, splits, strict=True))
+    stages = "".join(
+        f"- {{host: {host}, layers: [{a}, {b}]}}\n" for host, (a, b) in zip(hosts, splits, strict=True)
+    )
     data, feedback = mode_yaml(mode)
     return local.write_inventory(
         tmp_path,
@@ -66,8 +68,6 @@ def write_inventory(
     )
 
 
-
-
 def prefill(events: list[Any], result: RunResult) -> list[tuple[int, int]]:
     """(kept, prefilled rows) of each stage in the run, from its final counters."""
     final: dict[int, tuple[int, int]] = {}
@@ -78,7 +78,9 @@ def prefill(events: list[Any], result: RunResult) -> list[tuple[int, int]]:
 
 
 def reuse_notice(events: list[Any], result: RunResult) -> str:
-    lines = [e.text for e in events if isinstance(e, Notice) and f"run {result.run_id:016x}: reused" in e.text]
+    lines = [
+        e.text for e in events if isinstance(e, Notice) and f"run {result.run_id:016x}: reused" in e.text
+    ]
     assert len(lines) == 1, lines
     return lines[0]
 
@@ -112,8 +114,12 @@ def cold_run(model: Path, prompt: list[int]) -> list[int]:
     return whole_model_greedy(model, prompt, STEPS, n_ctx=CONTEXT, n_ubatch=UBATCH)
 
 
-@pytest.mark.parametrize("mode", ["direct", "relay-loop"])  # the token ring, and the orchestrator feeding tokens back
-async def test_follow_up_turns_keep_the_prefix_and_match_a_cold_run(tmp_path, model_path, no_agent_left, mode):
+@pytest.mark.parametrize(
+    "mode", ["direct", "relay-loop"]
+)  # the token ring, and the orchestrator feeding tokens back
+async def test_follow_up_turns_keep_the_prefix_and_match_a_cold_run(
+    tmp_path, model_path, no_agent_left, mode
+):
     inventory = load_inventory(write_inventory(tmp_path, model_path, SMOLLM_SPLIT, ["here"] * 3, mode))
     events: list[Any] = []
     pipeline = Pipeline(inventory, events.append)
@@ -124,7 +130,9 @@ async def test_follow_up_turns_keep_the_prefix_and_match_a_cold_run(tmp_path, mo
         # The next turn: everything so far, then the new words.
         second_prompt = first_prompt + list(first.tokens) + tokenize(model_path, FOLLOW_UP, bos=False)
         second = await pipeline.generate_tokens(second_prompt)
-        third_prompt = second_prompt + list(second.tokens) + tokenize(model_path, " And the third?", bos=False)
+        third_prompt = (
+            second_prompt + list(second.tokens) + tokenize(model_path, " And the third?", bos=False)
+        )
         third = await pipeline.generate_tokens(third_prompt)
         # A prompt that repeats the start of the last one (a system prompt, say),
         # then one that shares nothing.
@@ -173,7 +181,9 @@ async def test_gemma3_keeps_only_what_a_cold_run_computes_alike(tmp_path, gemma3
     (the stages' batch-invariance probe finds it), so a stage keeps only the
     positions prefilled in whole ubatches, and the run keeps a multiple of
     the ubatch: exact, and less than everything."""
-    inventory = load_inventory(write_inventory(tmp_path, gemma3_path, GEMMA3_SPLIT, ["here"] * 3, reuse="exact"))
+    inventory = load_inventory(
+        write_inventory(tmp_path, gemma3_path, GEMMA3_SPLIT, ["here"] * 3, reuse="exact")
+    )
     events: list[Any] = []
     first_prompt, _, second_prompt, second = await follow_up(inventory, gemma3_path, events)
     assert second.outcome == "completed", second.failure
@@ -211,7 +221,9 @@ def test_the_probe_leaves_the_cache_as_it_was(model_path):
     """Asking a stage what it can keep probes its kernels (once) with its cache
     saved and put back: the run it holds goes on as if nothing happened."""
     prompt = tokenize(model_path, LONG_PROMPT, bos=True)
-    chain = Chain(model_path, SMOLLM_SPLIT, EngineOptions(CONTEXT, CONTEXT, UBATCH, threads=1, exact_reuse=True))
+    chain = Chain(
+        model_path, SMOLLM_SPLIT, EngineOptions(CONTEXT, CONTEXT, UBATCH, threads=1, exact_reuse=True)
+    )
     try:
         tokens = chain.generate(prompt, 8)
         held = [engine.n_past for engine in chain.engines]
@@ -246,7 +258,9 @@ async def agent(no_agent_left):
 OPTIONS = EngineOptions(256, 256, UBATCH, threads=1)  # SmolLM2 at this ubatch: exact at any batch size
 
 
-async def start_run(agent: AgentClient, model_path: Path, run_id: int, offer: PrefixOffer) -> tuple[Any, PrefixHeld]:
+async def start_run(
+    agent: AgentClient, model_path: Path, run_id: int, offer: PrefixOffer
+) -> tuple[Any, PrefixHeld]:
     message = dataclasses.replace(provision(run_id, str(model_path)), engine=OPTIONS, reuse=offer)
     await agent.send(message)
     await agent.open_edges(message)
@@ -255,7 +269,9 @@ async def start_run(agent: AgentClient, model_path: Path, run_id: int, offer: Pr
 
 
 async def step(agent: AgentClient, message: Any, sequence: int, tokens: list[int], position: int) -> int:
-    record = objects.tokens_record(message.run_id, message.inbound.edge_id, sequence, tokens, position=position)
+    record = objects.tokens_record(
+        message.run_id, message.inbound.edge_id, sequence, tokens, position=position
+    )
     await agent.send_data(record)
     got = await FrameReader(agent.data_reader).record(1 << 20)
     assert got is not None

@@ -198,8 +198,19 @@ def test_headless_run_on_a_split_set(split_set, prompt, reference, tmp_path, no_
         f"run: {{context: 512, ubatch: {UBATCH}, max_tokens: 24, ignore_eos: true, chat: false}}\n"
         "timeouts: {connect: 60, ready: 300, step: 60, teardown: 10}\n"
     )
-    command = [sys.executable, "-m", "ggufpipe_tui.cli", str(inventory), "--prompt", LONG_PROMPT, "--json", "-q"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=os.environ.copy(), cwd=REPO)
+    command = [
+        sys.executable,
+        "-m",
+        "ggufpipe_tui.cli",
+        str(inventory),
+        "--prompt",
+        LONG_PROMPT,
+        "--json",
+        "-q",
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env=os.environ.copy(), cwd=REPO
+    )
     assert done.returncode == 0, textwrap.shorten(done.stderr, 2000)
     result = json.loads(done.stdout)
     assert result["outcome"] == "completed", result

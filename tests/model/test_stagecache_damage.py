@@ -78,7 +78,11 @@ def flip(path: Path, offset: int, keep_times: bool = True) -> None:
     if keep_times:
         os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
         after = path.stat()
-        assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+        assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+            before.st_size,
+            before.st_mtime_ns,
+            before.st_ino,
+        )
 
 
 def without_a_trace(path: Path) -> None:
@@ -113,7 +117,9 @@ def test_a_new_entry_records_its_stat_after_the_rename_and_its_samples(entry):
     offsets = [offset for offset, _, _ in sidecar.samples]
     assert offsets[0] == 0 and offsets[-1] == SIZE - SAMPLE_BLOCK, "the header and the tail"
     assert len(offsets) == SAMPLE_COUNT and all(length == SAMPLE_BLOCK for _, length, _ in sidecar.samples)
-    assert sidecar.samples == stagecache.sample_digests(os.open(entry, os.O_RDONLY), [(o, n) for o, n, _ in sidecar.samples])
+    assert sidecar.samples == stagecache.sample_digests(
+        os.open(entry, os.O_RDONLY), [(o, n) for o, n, _ in sidecar.samples]
+    )
 
 
 def test_a_small_file_is_sampled_whole(tmp_path):
@@ -121,7 +127,10 @@ def test_a_small_file_is_sampled_whole(tmp_path):
     spans = stagecache.sample_spans(KEY, 10 << 30)
     assert spans == stagecache.sample_spans(KEY, 10 << 30), "the same at every check"
     assert spans != stagecache.sample_spans(dataclasses.replace(KEY, start=1), 10 << 30), "keyed by the entry"
-    assert all(offset % 4096 == 0 for offset, _ in spans[:-1]) and spans[-1] == ((10 << 30) - SAMPLE_BLOCK, SAMPLE_BLOCK)
+    assert all(offset % 4096 == 0 for offset, _ in spans[:-1]) and spans[-1] == (
+        (10 << 30) - SAMPLE_BLOCK,
+        SAMPLE_BLOCK,
+    )
 
 
 # ------------------------------------------------------------ the cheap check
@@ -154,7 +163,9 @@ def test_a_flipped_byte_behind_restored_size_and_mtime_is_refused(entry, hashed)
         check_entry(entry)
     message = str(refused.value)
     assert isinstance(refused.value, CacheError)
-    assert message.startswith(f"{entry}: the stage file in the stage cache {cache} is damaged (its ctime changed")
+    assert message.startswith(
+        f"{entry}: the stage file in the stage cache {cache} is damaged (its ctime changed"
+    )
     assert "the entry was removed so that the next start writes or sends it again" in message
     assert "ggufpipe-tui cache INVENTORY verify" in message
     assert hashed == [SIZE]
@@ -164,7 +175,9 @@ def test_a_flipped_byte_behind_restored_size_and_mtime_is_refused(entry, hashed)
 def test_a_shortened_entry_is_refused(entry):
     with entry.open("r+b") as handle:
         handle.truncate(SIZE - 1)
-    with pytest.raises(EntryDamaged, match=rf"its size, mtime, ctime changed .*: {SIZE - 1} bytes, not the {SIZE} recorded"):
+    with pytest.raises(
+        EntryDamaged, match=rf"its size, mtime, ctime changed .*: {SIZE - 1} bytes, not the {SIZE} recorded"
+    ):
         check_entry(entry)
 
 
@@ -245,7 +258,11 @@ def test_an_old_format_entry_still_loads_checked_once(entry, hashed):
     assert read_sidecar(entry).version == 1 and list_entries(entry.parent)[0].state == "complete"
     first = check_entry(entry)
     assert first is not None and hashed == [SIZE], "re-hashed once"
-    assert first.version == 2 and first.ctime_ns == entry.stat().st_ctime_ns and len(first.samples) == SAMPLE_COUNT
+    assert (
+        first.version == 2
+        and first.ctime_ns == entry.stat().st_ctime_ns
+        and len(first.samples) == SAMPLE_COUNT
+    )
     assert read_sidecar(entry) == first
     assert check_entry(entry) == first and hashed == [SIZE], "then the cheap check"
 
@@ -298,7 +315,9 @@ def test_a_locally_written_entry_damaged_is_written_again(model, tmp_path, caplo
 
 
 @pytest.mark.model
-async def test_a_delivered_file_damaged_before_it_loads_is_the_stage_fault(tmp_path, model_path, no_agent_left):
+async def test_a_delivered_file_damaged_before_it_loads_is_the_stage_fault(
+    tmp_path, model_path, no_agent_left
+):
     """Delivered, then damaged behind its restored size and mtime before the
     run loads it: the stage refuses it, and the run faults with that one
     reason (nothing generated)."""

@@ -89,7 +89,9 @@ def host(server: Sshd, account: HostAccount | None, cache: str, **extra: Any) ->
     return entry
 
 
-def inventory(path: Path, model: Path | str, hosts: dict[str, Any], stages: list[dict[str, Any]], send: bool) -> Path:
+def inventory(
+    path: Path, model: Path | str, hosts: dict[str, Any], stages: list[dict[str, Any]], send: bool
+) -> Path:
     document = {
         "model": {"path": str(model), **({"send": True} if send else {})},
         "hosts": hosts,
@@ -104,7 +106,10 @@ def inventory(path: Path, model: Path | str, hosts: dict[str, Any], stages: list
 def headless(path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "ggufpipe_tui.cli", str(path), "--prompt", PROMPT, *extra],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
     )
 
 
@@ -141,11 +146,17 @@ def two_stages(tmp_path_factory, server, account, private_model) -> tuple[Path, 
 # ------------------------------------------------------------------ send: true
 
 
-def test_two_stages_on_an_account_that_holds_no_model(two_stages, account, private_model, model_path, none_left):
+def test_two_stages_on_an_account_that_holds_no_model(
+    two_stages, account, private_model, model_path, none_left
+):
     path, first = two_stages
     if os.geteuid() == 0:
-        assert account.name != "root" and not account.can_read(private_model), "the host cannot read the model"
-        found = account.run("find", str(account.home), "-name", "*.gguf", "-not", "-path", "*/send/*", check=False)
+        assert account.name != "root" and not account.can_read(private_model), (
+            "the host cannot read the model"
+        )
+        found = account.run(
+            "find", str(account.home), "-name", "*.gguf", "-not", "-path", "*/send/*", check=False
+        )
         assert not found.stdout.strip(), f"the account holds a model of its own: {found.stdout}"
     assert first["outcome"] == "completed", first["failure"]
     reference = whole_model_greedy(model_path, first["prompt_tokens"], STEPS, n_ctx=512, n_ubatch=32)
@@ -162,17 +173,26 @@ def test_two_stages_on_an_account_that_holds_no_model(two_stages, account, priva
         assert oct(owner.st_mode & 0o777) == "0o600"
 
 
-def test_stages_that_share_a_process_each_receive_their_file(tmp_path, server, account, private_model, model_path, none_left):
+def test_stages_that_share_a_process_each_receive_their_file(
+    tmp_path, server, account, private_model, model_path, none_left
+):
     """share_process: true with send: true: the attached stage's file comes
     on its own receiving session of the host's connection, into the same
     cache, and the shared process runs both."""
     hosts = {"gpu": host(server, account, "~/send/shared", share_process=True)}
-    path = inventory(tmp_path / "inv.yaml", private_model, hosts, [{"host": "gpu"}, {"host": "gpu"}], send=True)
+    path = inventory(
+        tmp_path / "inv.yaml", private_model, hosts, [{"host": "gpu"}, {"host": "gpu"}], send=True
+    )
     done = headless(path, "--json")
     result = report(done)
     assert result["outcome"] == "completed", result["failure"]
-    assert result["tokens"] == whole_model_greedy(model_path, result["prompt_tokens"], STEPS, n_ctx=512, n_ubatch=32)
-    assert [row["outcome"] for row in sorted(result["delivery"], key=lambda row: row["stage"])] == ["sent", "sent"]
+    assert result["tokens"] == whole_model_greedy(
+        model_path, result["prompt_tokens"], STEPS, n_ctx=512, n_ubatch=32
+    )
+    assert [row["outcome"] for row in sorted(result["delivery"], key=lambda row: row["stage"])] == [
+        "sent",
+        "sent",
+    ]
     assert [entry["stages"] for entry in result["processes"]] == [[0, 1]]
     held = cache_files(account.home / "send" / "shared")
     assert len(held) == 4 and not [name for name in held if ".partial" in name], held
@@ -235,12 +255,16 @@ def test_the_cache_command_lists_verifies_and_removes(two_stages, account, none_
     assert missing.returncode == 1 and "nothing-like-it.gguf: not in the cache of any" in missing.stderr
 
 
-async def test_an_interrupted_transfer_resumes(tmp_path, server, account, private_model, model_path, monkeypatch, none_left):
+async def test_an_interrupted_transfer_resumes(
+    tmp_path, server, account, private_model, model_path, monkeypatch, none_left
+):
     """The SSH connection to stage 1's host dies (its sshd process killed)
     halfway through sending its file: one reason, a clean teardown; the next
     start sends only what the host had not verified."""
     hosts = {"gpu-a": host(server, account, "~/resume/a"), "gpu-b": host(server, account, "~/resume/b")}
-    path = inventory(tmp_path / "inv.yaml", private_model, hosts, [{"host": "gpu-a"}, {"host": "gpu-b"}], send=True)
+    path = inventory(
+        tmp_path / "inv.yaml", private_model, hosts, [{"host": "gpu-a"}, {"host": "gpu-b"}], send=True
+    )
     original = delivery._next_frame
 
     def slowly(chunks: Any) -> Any:  # a slow link, so that the kill lands halfway
@@ -286,7 +310,9 @@ async def test_an_interrupted_transfer_resumes(tmp_path, server, account, privat
     resumed = {done.stage: done for done in second.delivered}[1]
     assert resumed.outcome == "resumed" and resumed.sent == size - kept, (resumed, kept, size)
     assert result.outcome == "completed", result.failure
-    assert list(result.tokens) == whole_model_greedy(model_path, list(result.prompt_tokens), STEPS, n_ctx=512, n_ubatch=32)
+    assert list(result.tokens) == whole_model_greedy(
+        model_path, list(result.prompt_tokens), STEPS, n_ctx=512, n_ubatch=32
+    )
     assert not list(record_dir.glob("*.partial*")), "the partial file became the entry"
 
 
@@ -297,7 +323,15 @@ def test_a_full_disk_on_the_host_is_one_clear_error(tmp_path, server, account, p
     small.mkdir(exist_ok=True)
     owner = account.home.stat()
     subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size=16m,mode=0700,uid={owner.st_uid},gid={owner.st_gid}", "tmpfs", str(small)],
+        [
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            f"size=16m,mode=0700,uid={owner.st_uid},gid={owner.st_gid}",
+            "tmpfs",
+            str(small),
+        ],
         check=True,
     )
     try:
@@ -308,7 +342,9 @@ def test_a_full_disk_on_the_host_is_one_clear_error(tmp_path, server, account, p
         assert done.returncode == 2, done.stderr
         last = done.stderr.strip().splitlines()[-1]
         where = f"{account.name}@127.0.0.1:{server.port}"
-        assert last.startswith(f"ggufpipe: error: stage 0 on gpu-a ({where}): no space left for {small}/"), last
+        assert last.startswith(f"ggufpipe: error: stage 0 on gpu-a ({where}): no space left for {small}/"), (
+            last
+        )
         assert "the stage file needs 65107648 bytes (62.1 MiB)" in last and "are free there" in last, last
         assert cache_files(small) == [], "no partial file is left"
         assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr, done.stderr
@@ -316,23 +352,35 @@ def test_a_full_disk_on_the_host_is_one_clear_error(tmp_path, server, account, p
         subprocess.run(["umount", str(small)], check=True)
 
 
-def test_a_host_lacking_a_package_is_named_before_any_stage_loads(tmp_path, server, account, private_model, none_left):
+def test_a_host_lacking_a_package_is_named_before_any_stage_loads(
+    tmp_path, server, account, private_model, none_left
+):
     """A venv with ggufpipe and every dependency but gguf (which the agent
     imports only when it reads a stage file): the run fails at once, naming
     the host and the module, and no stage file is sent."""
     venv = account.home / "venv-without-gguf"
     install_agent(account, venv, wheels.wheelhouse(), skip="gguf")
     lacking = f"{venv}/bin/python -m ggufpipe_agent"
-    hosts = {"gpu-a": host(server, account, "~/lacking/a", agent=lacking), "gpu-b": host(server, account, "~/lacking/b")}
-    path = inventory(tmp_path / "inv.yaml", private_model, hosts, [{"host": "gpu-a"}, {"host": "gpu-b"}], send=True)
+    hosts = {
+        "gpu-a": host(server, account, "~/lacking/a", agent=lacking),
+        "gpu-b": host(server, account, "~/lacking/b"),
+    }
+    path = inventory(
+        tmp_path / "inv.yaml", private_model, hosts, [{"host": "gpu-a"}, {"host": "gpu-b"}], send=True
+    )
     done = headless(path)
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     where = f"{account.name}@127.0.0.1:{server.port}"
-    assert last.startswith(f"ggufpipe: error: stage 0 on gpu-a ({where}): the agent '{lacking}' on gpu-a cannot run"), last
+    assert last.startswith(
+        f"ggufpipe: error: stage 0 on gpu-a ({where}): the agent '{lacking}' on gpu-a cannot run"
+    ), last
     assert "module 'gguf' (imported by ggufpipe_agent.gguf.facts) is not installed" in last, last
     assert f"{lacking} --check" in last, last
-    assert cache_files(account.home / "lacking" / "a") == [] and cache_files(account.home / "lacking" / "b") == []
+    assert (
+        cache_files(account.home / "lacking" / "a") == []
+        and cache_files(account.home / "lacking" / "b") == []
+    )
     assert "Traceback" not in done.stderr, done.stderr
     check = account.run(f"{venv}/bin/python", "-m", "ggufpipe_agent", "--check", check=False)
     assert check.returncode == 1 and "module 'gguf'" in check.stderr, check
@@ -352,8 +400,13 @@ def renamed_copy(source: Path, target: Path, old: bytes, new: bytes) -> Path:
 
 def test_a_copy_of_another_model_on_one_host_is_refused(tmp_path, server, model_path, none_left):
     other = renamed_copy(model_path, tmp_path / "other.gguf", b"Smollm2 135M 8k", b"Smollm3 135M 8k")
-    hosts = {"gpu-a": host(server, None, str(tmp_path / "cache")), "gpu-b": host(server, None, str(tmp_path / "cache"), model_path=str(other))}
-    path = inventory(tmp_path / "inv.yaml", model_path, hosts, [{"host": "gpu-a"}, {"host": "gpu-b"}], send=False)
+    hosts = {
+        "gpu-a": host(server, None, str(tmp_path / "cache")),
+        "gpu-b": host(server, None, str(tmp_path / "cache"), model_path=str(other)),
+    }
+    path = inventory(
+        tmp_path / "inv.yaml", model_path, hosts, [{"host": "gpu-a"}, {"host": "gpu-b"}], send=False
+    )
     done = headless(path)
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]
@@ -378,7 +431,13 @@ def test_an_incomplete_split_set_is_refused(tmp_path, server, account, model_pat
     assert last.startswith(f"ggufpipe: error: model on this machine: {parts[1]}: missing part 2 of 3"), last
     assert not (account.home / "incomplete").exists(), "nothing was sent"
     # The same set as the hosts' own copy: refused by the host that has it, by name.
-    own = inventory(tmp_path / "own.yaml", parts[2], {"gpu-a": host(server, None, str(tmp_path / "cache"))}, [{"host": "gpu-a"}], send=False)
+    own = inventory(
+        tmp_path / "own.yaml",
+        parts[2],
+        {"gpu-a": host(server, None, str(tmp_path / "cache"))},
+        [{"host": "gpu-a"}],
+        send=False,
+    )
     done = headless(own)
     assert done.returncode == 2, done.stderr
     assert f"model on gpu-a: {parts[1]}: missing part 2 of 3" in done.stderr.strip().splitlines()[-1]

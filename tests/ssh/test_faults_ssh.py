@@ -31,6 +31,7 @@ from tests.support.sshd import Sshd
 
 pytestmark = [pytest.mark.ssh, pytest.mark.model]
 
+
 def inventory_file(
     tmp_path: Path,
     sshd: Sshd,
@@ -115,7 +116,10 @@ async def test_ssh_connection_dropped_mid_run(tmp_path, sshd, cache_dir, model_p
 def kill_tcp(port: int) -> None:
     """Abort both ends of the TCP connections to ``port`` (the kernel's
     SOCK_DESTROY, as a dropped network path or a stateful firewall would)."""
-    for selector in (["dst", "127.0.0.1", "dport", "=", str(port)], ["src", "127.0.0.1", "sport", "=", str(port)]):
+    for selector in (
+        ["dst", "127.0.0.1", "dport", "=", str(port)],
+        ["src", "127.0.0.1", "sport", "=", str(port)],
+    ):
         subprocess.run(["ss", "-K", *selector], capture_output=True, check=False)
 
 
@@ -218,7 +222,10 @@ async def test_model_missing_on_one_host(tmp_path, sshd, cache_dir, model_path, 
         await run_with(saboteur, inventory)
     missing = tmp_path / "elsewhere.gguf"
     line = load_inventory(inventory).hosts["gpu-b"].line
-    assert str(refused.value) == f"model on gpu-b: {missing}: no such file (hosts.gpu-b.model_path at {inventory}:{line})"
+    assert (
+        str(refused.value)
+        == f"model on gpu-b: {missing}: no such file (hosts.gpu-b.model_path at {inventory}:{line})"
+    )
     assert saboteur.phases() == [], "no run was planned"
 
 
@@ -229,7 +236,9 @@ async def test_corrupt_gguf_on_one_host(tmp_path, sshd, cache_dir, model_path, n
     saboteur = Saboteur(lambda e: False, lambda p: None)
     with pytest.raises(PipelineError) as refused:
         await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path, corrupt))
-    assert str(refused.value).startswith(f"model on gpu-b: {corrupt}: corrupt or truncated GGUF ("), refused.value
+    assert str(refused.value).startswith(f"model on gpu-b: {corrupt}: corrupt or truncated GGUF ("), (
+        refused.value
+    )
     assert saboteur.phases() == [], "refused before any run"
 
 

@@ -164,7 +164,9 @@ async def test_a_network_that_vanishes_without_a_reset(tmp_path, sshd: Sshd, cac
     known.write_text(f"[127.0.0.1]:{port} {kind} {blob}\n")
     hosts = {"gpu": host_entry(sshd, cache_dir, port=port, known_hosts=str(known))}
     stages = [("gpu", [0, 15]), ("gpu", [15, 30])]
-    path = write_inventory(tmp_path / "inventory.yaml", model_path, hosts, stages, max_tokens=4, ignore_eos=True)
+    path = write_inventory(
+        tmp_path / "inventory.yaml", model_path, hosts, stages, max_tokens=4, ignore_eos=True
+    )
     document = yaml.safe_load(path.read_text())
     document["timeouts"]["heartbeat"] = 3
     document["recovery"] = {"attempts": 0}  # the fault itself

@@ -86,7 +86,9 @@ async def test_a_host_gone_moves_its_stage_to_the_spare(
     path = inventory_file(tmp_path, sshd, cache_dir, model_path, proxy.port, spare, attempts=2, send=send)
     saboteur = Saboteur(on_token(6), host_gone(proxy, 1))
     result = await run_with(saboteur, path)
-    recovered = assert_recovered(saboteur, result, model_path, f"stage 1 on gpu-b ({sshd.user}@127.0.0.1:{proxy.port})")
+    recovered = assert_recovered(
+        saboteur, result, model_path, f"stage 1 on gpu-b ({sshd.user}@127.0.0.1:{proxy.port})"
+    )
     assert recovered.how == "moved to gpu-c"
     assert "; moved to gpu-c; replayed" in recovery_line(recovered)
     recovery = [e for e in saboteur.events if isinstance(e, StageRecovery)]

@@ -26,7 +26,9 @@ def inventory_file(tmp_path: Path, sshd: Sshd, cache: Path, model_path: Path) ->
 
 
 @pytest.mark.parametrize(("stage", "host"), [(1, "gpu-b"), (0, "gpu-a")])
-async def test_agent_killed_mid_decode_is_restarted(tmp_path, sshd, cache_dir, model_path, none_left, stage, host):
+async def test_agent_killed_mid_decode_is_restarted(
+    tmp_path, sshd, cache_dir, model_path, none_left, stage, host
+):
     saboteur = Saboteur(on_token(6), signal_agent(stage, signal.SIGKILL))
     result = await run_with(saboteur, inventory_file(tmp_path, sshd, cache_dir, model_path))
     assert_recovered(saboteur, result, model_path, f"stage {stage} on {host} ({where(sshd)})")

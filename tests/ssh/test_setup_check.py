@@ -43,7 +43,9 @@ def test_each_host_is_reported_without_starting_an_agent(tmp_path: Path, sshd: S
     assert ready["python"].startswith("3.") and ready["platform"] and ready["free_bytes"] > 0
     assert ready["gpus"] == [] and not ready["error"] and not ready["managed"]
     assert bare["agent"] == "" and bare["unfit"]
-    assert bare["verdict"].startswith("its agent: '/nonexistent/ggufpipe-agent' did not run; install ggufpipe==")
+    assert bare["verdict"].startswith(
+        "its agent: '/nonexistent/ggufpipe-agent' did not run; install ggufpipe=="
+    )
     assert fresh["managed"] and fresh["agent"] == "" and fresh["agents_dir"] == str(tmp_path / "agents")
     assert fresh["verdict"].startswith("no agent set up for this orchestrator yet; a set-up would be ")
     assert not (tmp_path / "agents").exists(), "--check sets nothing up"
@@ -77,7 +79,10 @@ def test_the_way_each_host_would_be_set_up() -> None:
     same = Probed(python=f"{build.python}.0", platform=build.platform)
     assert choose(host, same) == ("push", "its Python and platform are this machine's")
     gpu = Probed(python=f"{build.python}.0", platform=build.platform, gpus=["NVIDIA H200, 143771"])
-    assert choose(host, gpu) == ("build", "it has an NVIDIA GPU and the llama-cpp-python wheel kept here is not a CUDA build")
+    assert choose(host, gpu) == (
+        "build",
+        "it has an NVIDIA GPU and the llama-cpp-python wheel kept here is not a CUDA build",
+    )
     assert choose(HostSpec("h", 1, address="h", install="build"), same) == ("build", "install: build")
     with pytest.raises(SetupError, match="install: push cannot be done: it has an NVIDIA GPU"):
         choose(HostSpec("h", 1, address="h", install="push"), gpu)

@@ -36,7 +36,9 @@ def local_inventory(tmp_path: Path, model_path: Path, mode: str = "direct", max_
     data, feedback = mode_yaml(mode)
     stages = "".join(f"- {{host: here, layers: [{a}, {b}]}}\n" for a, b in RANGES)
     run = f"max_tokens: {max_tokens}, ignore_eos: true, chat: false, {feedback}"
-    return local.write_inventory(tmp_path, model_path, stages, run, data, here="{local: true, share_process: true}")
+    return local.write_inventory(
+        tmp_path, model_path, stages, run, data, here="{local: true, share_process: true}"
+    )
 
 
 def pids(pipeline: Pipeline) -> list[int]:
@@ -70,7 +72,9 @@ CHAINED = "decode steps run on the worker right after the previous stage's"
 
 
 @pytest.mark.parametrize("chain", ["on", "off"])
-async def test_a_shared_process_chains_its_stages_steps(tmp_path, model_path, no_agent_left, monkeypatch, chain):
+async def test_a_shared_process_chains_its_stages_steps(
+    tmp_path, model_path, no_agent_left, monkeypatch, chain
+):
     """On the direct links of one process, the worker runs stage i+1's decode
     step right after stage i's (ggufpipe_agent/stage/handover.py); GGUFPIPE_NO_CHAIN=1
     turns it off. Either way the tokens are the whole model's."""
@@ -149,7 +153,9 @@ async def test_share_socket_refuses_a_connection_without_the_secret(tmp_path, mo
         for token in ("0" * 32, hello.data_token):
             reader, writer = await asyncio.open_unix_connection(str(socket_path))
             await FrameWriter(writer).send(ShareAttach(token))
-            assert await asyncio.wait_for(FrameReader(reader, "share").message(), 10) is None, "closed unanswered"
+            assert await asyncio.wait_for(FrameReader(reader, "share").message(), 10) is None, (
+                "closed unanswered"
+            )
             writer.close()
         reader, writer = await asyncio.open_unix_connection(str(socket_path))
         await FrameWriter(writer).send(ShareAttach(hello.share_token))
@@ -225,7 +231,9 @@ async def test_sigkilled_shared_process_over_ssh_is_one_fault(tmp_path, sshd: Ss
     assert wait_no_session_agents(sshd, 10) == {}
 
 
-async def test_a_run_stopped_mid_decode_leaves_a_prefix_the_next_turn_keeps_exactly(tmp_path, model_path, no_agent_left):
+async def test_a_run_stopped_mid_decode_leaves_a_prefix_the_next_turn_keeps_exactly(
+    tmp_path, model_path, no_agent_left
+):
     """The worker runs a stage's step ahead of its object (ggufpipe_agent/stage/handover.py), so a
     run stopped mid-decode may leave a stage's engine a position further on
     than the others. The next turn keeps only what every stage holds of the

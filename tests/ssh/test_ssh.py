@@ -45,14 +45,6 @@ pytestmark = [pytest.mark.ssh, pytest.mark.model]
 UNEVEN = [[0, 7], [7, 20], [20, 30]]
 
 
-
-
-
-
-
-
-
-
 def one_stage(tmp_path: Path, model_path: Path, hosts: dict[str, Any], stages: list[Any]) -> Path:
     return write_inventory(tmp_path / "inv.yaml", model_path, hosts, stages)
 
@@ -339,7 +331,10 @@ async def test_missing_agent_says_how_to_install_it(tmp_path, sshd, cache_dir, m
     message, _ = await start_failure(one_stage(tmp_path, model_path, hosts, [("gpu", [0, 30])]))
     assert "not available on gpu" in message and "exit status 127" in message, message
     assert "give the agent's full path in the host's agent:" in message, message
-    assert "leave agent: out and ggufpipe sets one up there" in message and "Getting the agent onto a host" in message
+    assert (
+        "leave agent: out and ggufpipe sets one up there" in message
+        and "Getting the agent onto a host" in message
+    )
 
 
 # ---------------------------------------------------- nothing outlives us
@@ -350,7 +345,13 @@ async def test_faulted_run_leaves_no_agent(tmp_path, sshd, cache_dir, model_path
     stages = [("gpu", layers) for layers in UNEVEN]
     inventory = load_inventory(
         write_inventory(
-            tmp_path / "inv.yaml", model_path, hosts, stages, recovery={"attempts": 0}, max_tokens=400, ignore_eos=True
+            tmp_path / "inv.yaml",
+            model_path,
+            hosts,
+            stages,
+            recovery={"attempts": 0},
+            max_tokens=400,
+            ignore_eos=True,
         )
     )
     streamed = asyncio.Event()

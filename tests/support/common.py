@@ -34,7 +34,9 @@ async def start_then_close(link: AgentConnection, timeout: float) -> Hello:
         await link.close(1)
 
 
-def serve(inventory: Path, log_dir: Path, *args: str, **popen: Any) -> tuple[subprocess.Popen[str], list[str]]:
+def serve(
+    inventory: Path, log_dir: Path, *args: str, **popen: Any
+) -> tuple[subprocess.Popen[str], list[str]]:
     """``ggufpipe-tui INVENTORY --serve 127.0.0.1:0`` with its run logs in
     ``log_dir`` (``popen``: more of Popen's arguments), and the list a thread
     appends its stderr lines to."""
@@ -209,7 +211,10 @@ DATA_MODES = {
     "direct": {"data": "direct", "feedback": "ring"},
     "relay": {"data": "relay", "feedback": "ring"},
     "orchestrator": {"data": "direct", "feedback": "orchestrator"},
-    "relay-loop": {"data": "relay", "feedback": "orchestrator"},  # the first design's loop (docs/design.md, "Execution semantics")
+    "relay-loop": {
+        "data": "relay",
+        "feedback": "orchestrator",
+    },  # the first design's loop (docs/design.md, "Execution semantics")
 }
 
 

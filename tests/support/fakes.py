@@ -329,7 +329,9 @@ class FakePipeline:
         rig.start()
         return rig.driver
 
-    async def tokenize(self, text: str, chat: bool, messages: Sequence[ChatMessage] = ()) -> tuple[list[int], str]:
+    async def tokenize(
+        self, text: str, chat: bool, messages: Sequence[ChatMessage] = (), tools: str = "", template: str = ""
+    ) -> tuple[list[int], str]:
         if text == "unreadable":
             raise PipelineError("tokenizing on a: the chat template failed")
         return [len(text)] * (40 if text == "long" else 1), text

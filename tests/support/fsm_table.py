@@ -13,7 +13,9 @@ import pytest
 from ggufpipe_agent.errors import TransitionError
 
 
-def every_pair(names: tuple[str, str], states: dict[Any, Any], events: dict[str, Any]) -> pytest.MarkDecorator:
+def every_pair(
+    names: tuple[str, str], states: dict[Any, Any], events: dict[str, Any]
+) -> pytest.MarkDecorator:
     """Parametrizes ``names`` over every (state, event) pair of the two tables, by name."""
 
     def label(state: Any) -> str:

@@ -28,15 +28,6 @@ from tests.support.common import whole_model_greedy
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
-
-
-
-
-
-
-
-
-
 def stage_files(cache: Path) -> dict[Path, tuple[int, int]]:
     return {p: (p.stat().st_mtime_ns, p.stat().st_ino) for p in cache.rglob("*.gguf")}
 

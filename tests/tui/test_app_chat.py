@@ -35,7 +35,9 @@ ITALY = "And of Italy?"
 
 
 @contextlib.asynccontextmanager
-async def loaded_app(tmp_path: Path, model_path: Path, run: str) -> AsyncIterator[tuple[GgufpipeApp, Pilot[int]]]:
+async def loaded_app(
+    tmp_path: Path, model_path: Path, run: str
+) -> AsyncIterator[tuple[GgufpipeApp, Pilot[int]]]:
     """The app on the real pipeline with ``run:`` options, its stages loaded."""
     inventory = write_inventory(tmp_path, model_path, run)
     app = GgufpipeApp(inventory, log_dir=tmp_path / "runs")
@@ -87,7 +89,9 @@ async def test_the_second_answer_uses_the_first_and_ctrl_n_starts_fresh(
         assert alone.ok and "Rome" not in alone.text, alone.text
         assert fresh.text == alone.text
         assert len(alone.prompt_tokens) < len(france.prompt_tokens), "the fresh prompt carries no history"
-        assert 0 < alone.prompt_reused < len(alone.prompt_tokens), "only the template's system prompt is shared"
+        assert 0 < alone.prompt_reused < len(alone.prompt_tokens), (
+            "only the template's system prompt is shared"
+        )
         assert app.turns.conversation.number == 2 and app.turns.conversation.exchanges == 1
 
         await pilot.press("ctrl+q")
@@ -103,7 +107,9 @@ async def test_a_conversation_that_would_overflow_is_refused_before_it_runs(
         await type_prompt(pilot, FRANCE)
         await wait_for(pilot, lambda: len(app.results) == 1, RUN_TIMEOUT, "the first turn")
         assert app.results[0].ok and app.results[0].stop_reason == "eos"
-        await wait_for(pilot, lambda: ready_for_prompt(app, app.results[0].run_id), READY_TIMEOUT, "the next run")
+        await wait_for(
+            pilot, lambda: ready_for_prompt(app, app.results[0].run_id), READY_TIMEOUT, "the next run"
+        )
         prepared = app.run_id
 
         refused = await type_prompt(pilot, ITALY)

@@ -157,7 +157,9 @@ async def test_a_rejected_plan_faults_before_anything_is_sent():
     await settle()
     assert rig.driver.done.is_set()
     assert not any(isinstance(m, ProvisionStage) for s in rig.stages for m in s.sent)
-    assert rig.driver.result is not None and rig.driver.result.failure == "the pipeline is broken: stage 0 lost"
+    assert (
+        rig.driver.result is not None and rig.driver.result.failure == "the pipeline is broken: stage 0 lost"
+    )
 
 
 async def test_in_a_token_ring_the_orchestrator_reads_and_never_injects():
@@ -236,7 +238,8 @@ async def test_a_run_keeps_what_every_stage_holds_of_the_last_run():
     result = rig.driver.result
     assert result is not None and result.prompt_reused == 4 and result.prompt_computed == 3
     assert any(
-        isinstance(e, Notice) and "reused 4 of 7 prompt tokens from run 0000000000000099 (stage 1: it holds 4)" in e.text
+        isinstance(e, Notice)
+        and "reused 4 of 7 prompt tokens from run 0000000000000099 (stage 1: it holds 4)" in e.text
         for e in rig.events
     )
     # What the stages now hold: the prompt and every token but the last.

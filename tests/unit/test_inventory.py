@@ -21,7 +21,9 @@ def test_a_hand_started_agent_serves_one_stage(tmp_path):
     )
     with pytest.raises(InventoryError) as refused:
         parse_inventory(text, tmp_path / "inv.yaml")
-    assert str(refused.value).startswith(f"{tmp_path / 'inv.yaml'}:8: stages[2]: stage 0 runs on manual already")
+    assert str(refused.value).startswith(
+        f"{tmp_path / 'inv.yaml'}:8: stages[2]: stage 0 runs on manual already"
+    )
     assert "one agent per stage" in str(refused.value)
 
 
@@ -86,14 +88,26 @@ PARALLEL_CASES = {
     "two stages on one SSH machine": ("a: {address: h1}", ["a", "a"], 2, 1),
     "one machine named twice": ("a: {address: h1}\n  b: {address: h1}", ["a", "b"], 2, 1),
     "local stages on every core": ("a: {local: true}\n  b: {local: true}", ["a", "b"], 2, 1),
-    "local stages a core each": ("a: {local: true, threads: 1}\n  b: {local: true, threads: 1}", ["a", "b"], 2, 2),
-    "more threads than cores": ("a: {local: true, threads: 2}\n  b: {local: true, threads: 1}", ["a", "b"], 2, 1),
+    "local stages a core each": (
+        "a: {local: true, threads: 1}\n  b: {local: true, threads: 1}",
+        ["a", "b"],
+        2,
+        2,
+    ),
+    "more threads than cores": (
+        "a: {local: true, threads: 2}\n  b: {local: true, threads: 1}",
+        ["a", "b"],
+        2,
+        1,
+    ),
     "one shared process": ("a: {local: true, threads: 1, share_process: true}", ["a", "a"], 4, 1),
     "local and SSH": ("a: {local: true}\n  b: {address: h2}\n  c: {address: h3}", ["a", "b", "c"], 2, 3),
 }
 
 
-@pytest.mark.parametrize(("hosts", "stages", "cores", "expected"), PARALLEL_CASES.values(), ids=PARALLEL_CASES)
+@pytest.mark.parametrize(
+    ("hosts", "stages", "cores", "expected"), PARALLEL_CASES.values(), ids=PARALLEL_CASES
+)
 def test_the_servers_default_runs_in_flight_count_machines(tmp_path, hosts, stages, cores, expected):
     """One run in flight per machine; on this machine one per stage where
     each stage has threads of its own that fit its cores (docs/architecture.md, "Runs in flight")."""

@@ -18,7 +18,10 @@ def test_a_chat_request_with_every_supported_field():
             "model": "anything",
             "messages": [
                 {"role": "developer", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}],
+                },
                 {"role": "assistant", "content": "Hi!"},
                 {"role": "user", "content": "Bye", "name": "ada"},
             ],
@@ -64,7 +67,11 @@ def test_a_completion_prompt_is_text_or_token_ids():
         ({"messages": ["hi"]}, "messages[0]", "an object"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'tool' is not one of"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "a string or a list"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]", "text parts"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+            "text parts",
+        ),
         ({"messages": HELLO, "temperature": "hot"}, "temperature", "a number is required"),
         ({"messages": HELLO, "temperature": 3}, "temperature", "not in [0, 2]"),
         ({"messages": HELLO, "top_p": 0}, "top_p", "not in (0, 1]"),
@@ -79,7 +86,11 @@ def test_a_completion_prompt_is_text_or_token_ids():
         ({"messages": HELLO, "stop": [1]}, "stop", "list of strings"),
         ({"messages": HELLO, "stop": ["a"] * 17}, "stop", "at most 16"),
         ({"messages": HELLO, "stream": "yes"}, "stream", "true or false"),
-        ({"messages": HELLO, "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
+        (
+            {"messages": HELLO, "stream_options": {"include_usage": True}},
+            "stream_options",
+            "only allowed with stream",
+        ),
         ({"messages": HELLO, "model": 3}, "model", "a string"),
         # What the stages refuse is refused here, by the same definition.
         ({"messages": HELLO, "temperature": float("nan")}, "temperature", "a finite number"),
@@ -87,9 +98,16 @@ def test_a_completion_prompt_is_text_or_token_ids():
         ({"messages": HELLO, "top_k": 1 << 31}, "top_k", "not in [0, 2147483647]"),
         ({"messages": HELLO, "seed": 1 << 63}, "seed", "is not in"),
         # Text that UTF-8 cannot carry to a stage.
-        ({"messages": [{"role": "user", "content": "a \ud800 b"}]}, "messages[0].content", "lone surrogate U+D800"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
-         "messages[0].content[0]", "lone surrogate U+DFFF at character 0"),
+        (
+            {"messages": [{"role": "user", "content": "a \ud800 b"}]},
+            "messages[0].content",
+            "lone surrogate U+D800",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+            "messages[0].content[0]",
+            "lone surrogate U+DFFF at character 0",
+        ),
         ({"messages": HELLO, "stop": ["ok", "\udc80"]}, "stop", "is not UTF-8"),
     ],
 )
@@ -98,10 +116,14 @@ def test_a_malformed_chat_request_is_refused_by_name(body, param, words):
         parse_chat(body)
     error = refused.value
     assert error.status == 400 and error.param == param and words in error.message
-    assert error.body() == {"error": {"message": error.message, "type": "invalid_request_error", "param": param, "code": None}}
+    assert error.body() == {
+        "error": {"message": error.message, "type": "invalid_request_error", "param": param, "code": None}
+    }
 
 
-@pytest.mark.parametrize("prompt", [None, 5, [], ["a", "b"], [[1], [2]], [-1], [1, "a"], "x \udfff y", ["\ud800"]])
+@pytest.mark.parametrize(
+    "prompt", [None, 5, [], ["a", "b"], [[1], [2]], [-1], [1, "a"], "x \udfff y", ["\ud800"]]
+)
 def test_a_malformed_completion_prompt_is_refused(prompt):
     body = {} if prompt is None else {"prompt": prompt}
     with pytest.raises(ApiError, match="prompt"):

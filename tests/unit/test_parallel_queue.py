@@ -84,7 +84,11 @@ async def test_every_free_slot_keeps_a_run_prepared_ahead():
         while len(runner.prepared) < 2:
             await asyncio.sleep(0.01)
         assert len(pipeline.rigs) == 3, "its slot prepared the next"
-        other = await asyncio.wait_for(pipeline.queue.submit(Prompt(text="y", cache_prompt=False)).result(), 5)
-        assert other.ok and other.run_id == 0x104, "cache_prompt false: a run that offers nothing, not the prepared one"
+        other = await asyncio.wait_for(
+            pipeline.queue.submit(Prompt(text="y", cache_prompt=False)).result(), 5
+        )
+        assert other.ok and other.run_id == 0x104, (
+            "cache_prompt false: a run that offers nothing, not the prepared one"
+        )
         assert pipeline.reused[3] is False
     assert all(driver.done.is_set() for driver in runner.prepared.values()), "prepared runs stopped"

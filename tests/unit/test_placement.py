@@ -472,7 +472,9 @@ def test_too_many_slots_are_refused_with_as_many_as_fit():
     stages = "  - {host: a, layers: [0, 10]}\n  - {host: b, layers: [10, 20]}\n"
     with pytest.raises(PlacementError) as refused:
         place_stages(inventory(hosts, stages, "parallel: 32"), FACTS, [hello()] * 2)
-    found = re.search(r"fewer runs in flight \(--parallel (\d+); now 32, a KV cache each\)", str(refused.value))
+    found = re.search(
+        r"fewer runs in flight \(--parallel (\d+); now 32, a KV cache each\)", str(refused.value)
+    )
     assert found, str(refused.value)
     most = int(found.group(1))
     assert place_stages(inventory(hosts, stages, f"parallel: {most}"), FACTS, [hello()] * 2).fits

@@ -148,7 +148,9 @@ def test_automatic_split_is_even():
 
 def test_data_modes_globally_and_per_host():
     text = GOOD + "data: relay\n"
-    text = text.replace("model_path: /data/m.gguf}", "model_path: /data/m.gguf, data: direct, link_address: 10.1.0.11}")
+    text = text.replace(
+        "model_path: /data/m.gguf}", "model_path: /data/m.gguf, data: direct, link_address: 10.1.0.11}"
+    )
     inventory = parse(text)
     assert inventory.hosts["here"].data == "relay", "the top level applies where a host says nothing"
     assert inventory.hosts["gpu-a"].data == "direct" and inventory.hosts["gpu-a"].link_address == "10.1.0.11"

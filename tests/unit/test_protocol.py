@@ -296,7 +296,9 @@ async def test_a_write_on_a_closed_transport_is_a_lost_stream():
 
     class Closed:
         def write(self, data: bytes) -> None:
-            raise RuntimeError("unable to perform operation on <UnixTransport closed=True>; the handler is closed")
+            raise RuntimeError(
+                "unable to perform operation on <UnixTransport closed=True>; the handler is closed"
+            )
 
         async def drain(self) -> None:
             raise AssertionError("not reached")

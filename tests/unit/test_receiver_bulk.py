@@ -56,14 +56,22 @@ def test_memory_stays_bounded_whatever_the_file_size(tmp_path):
     source = big_model(tmp_path / "big.gguf")
     assert source.stat().st_size > 380 << 20
     done = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(source), str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", MEASURE, str(source), str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     growth = result["peak"] - result["before"]
-    print(f"\nstage file {result['size'] / 2**20:.0f} MiB written locally and received: peak RSS grew {growth / 2**20:.1f} MiB")
+    print(
+        f"\nstage file {result['size'] / 2**20:.0f} MiB written locally and received: peak RSS grew {growth / 2**20:.1f} MiB"
+    )
     assert result["size"] > 320 << 20 and result["same"]
-    assert growth < 48 << 20, f"peak RSS grew by {growth / 2**20:.0f} MiB for a {result['size'] / 2**20:.0f} MiB file"
+    assert growth < 48 << 20, (
+        f"peak RSS grew by {growth / 2**20:.0f} MiB for a {result['size'] / 2**20:.0f} MiB file"
+    )
     with contextlib.suppress(OSError):
         source.unlink()
 
@@ -78,7 +86,9 @@ def test_the_file_digest_is_the_same_however_the_bytes_arrive():
     data = np.random.default_rng(3).bytes(5 * LEAF + 12345)
     whole = FileDigest()
     whole.update(data)
-    expected = hashlib.sha256(b"".join(hashlib.sha256(data[i : i + LEAF]).digest() for i in range(0, len(data), LEAF)))
+    expected = hashlib.sha256(
+        b"".join(hashlib.sha256(data[i : i + LEAF]).digest() for i in range(0, len(data), LEAF))
+    )
     assert whole.hexdigest() == expected.hexdigest()
     for piece in (1, 999, LEAF - 1, LEAF, 3 * LEAF + 7):
         pieces = FileDigest()
@@ -91,4 +101,3 @@ def test_the_file_digest_is_the_same_however_the_bytes_arrive():
         assert chunk_digest(leaves) == hashlib.sha256(leaves).hexdigest()
         chunks.add_leaves(leaves)
     assert chunks.hexdigest() == whole.hexdigest()
-

@@ -353,7 +353,9 @@ def small_disk(tmp_path: Path):
         pytest.skip("mounting a tmpfs needs root")
     mount = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(mount)], capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(mount)], capture_output=True
+    )
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
     try:

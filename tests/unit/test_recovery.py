@@ -40,11 +40,27 @@ LOSS = Loss("stage 1 on b: the agent exited (killed by signal 9)", 10.0)
         ([LOSS, Begin(10.0), Repaired("restarted stage 1 on b")], Phase.READY, 1),
         ([LOSS, Begin(10.0), RepairFailed("no answer"), Begin(11.0)], Phase.RECOVERING, 2),
         ([LOSS, Begin(10.0), Repaired("r"), Loss("again", 20.0), Begin(20.0)], Phase.RECOVERING, 2),
-        ([LOSS, Begin(10.0), Repaired("r"), Loss("again", 20), Begin(20), Repaired("r"), Loss("3", 30), Begin(30)],
-         Phase.BROKEN, 2),
+        (
+            [
+                LOSS,
+                Begin(10.0),
+                Repaired("r"),
+                Loss("again", 20),
+                Begin(20),
+                Repaired("r"),
+                Loss("3", 30),
+                Begin(30),
+            ],
+            Phase.BROKEN,
+            2,
+        ),
         ([LOSS, Begin(10.0), RepairFailed("x"), Begin(11), RepairFailed("y"), Begin(12)], Phase.BROKEN, 2),
         # A completed run gives the next loss the whole budget again.
-        ([LOSS, Begin(10.0), Repaired("r"), Settled(), Loss("again", 20.0), Begin(20.0)], Phase.RECOVERING, 1),
+        (
+            [LOSS, Begin(10.0), Repaired("r"), Settled(), Loss("again", 20.0), Begin(20.0)],
+            Phase.RECOVERING,
+            1,
+        ),
         # Settled while a repair is under way changes nothing.
         ([LOSS, Begin(10.0), Settled()], Phase.RECOVERING, 1),
         # Past the deadline, no attempt is begun.
@@ -67,8 +83,15 @@ def test_recovery_off_is_the_loss_itself():
 
 def test_the_reason_names_the_first_loss_and_what_was_tried():
     state = run(
-        [LOSS, Begin(10), Repaired("restarted stage 1 on b"), Loss("stage 2 lost", 20), Begin(20),
-         RepairFailed("no answer from b"), Begin(21)],
+        [
+            LOSS,
+            Begin(10),
+            Repaired("restarted stage 1 on b"),
+            Loss("stage 2 lost", 20),
+            Begin(20),
+            RepairFailed("no answer from b"),
+            Begin(21),
+        ],
         Policy(attempts=2),
     )
     assert state.phase is Phase.BROKEN

@@ -14,13 +14,21 @@ SOURCE = ReuseSource(RUN, FED)
 
 
 def holds(*positions: int, granularity: int = 1, run: int = RUN) -> list[PrefixHeld]:
-    return [PrefixHeld(run, count, granularity, "" if count >= 8 else f"holds {count}") for count in positions]
+    return [
+        PrefixHeld(run, count, granularity, "" if count >= 8 else f"holds {count}") for count in positions
+    ]
 
 
 CASES = {
     # name: (source, prompt, holds, kept, words in the reason)
     "the next turn keeps what was fed": (SOURCE, [*FED, 9, 9], holds(8, 8, 8), 8, ""),
-    "the same prompt again computes its last token": (SOURCE, [1, 2, 3, 4, 5], holds(8, 8), 4, "last prompt token"),
+    "the same prompt again computes its last token": (
+        SOURCE,
+        [1, 2, 3, 4, 5],
+        holds(8, 8),
+        4,
+        "last prompt token",
+    ),
     "a shorter shared prefix": (SOURCE, [1, 2, 3, 0, 0], holds(8, 8), 3, ""),
     "the stage that holds least decides": (SOURCE, [*FED, 9], holds(8, 5, 8), 5, "stage 1: holds 5"),
     "nothing shared": (SOURCE, [9, 1, 2], holds(8, 8), 0, "shares no prefix"),

@@ -95,7 +95,9 @@ TABLE = {
 
 # The token ring: the last stage feeds tokens back itself; the orchestrator
 # accepts each one (and applies the same stop) but never injects.
-RUNS["Running-ring"] = Run(4, frozenset({2}), P.RUNNING, 3, ALL, ALL, prompt_given=True, consumed=1, ring=True)
+RUNS["Running-ring"] = Run(
+    4, frozenset({2}), P.RUNNING, 3, ALL, ALL, prompt_given=True, consumed=1, ring=True
+)
 TABLE.update({("Running-ring", event): v for (phase, event), v in list(TABLE.items()) if phase is P.RUNNING})
 TABLE[("Running-ring", "token-next")] = (P.RUNNING, [f.CancelTimer, f.AcceptToken, f.StartTimer])
 

@@ -34,7 +34,9 @@ async def test_a_run_is_prepared_ahead_and_again_after_each_run():
     pipeline = FakePipeline(prepare_ahead=True)
     async with served(pipeline):
         await asyncio.sleep(0.05)
-        assert len(pipeline.rigs) == 1 and not pipeline.rigs[0].driver.done.is_set(), "prepared before any prompt"
+        assert len(pipeline.rigs) == 1 and not pipeline.rigs[0].driver.done.is_set(), (
+            "prepared before any prompt"
+        )
         result = await asyncio.wait_for(pipeline.queue.submit(Prompt(text="hi")).result(), 5)
         assert result.run_id == 0x101
         await asyncio.sleep(0.05)
@@ -174,7 +176,9 @@ async def test_a_reply_that_cannot_fit_is_refused_before_or_shortened():
 
 
 @pytest.mark.parametrize("prepare_ahead", [False, True])
-async def test_on_the_token_ring_a_prompt_with_another_reply_limit_gets_a_run_provisioned_with_it(prepare_ahead):
+async def test_on_the_token_ring_a_prompt_with_another_reply_limit_gets_a_run_provisioned_with_it(
+    prepare_ahead,
+):
     # The last stage of a ring stops at its provision's max_tokens: a reply
     # limit known only with the prompt (shortened, or a request's own) must
     # reach it in a provision, not only in the orchestrator's run FSM.
@@ -193,6 +197,8 @@ async def test_cache_prompt_false_prepares_a_run_that_keeps_nothing():
     """llama-server's cache_prompt: false, one run at a time too."""
     pipeline = FakePipeline()
     async with served(pipeline):
-        assert (await asyncio.wait_for(pipeline.queue.submit(Prompt(text="a", cache_prompt=False)).result(), 5)).ok
+        assert (
+            await asyncio.wait_for(pipeline.queue.submit(Prompt(text="a", cache_prompt=False)).result(), 5)
+        ).ok
         assert (await asyncio.wait_for(pipeline.queue.submit(Prompt(text="b")).result(), 5)).ok
         assert pipeline.reused == [False, True]

@@ -58,7 +58,9 @@ def test_a_run_log_directory_others_may_write_in_is_refused(tmp_path):
     shared.mkdir()
     shared.chmod(0o777)
     runlog = RunLog(shared)
-    with pytest.raises(OSError, match=r"run-log directory .* is writable by its group and others \(mode 0777\)"):
+    with pytest.raises(
+        OSError, match=r"run-log directory .* is writable by its group and others \(mode 0777\)"
+    ):
         runlog.open(0x1)
     assert list(shared.iterdir()) == [], "nothing written where others could read or plant files"
     assert "--log-dir" in runlog.disabled

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -20,9 +20,8 @@ from ggufpipe_tui.core.events import Event, RunFinished, RunResult, StageRecover
 from ggufpipe_tui.core.inventory import RunOptions
 from ggufpipe_tui.server.http import Server
 from ggufpipe_tui.server.metrics import Metrics
-from ggufpipe_tui.session import serving
 from ggufpipe_tui.session.driver import RunDriver
-from ggufpipe_tui.session.runs import Prompt, RunHandle, RunOverrides
+from ggufpipe_tui.session.runs import Prompt, RunHandle
 from tests.support.fakes import FACTS, PIECES, FakePipeline, served
 from tests.support.prometheus import parse
 
@@ -62,23 +61,9 @@ class Pipeline(FakePipeline):
         return self.queue.submit(prompt, stream)
 
     async def tokenize(
-        self, text: str, chat: bool, messages: Sequence[ChatMessage] = ()
+        self, text: str, chat: bool, messages: Sequence[ChatMessage] = (), tools: str = "", template: str = ""
     ) -> tuple[list[int], str]:
         return [1, *(token for char in text for token in WORDS.get(char, [3]))], text
-
-
-@pytest.fixture(autouse=True)
-def run_options_without_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Until RunOptions takes RunOverrides.extra (the lead's sampling work),
-    run_options cannot make a run's options: the runs here take no extra."""
-    if "extra" in {f.name for f in fields(RunOptions)}:
-        return
-
-    def run_options(base: RunOptions, overrides: RunOverrides) -> RunOptions:
-        given = {f.name: getattr(overrides, f.name) for f in fields(overrides) if f.name != "extra"}
-        return replace(base, **{name: value for name, value in given.items() if value is not None})
-
-    monkeypatch.setattr(serving, "run_options", run_options)
 
 
 async def client_for(

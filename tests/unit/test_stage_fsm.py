@@ -156,7 +156,13 @@ TABLE.update(
 
 @every_pair(("state", "event_name"), STAGES, EVENTS)
 def test_every_pair(state, event_name):
-    check_pair(transition, STAGES[state], EVENTS[event_name], TABLE.get((state, event_name)), lambda after: after.state)
+    check_pair(
+        transition,
+        STAGES[state],
+        EVENTS[event_name],
+        TABLE.get((state, event_name)),
+        lambda after: after.state,
+    )
 
 
 def test_a_ring_stage_is_ready_only_with_its_ring_end():

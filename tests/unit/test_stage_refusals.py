@@ -297,7 +297,10 @@ BAD_PROVISIONS = {
         "int32 tokens",
     ),
     "ring without a stop": (lambda m: _with(m, ring=_ring(m, max_tokens=0)), "max_tokens"),
-    "ring stop outside the vocabulary": (lambda m: _with(m, ring=_ring(m, eog_token_ids=(2, 10**9))), "vocabulary"),
+    "ring stop outside the vocabulary": (
+        lambda m: _with(m, ring=_ring(m, eog_token_ids=(2, 10**9))),
+        "vocabulary",
+    ),
     "prefix offer past the context": (lambda m: _with(m, reuse=PrefixOffer(7, 10**6)), "prefix offer"),
     "prefix offer of a negative run": (lambda m: _with(m, reuse=PrefixOffer(-7, 3)), "prefix offer"),
     "a prefix of its own run": (lambda m: _with(m, reuse=PrefixOffer(m.run_id, 3)), "a prefix of its own"),
@@ -306,7 +309,9 @@ BAD_PROVISIONS = {
 
 def _ring(message, **changes):
     """A sound token-ring end for a one-stage ``message``, then ``changes``."""
-    ring = TokenRingProvision(message.outbound.edge_id + 1, True, True, ObjectSpec("tokens", "int32", 1, 1), (2,), 8)
+    ring = TokenRingProvision(
+        message.outbound.edge_id + 1, True, True, ObjectSpec("tokens", "int32", 1, 1), (2,), 8
+    )
     return dataclasses.replace(ring, **changes)
 
 

@@ -20,7 +20,9 @@ from tests.support.inprocess_agent import FakeEngine, InProcessAgent, provision
 
 def on_slot(run_id: int, model: str, slot: int, parallel: int = 2, edge_base: int = 100):
     message = provision(run_id, model, edge_base=edge_base)
-    return dataclasses.replace(message, engine=dataclasses.replace(message.engine, parallel=parallel), slot=slot)
+    return dataclasses.replace(
+        message, engine=dataclasses.replace(message.engine, parallel=parallel), slot=slot
+    )
 
 
 async def ready(agent: InProcessAgent, message) -> None:

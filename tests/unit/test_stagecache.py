@@ -141,7 +141,9 @@ def test_temporary_names_are_unpredictable(tmp_path):
 # ------------------------------------------------------------ the directory
 
 
-@pytest.mark.parametrize(("bits", "who"), [(0o002, "others"), (0o020, "its group"), (0o022, "its group and others")])
+@pytest.mark.parametrize(
+    ("bits", "who"), [(0o002, "others"), (0o020, "its group"), (0o022, "its group and others")]
+)
 def test_a_cache_writable_by_others_is_refused(model, tmp_path, bits, who):
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -191,10 +193,18 @@ def test_entries_are_listed_and_removed(model, tmp_path):
     second = ensure_stage_file(model, 3, 7, cache)
     legacy = cache / "legacy.blk0-3of7.0123456789abcdef0123.gguf"  # an older format's name
     legacy.write_bytes(b"an older format")
-    for path, used in ((sidecar_path(first), 1_000_000), (legacy, 2_000_000), (sidecar_path(second), 3_000_000)):
+    for path, used in (
+        (sidecar_path(first), 1_000_000),
+        (legacy, 2_000_000),
+        (sidecar_path(second), 3_000_000),
+    ):
         os.utime(path, (used, used))  # a sidecar's mtime is its entry's last use
     entries = list_entries(cache)
-    assert [entry.name for entry in entries] == [second.name, "legacy.blk0-3of7.0123456789abcdef0123.gguf", first.name]
+    assert [entry.name for entry in entries] == [
+        second.name,
+        "legacy.blk0-3of7.0123456789abcdef0123.gguf",
+        first.name,
+    ]
     newest = entries[0]
     assert newest.state == "complete" and newest.model_name == read_header(model).get("general.name")
     assert (newest.start, newest.end, newest.block_count, newest.size) == (3, 7, 7, second.stat().st_size)
@@ -213,7 +223,11 @@ def test_listing_shows_a_partial_transfer(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     (cache / "m.blk0-3of7.x.gguf.partial").write_bytes(b"\0" * 10)
-    record = {"key": {"model": "ab" * 32, "label": "m", "start": 0, "end": 3, "block_count": 7}, "verified": 4, "size": 10}
+    record = {
+        "key": {"model": "ab" * 32, "label": "m", "start": 0, "end": 3, "block_count": 7},
+        "verified": 4,
+        "size": 10,
+    }
     (cache / "m.blk0-3of7.x.gguf.partial.json").write_text(json.dumps(record))
     (entry,) = list_entries(cache)
     assert (entry.state, entry.size, entry.expected_size, entry.model_name) == ("partial", 4, 10, "m")

@@ -38,7 +38,12 @@ def per_layer_model(path: Path) -> Path:
     writer.add_uint32("llama.block_count", blocks)
     writer.add_uint32("llama.embedding_length", 8)
     writer.add_array("llama.attention.head_count", [1, 2, 3, 4, 5, 6])
-    writer.add_key_value("llama.attention.head_count_kv", [6, 5, 4, 3, 2, 1], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT16)
+    writer.add_key_value(
+        "llama.attention.head_count_kv",
+        [6, 5, 4, 3, 2, 1],
+        gguf.GGUFValueType.ARRAY,
+        gguf.GGUFValueType.UINT16,
+    )
     writer.add_array("llama.rope.scales", [0.5, 1.5, 2.5, 3.5, 4.5, 5.5])
     writer.add_array("llama.flags", [True, False, True, False, True, False])
     writer.add_array("llama.names", ["a", "bb", "ccc", "dddd", "eeeee", "ffffff"])
@@ -97,7 +102,12 @@ def test_per_layer_arrays_are_sliced(models, tmp_path):
     assert stage.get("llama.names") == ["ccc", "dddd", "eeeee"]
     assert stage.get("tokenizer.ggml.six") == [1, 2, 3, 4, 5, 6]
     assert stage.alignment == 64 and stage.data_offset % 64 == 0
-    assert [t.name for t in stage.tensors] == ["token_embd.weight", "blk.0.attn_q.weight", "blk.1.attn_q.weight", "blk.2.attn_q.weight"]
+    assert [t.name for t in stage.tensors] == [
+        "token_embd.weight",
+        "blk.0.attn_q.weight",
+        "blk.1.attn_q.weight",
+        "blk.2.attn_q.weight",
+    ]
 
 
 def test_a_split_set_streams_what_its_single_file_does(models, tmp_path):
@@ -105,9 +115,10 @@ def test_a_split_set_streams_what_its_single_file_does(models, tmp_path):
     parts = write_split_set(source, tmp_path, "g", 20)
     assert len(parts) > 2
     for start, end in [(0, 5), (5, 11), (11, 13)]:
-        with open_stage_stream(read_model_files(parts[-1]), start, end) as from_set, open_stage_stream(
-            read_model_files(source), start, end
-        ) as from_file:
+        with (
+            open_stage_stream(read_model_files(parts[-1]), start, end) as from_set,
+            open_stage_stream(read_model_files(source), start, end) as from_file,
+        ):
             assert b"".join(from_set.chunks()) == b"".join(from_file.chunks())
 
 

@@ -112,6 +112,8 @@ async def test_without_a_chat_template_each_prompt_stands_alone():
     turns.add(ExchangeView("alone"))
     turns.feed(pipeline)  # type: ignore[arg-type]
     assert pipeline.prompts[0].messages == () and pipeline.prompts[0].text == "alone"
-    assert turns.no_chat_reason() == "the model has no chat template: each prompt stands alone, no conversation"
+    assert (
+        turns.no_chat_reason() == "the model has no chat template: each prompt stands alone, no conversation"
+    )
     started(turns, 3)
     assert turns.ended(result(3, "x")) == "" and not turns.conversation.turns
