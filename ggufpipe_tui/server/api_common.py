@@ -106,7 +106,7 @@ def flag(fields: Mapping[str, Any], name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad(name, f"true or false is required, not {_shown(value)}")
+        raise bad(name, f"true or false is required, not {shown(value)}")
     return value
 
 
@@ -119,7 +119,7 @@ def obj(value: object, where: str) -> Mapping[str, Any]:
 def tool_name(value: object, where: str) -> str:
     if not isinstance(value, str) or not TOOL_NAME.match(value):
         raise bad(
-            where, f"a function name of 1 to 128 letters, digits, _ or - is required, not {_shown(value)}"
+            where, f"a function name of 1 to 128 letters, digits, _ or - is required, not {shown(value)}"
         )
     return value
 
@@ -131,7 +131,7 @@ def schema(value: object, where: str) -> Mapping[str, Any]:
     if not isinstance(value, dict):
         raise bad(where, "a JSON schema object is required")
     if value.get("type", "object") != "object":
-        raise bad(f"{where}.type", f"the parameters of a function are an object, not {_shown(value['type'])}")
+        raise bad(f"{where}.type", f"the parameters of a function are an object, not {shown(value['type'])}")
     return value
 
 
@@ -142,7 +142,7 @@ def unknown(fields: Mapping[str, Any], known: frozenset[str], where: str = "") -
             raise bad(f"{where}{name}", "is not supported by this server")
 
 
-def _shown(value: object) -> str:
+def shown(value: object) -> str:
     """A value as an error names it: short, never a whole large value."""
     said = repr(value)
     return said if len(said) <= 60 else f"{said[:57]}..."
