@@ -141,7 +141,7 @@ class ResponseStream:
 
     def start(self) -> list[Event]:
         shell = response_object(
-            self.completion, self.ident, self.model, [], "in_progress", created=self.created
+            self.completion, self.ident, self.model, [], "in_progress", created=self.created, output=[]
         )
         return [
             self._event("response.created", response=shell),
@@ -229,7 +229,7 @@ class ResponseStream:
             "output_index": next(i for i, it in enumerate(self.output) if it is item),
         }
 
-    def _event(self, name: str, **data: Any) -> Event:
+    def _event(self, name: str, /, **data: Any) -> Event:
         event = {"type": name, "sequence_number": self.sequence, **data}
         self.sequence += 1
         return name, event
