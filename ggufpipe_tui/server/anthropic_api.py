@@ -438,6 +438,14 @@ class MessageStream:
         events.append(_event("message_stop"))
         return events
 
+    def fail(self, status: int, message: str) -> list[Event]:
+        """The last event of a stream whose run failed: Anthropic's ``error``
+        event (the SDK raises it as an API error)."""
+        if self.done:
+            return []
+        self.done = True
+        return [("error", error_body(status, message))]
+
     def _begin(self) -> tuple[list[Event], int]:
         """Closes the open block, if any; the index of the next one."""
         events = self._close()

@@ -139,7 +139,9 @@ class ResponseStream:
         self.calls: dict[int, dict[str, Any]] = {}  # a call's index -> its item
         self.response: dict[str, Any] | None = None
 
-    def start(self) -> list[Event]:
+    def start(self, prompt_tokens: int = 0, cached_tokens: int = 0) -> list[Event]:
+        """The first events (the counts, as :class:`MessageStream` takes
+        them, go unused: the Responses API gives usage only at the end)."""
         shell = response_object(
             self.completion, self.ident, self.model, [], "in_progress", created=self.created, output=[]
         )
@@ -174,6 +176,24 @@ class ResponseStream:
         )
         name = "response.incomplete" if cut else "response.completed"
         return [*events, self._event(name, response=self.response)]
+
+    def fail(self, message: str, code: str = "server_error") -> list[Event]:
+        """The last event of a stream whose run failed: ``response.failed``
+        with the error, the items begun so far left incomplete."""
+        if self.response is not None:
+            return []
+        events = self._close("incomplete")
+        self.response = response_object(
+            self.completion,
+            self.ident,
+            self.model,
+            self.pieces,
+            "failed",
+            created=self.created,
+            output=self.output,
+        )
+        self.response["error"] = {"code": code, "message": message}
+        return [*events, self._event("response.failed", response=self.response)]
 
     def _text(self, text: str) -> list[Event]:
         events: list[Event] = []

@@ -287,6 +287,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     except ApiError as error:
         return web.json_response(api.error_body(error.status, error.message), status=error.status)
     pieces = SCRIPTS["tools" if completion.tools else "text"]
+    failing = completion.options.max_tokens == 13
     ident = api.new_id()
     if not completion.stream:
         return web.json_response(api.message_answer(completion, ident, "served", pieces))
@@ -294,8 +295,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     stream = api.MessageStream(completion, ident, "served")
     events = stream.start(pieces[-1].usage.prompt_tokens if isinstance(pieces[-1], Finish) else 0)
-    for piece in pieces:
+    for piece in pieces[:1] if failing else pieces:
         events += stream.feed(piece)
+    if failing:
+        events += stream.fail(503, "a stage was lost")
+        assert stream.fail(503, "again") == [] and stream.feed(pieces[-1]) == []
     for name, data in events:
         await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
     await response.write_eof()
@@ -400,3 +404,12 @@ async def test_sdk_reads_an_error(client: Any) -> None:
         )
     assert "messages[0].content[0]" in caught.value.message
     assert caught.value.body["error"]["type"] == "invalid_request_error"
+
+
+async def test_sdk_raises_a_stream_that_failed(client: Any) -> None:
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        async with client.messages.stream(
+            model="m", max_tokens=13, messages=[{"role": "user", "content": "hi"}]
+        ) as stream:
+            await stream.get_final_message()
+    assert "a stage was lost" in str(caught.value)

@@ -264,8 +264,12 @@ def server(store: ResponseStore) -> web.Application:
         await response.prepare(request)
         stream = answer.ResponseStream(completion, ident, "served")
         events = stream.start()
-        for piece in pieces:
+        failing = completion.options.max_tokens == 13
+        for piece in pieces[:1] if failing else pieces:
             events += stream.feed(piece)
+        if failing:
+            events += stream.fail("a stage was lost")
+            assert stream.fail("again") == [] and stream.feed(pieces[-1]) == []
         for name, data in events:
             await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
         store.save(ident, completion, stream.pieces)
@@ -357,3 +361,12 @@ async def test_sdk_reads_a_raw_stream_and_a_cut_reply(client: Any) -> None:
     assert cut[-1].response.incomplete_details.reason == "max_output_tokens"
     whole = await client.responses.create(model="m", input="hi", max_output_tokens=1)
     assert whole.status == "incomplete" and whole.output_text == "Hello"
+
+
+async def test_sdk_reads_a_stream_that_failed(client: Any) -> None:
+    stream = await client.responses.create(model="m", input="hi", max_output_tokens=13, stream=True)
+    events = [event async for event in stream]
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.status == "failed"
+    assert events[-1].response.error.message == "a stage was lost"
+    assert [item.status for item in events[-1].response.output] == ["incomplete"]
