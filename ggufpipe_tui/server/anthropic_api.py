@@ -16,14 +16,18 @@ blocks), ``tools`` (custom tools: ``name``, ``description``,
 ``temperature`` (0 to 1, Anthropic's range), ``top_p``, ``top_k``, and what
 changes nothing here: ``metadata``, ``service_tier``, ``cache_control`` on
 blocks (the stages keep the longest common prefix of the prompt by
-themselves), ``thinking`` ``{"type": "disabled"}``. Refused by name, with a
-400: any other field, image and document blocks, server tools, extended
-thinking, a ``tool_result`` that answers no earlier ``tool_use``.
+themselves), ``thinking`` ``{"type": "disabled"}``. The text blocks of a
+turn are joined by newlines, the system's one after the other (as
+llama-server does), and Claude Code's per-request ``cch`` stamp is blanked
+so that the stages keep the prompt from one request to the next. Refused by
+name, with a 400: any other field, image and document blocks, server tools,
+extended thinking, a ``tool_result`` that answers no earlier ``tool_use``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,6 +69,10 @@ FIELDS = frozenset(
 )
 TOOL_FIELDS = frozenset({"type", "name", "description", "input_schema", "cache_control"})
 RESULT_FIELDS = frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"})
+#: Text blocks of a turn are joined as llama-server joins content parts.
+JOIN = "\n"
+#: Claude Code's billing header, whose ``cch`` stamp changes with each request.
+STAMP = re.compile(r"\A(x-anthropic-billing-header:[^\n]*?cch=)[0-9A-Za-z]{5};")
 #: Anthropic's error ``type`` for each HTTP status.
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -144,12 +152,20 @@ def _system(value: object) -> tuple[Message, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
-        said = common.text(value, "system")
+        said = _unstamped(common.text(value, "system"))
     elif isinstance(value, list):
-        said = "".join(_text_block(block, f"system[{i}]") for i, block in enumerate(value))
+        # one after the other, as llama-server joins them
+        said = "".join(_unstamped(_text_block(block, f"system[{i}]")) for i, block in enumerate(value))
     else:
         raise bad("system", "a string or a list of text blocks is required")
     return (Message("system", said),) if said else ()
+
+
+def _unstamped(text: str) -> str:
+    """A system text without Claude Code's per-request stamp: its billing
+    header's ``cch=`` changes with every request, and the stages could keep
+    nothing of a prompt past it (llama-server blanks it the same way)."""
+    return STAMP.sub(r"\1fffff;", text, count=1)
 
 
 def _text_block(block: object, where: str) -> str:
@@ -261,11 +277,11 @@ def _user(content: object, where: str, calls: Mapping[str, str]) -> list[Message
         if block["type"] == "tool_use":
             raise bad(f"{at}.type", "tool_use blocks belong in an assistant turn")
         if texts:
-            messages.append(Message("user", "".join(texts)))
+            messages.append(Message("user", JOIN.join(texts)))
             texts = []
         messages.append(_tool_result(block, at, calls))
     if texts or not messages:
-        messages.append(Message("user", "".join(texts)))
+        messages.append(Message("user", JOIN.join(texts)))
     return messages
 
 
@@ -282,7 +298,7 @@ def _tool_result(block: Mapping[str, Any], where: str, calls: Mapping[str, str])
     elif isinstance(content, str):
         said = common.text(content, f"{where}.content")
     elif isinstance(content, list):
-        said = "".join(_text_block(part, f"{where}.content[{i}]") for i, part in enumerate(content))
+        said = JOIN.join(_text_block(part, f"{where}.content[{i}]") for i, part in enumerate(content))
     else:
         raise bad(f"{where}.content", "a string or a list of text blocks is required")
     if common.flag(block, "is_error", False):
@@ -310,7 +326,7 @@ def _assistant(content: object, where: str, calls: dict[str, str]) -> Message:
             made.append(ToolCall(ident, name, json.dumps(arguments, ensure_ascii=False)))
         else:
             raise bad(f"{at}.type", "tool_result blocks belong in a user turn")
-    return Message("assistant", "".join(texts), tool_calls=tuple(made))
+    return Message("assistant", JOIN.join(texts), tool_calls=tuple(made))
 
 
 # ---------------------------------------------------------------- answers

@@ -72,8 +72,19 @@ def test_system_blocks_and_text_blocks() -> None:
             stream=True,
         )
     )
-    assert completion.messages == (Message("system", "a b"), Message("user", "xy"))
+    assert completion.messages == (Message("system", "a b"), Message("user", "x\ny"))
     assert completion.stream
+
+
+def test_claude_codes_stamp_leaves_the_prompt_cacheable() -> None:
+    stamped = "x-anthropic-billing-header: cc_version=2.1; cc_entrypoint=cli; cch=a5145;"
+    blocks = [{"type": "text", "text": stamped}, {"type": "text", "text": "You are a CLI."}]
+    completion = api.parse_messages(body(system=blocks))
+    said = "x-anthropic-billing-header: cc_version=2.1; cc_entrypoint=cli; cch=fffff;You are a CLI."
+    assert completion.messages[0] == Message("system", said)
+    assert (
+        api.parse_messages(body(system="keep cch=a5145; here")).messages[0].content == "keep cch=a5145; here"
+    )
 
 
 def test_max_tokens_is_required() -> None:
