@@ -350,7 +350,7 @@ def _content(content: object, where: str) -> str:
             said = common.shown(fields.get("type"))
             raise bad(f"{where}[{index}].type", f"{said} parts are not supported by this server")
         texts.append(common.text(fields.get("text"), f"{where}[{index}].text"))
-    return "".join(texts)
+    return "\n".join(texts)  # as llama-server joins content parts
 
 
 def _call(fields: Mapping[str, Any], where: str) -> ToolCall:

@@ -109,6 +109,12 @@ def test_input_items() -> None:
     )
 
 
+def test_text_parts_are_joined_by_newlines() -> None:
+    parts = [{"type": "input_text", "text": "<context>"}, {"type": "input_text", "text": "question"}]
+    completion = parse_responses(body(input=[{"role": "user", "content": parts}]))
+    assert completion.messages == (Message("user", "<context>\nquestion"),)
+
+
 def test_tools_tool_choice_and_formats() -> None:
     completion = parse_responses(body(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
     assert completion.tools == (
