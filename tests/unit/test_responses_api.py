@@ -251,6 +251,8 @@ CUT: list[Piece] = [Text("Hello"), Finish("length", Usage(7, 1))]
 
 
 def script(completion: Completion) -> list[Piece]:
+    if completion.schema is not None:
+        return [Text('{"city": "Bern", '), Text('"days": 3}'), Finish("stop", Usage(5, 8))]
     if completion.tools:
         return CALLED
     return CUT if completion.options.max_tokens == 1 else TEXT
@@ -376,3 +378,15 @@ async def test_sdk_reads_a_stream_that_failed(client: Any) -> None:
     assert events[-1].response.status == "failed"
     assert events[-1].response.error.message == "a stage was lost"
     assert [item.status for item in events[-1].response.output] == ["incomplete"]
+
+
+async def test_sdk_parses_structured_output(client: Any) -> None:
+    pydantic = pytest.importorskip("pydantic")
+
+    class Forecast(pydantic.BaseModel):
+        city: str
+        days: int
+
+    response = await client.responses.parse(model="m", input="forecast?", text_format=Forecast)
+    assert response.output_parsed == Forecast(city="Bern", days=3)
+    assert response.text.format.type == "json_schema" and response.text.format.name == "Forecast"
