@@ -13,7 +13,8 @@ Accepted: ``model``, ``max_tokens`` (required, as Anthropic requires it),
 blocks), ``tools`` (custom tools: ``name``, ``description``,
 ``input_schema``), ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``;
 ``disable_parallel_tool_use``), ``stop_sequences``, ``stream``,
-``temperature`` (0 to 1, Anthropic's range), ``top_p``, ``top_k``, and what
+``temperature`` (0 to 1, Anthropic's range), ``top_p``, ``top_k``,
+``output_config.format`` (a JSON schema the reply is held to), and what
 changes nothing here: ``metadata``, ``service_tier``, ``cache_control`` on
 blocks (the stages keep the longest common prefix of the prompt by
 themselves), ``thinking`` ``{"type": "disabled"}``. The text blocks of a
@@ -65,9 +66,12 @@ FIELDS = frozenset(
         "metadata",
         "thinking",
         "service_tier",
+        "output_config",
     }
 )
-TOOL_FIELDS = frozenset({"type", "name", "description", "input_schema", "cache_control"})
+TOOL_FIELDS = frozenset(
+    {"type", "name", "description", "input_schema", "cache_control", "strict", "eager_input_streaming"}
+)
 RESULT_FIELDS = frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"})
 #: Text blocks of a turn are joined as llama-server joins content parts.
 JOIN = "\n"
@@ -136,8 +140,32 @@ def parse_messages(body: object) -> Completion:
         tool_choice=choice,
         tool_name=name,
         parallel_tool_calls=parallel,
+        schema=_output_schema(body.get("output_config")),
         model=model or "",
     )
+
+
+def _output_schema(value: object) -> Mapping[str, Any] | None:
+    """``output_config.format``'s JSON schema, which the reply is held to."""
+    if value is None:
+        return None
+    fields = common.obj(value, "output_config")
+    common.unknown(fields, frozenset({"format", "effort"}), "output_config.")
+    if fields.get("effort") is not None:
+        raise bad("output_config.effort", "is not supported by this server")
+    form = fields.get("format")
+    if form is None:
+        return None
+    form = common.obj(form, "output_config.format")
+    common.unknown(form, frozenset({"type", "schema"}), "output_config.format.")
+    if form.get("type") != "json_schema":
+        raise bad(
+            "output_config.format.type", f"'json_schema' is required, not {common.shown(form.get('type'))}"
+        )
+    schema = form.get("schema")
+    if not isinstance(schema, dict):
+        raise bad("output_config.format.schema", "a JSON schema object is required")
+    return schema
 
 
 def _thinking(value: object) -> None:
@@ -188,9 +216,7 @@ def _tools(value: object) -> tuple[Tool, ...]:
         kind = fields.get("type")
         if kind not in (None, "custom"):
             raise bad(f"{where}.type", f"{kind!r}: server tools are not supported by this server")
-        common.unknown(
-            fields, frozenset({"type", "name", "description", "input_schema", "cache_control"}), f"{where}."
-        )
+        common.unknown(fields, TOOL_FIELDS, f"{where}.")
         name = common.tool_name(fields.get("name"), f"{where}.name")
         if any(tool.name == name for tool in tools):
             raise bad(f"{where}.name", f"{name!r} is named by an earlier tool too")
@@ -202,6 +228,7 @@ def _tools(value: object) -> tuple[Tool, ...]:
                 name=name,
                 description=common.text(description, f"{where}.description"),
                 parameters=common.schema(fields["input_schema"], f"{where}.input_schema"),
+                strict=common.flag(fields, "strict", False),
             )
         )
     return tuple(tools)
@@ -286,9 +313,7 @@ def _user(content: object, where: str, calls: Mapping[str, str]) -> list[Message
 
 
 def _tool_result(block: Mapping[str, Any], where: str, calls: Mapping[str, str]) -> Message:
-    common.unknown(
-        block, frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}), f"{where}."
-    )
+    common.unknown(block, RESULT_FIELDS, f"{where}.")
     ident = block.get("tool_use_id")
     if not isinstance(ident, str) or ident not in calls:
         raise bad(f"{where}.tool_use_id", f"{ident!r} answers no earlier tool_use")

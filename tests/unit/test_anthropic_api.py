@@ -87,6 +87,19 @@ def test_claude_codes_stamp_leaves_the_prompt_cacheable() -> None:
     )
 
 
+def test_output_config_holds_the_reply_to_a_schema() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    completion = api.parse_messages(body(output_config={"format": {"type": "json_schema", "schema": schema}}))
+    assert completion.schema == schema and completion.grammar == ""
+    assert api.parse_messages(body(output_config={})).schema is None
+    refused(body(output_config={"effort": "high"}), "output_config.effort")
+    refused(body(output_config={"format": {"type": "json_schema"}}), "output_config.format.schema")
+    strict = api.parse_messages(
+        body(tools=[{"name": "f", "input_schema": {"type": "object"}, "strict": True}])
+    )
+    assert strict.tools[0].strict
+
+
 def test_max_tokens_is_required() -> None:
     fields = body()
     del fields["max_tokens"]
@@ -289,6 +302,7 @@ CALLED: list[Piece] = [
 SCRIPTS: dict[str, list[Piece]] = {
     "text": [Text("Hello"), Text(", wörld"), Finish("stop", Usage(7, 3))],
     "tools": CALLED,
+    "json": [Text('{"city": "Bern", '), Text('"days": 3}'), Finish("stop", Usage(5, 8))],
 }
 
 
@@ -297,7 +311,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         completion = api.parse_messages(await request.json())
     except ApiError as error:
         return web.json_response(api.error_body(error.status, error.message), status=error.status)
-    pieces = SCRIPTS["tools" if completion.tools else "text"]
+    pieces = SCRIPTS["tools" if completion.tools else "json" if completion.schema else "text"]
     failing = completion.options.max_tokens == 13
     ident = api.new_id()
     if not completion.stream:
@@ -424,3 +438,16 @@ async def test_sdk_raises_a_stream_that_failed(client: Any) -> None:
         ) as stream:
             await stream.get_final_message()
     assert "a stage was lost" in str(caught.value)
+
+
+async def test_sdk_parses_structured_output(client: Any) -> None:
+    pydantic = pytest.importorskip("pydantic")
+
+    class Forecast(pydantic.BaseModel):
+        city: str
+        days: int
+
+    message = await client.messages.parse(
+        model="m", max_tokens=32, messages=[{"role": "user", "content": "forecast?"}], output_format=Forecast
+    )
+    assert message.parsed_output == Forecast(city="Bern", days=3)
