@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         "opens could drive a server that has no API key, e.g. one on localhost",
     )
     serve.add_argument(
+        "--chat-template-file",
+        metavar="PATH",
+        help="render conversations with the Jinja chat template in PATH instead of the model's own "
+        "(as llama-server's option): a template that knows tools, for a model whose own does not",
+    )
+    serve.add_argument(
         "--parallel",
         type=int,
         metavar="K",
@@ -210,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt is not None and (problem := text_problem(args.prompt)):
         print(f"ggufpipe: error: --prompt: {problem}", file=sys.stderr)
         return 2
+    if args.chat_template_file and args.serve is None:
+        parser.error("--chat-template-file: only with --serve")
     if args.cors_origin and args.serve is None:
         parser.error("--cors-origin: only with --serve")
     if bad := [origin for origin in args.cors_origin if origin != "*" and "://" not in origin]:
@@ -267,8 +275,20 @@ def main(argv: list[str] | None = None) -> int:
         from ggufpipe_tui.server.serve import run_server
 
         cors = args.cors_origin
+        template = ""
+        if args.chat_template_file:
+            try:
+                template = Path(args.chat_template_file).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as error:
+                parser.error(f"--chat-template-file {args.chat_template_file}: {error}")
         serving = run_server(
-            inventory, args.serve, api_key=args.api_key, queue=args.queue, cors_origins=cors, **printing
+            inventory,
+            args.serve,
+            api_key=args.api_key,
+            queue=args.queue,
+            cors_origins=cors,
+            chat_template=template,
+            **printing,
         )
         return aio.run(serving)
     from ggufpipe_tui.views.app import run_app

@@ -228,3 +228,19 @@ def logprob_payload(logits: np.ndarray, token: int, top: int) -> np.ndarray:
     words[2::2] = best
     words[3::2] = logprob[best].astype("<f4").view("<i4")
     return words
+
+
+def grammar_problem(grammar: str) -> str:
+    """Why llama.cpp's grammar parser refuses ``grammar``; '' when it parses.
+    It needs no model: the server checks a request's grammar with the parser
+    the last stage runs, before any run is made."""
+    import llama_cpp
+
+    from ggufpipe_agent.llama.plumbing import init_backend
+
+    init_backend()  # llama.cpp's log goes to ours: its complaint is not printed on stderr
+    sampler = llama_cpp.llama_sampler_init_grammar(None, grammar.encode(), b"root")
+    if not sampler:
+        return "llama.cpp cannot parse this grammar (GBNF with a root rule is required)"
+    llama_cpp.llama_sampler_free(sampler)
+    return ""

@@ -58,6 +58,16 @@ class Vocabulary:
         """Bytes of every token as output text (control tokens render empty)."""
         return tuple(self.piece(token) for token in range(self.size))
 
+    def special_pieces(self) -> tuple[tuple[int, bytes], ...]:
+        """(token, bytes) of the tokens that render only as special text
+        (control tokens: ``<|im_start|>``, harmony's ``<|call|>``, ...)."""
+        found = []
+        for token in range(self.size):
+            special = self.piece(token, special=True)
+            if special and not self.piece(token):
+                found.append((token, special))
+        return tuple(found)
+
     def eog_tokens(self) -> tuple[int, ...]:
         is_eog = self._lib.llama_vocab_is_eog
         return tuple(token for token in range(self.size) if is_eog(self._vocab, token))

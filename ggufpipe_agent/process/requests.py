@@ -27,11 +27,12 @@ def answer_request(request: Inspect | Tokenize | CacheRequest, cache_dir: Path |
         from ggufpipe_agent.gguf.identity import model_identity
 
         pieces: tuple[bytes, ...] = ()
+        special: tuple[tuple[int, bytes], ...] = ()
         if request.vocabulary:
             vocab = vocabulary(facts.path)
-            pieces = vocab.pieces()
+            pieces, special = vocab.pieces(), vocab.special_pieces()
             facts = replace(facts, eog_token_ids=vocab.eog_tokens())
-        return ModelInfo(request.request_id, facts, pieces, model_identity(facts.path))
+        return ModelInfo(request.request_id, facts, pieces, model_identity(facts.path), special)
     vocab = vocabulary(facts.path)
     template = request.template or facts.chat_template
     tokens, rendered = vocab.prompt_tokens(

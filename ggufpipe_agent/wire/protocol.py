@@ -106,6 +106,9 @@ class ModelInfo(Message):
     facts: ModelFacts
     pieces: tuple[bytes, ...]  # token id -> bytes, empty unless asked
     identity: ModelIdentity | None = None  # what hosts compare (docs/model-delivery.md)
+    #: (token id, its text) for the control tokens, whose pieces are empty:
+    #: the markup some tool-call formats are written in; with the pieces.
+    special: tuple[tuple[int, bytes], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

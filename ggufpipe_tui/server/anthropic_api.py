@@ -35,7 +35,7 @@ from typing import Any
 from ggufpipe_agent.wire.codec import MAX_PROMPT_TURNS
 from ggufpipe_agent.wire.records import TOP_K_MAX
 from ggufpipe_tui.server import api_common as common
-from ggufpipe_tui.server.openai_api import INT64, ApiError, _integer, _number, bad
+from ggufpipe_tui.server.fields import INT64, ApiError, bad, integer, number
 from ggufpipe_tui.server.request import (
     CallArguments,
     CallStart,
@@ -111,7 +111,7 @@ def parse_messages(body: object) -> Completion:
         raise bad("model", "a string is required")
     if body.get("max_tokens") is None:
         raise bad("max_tokens", "is required")
-    max_tokens = _integer(body, "max_tokens", 1, INT64 - 1)
+    max_tokens = integer(body, "max_tokens", 1, INT64 - 1)
     _thinking(body.get("thinking"))
     service_tier = body.get("service_tier")
     if service_tier not in (None, "auto", "standard_only"):
@@ -125,9 +125,9 @@ def parse_messages(body: object) -> Completion:
         raise bad("messages", f"at most {MAX_PROMPT_TURNS} turns, not {len(messages)}")
     options = RunOverrides(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 1.0),
-        top_k=_integer(body, "top_k", 0, TOP_K_MAX),
-        top_p=_number(body, "top_p", 0.0, 1.0, low_open=True),
+        temperature=number(body, "temperature", 0.0, 1.0),
+        top_k=integer(body, "top_k", 0, TOP_K_MAX),
+        top_p=number(body, "top_p", 0.0, 1.0, low_open=True),
     )
     return Completion(
         api="messages",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ggufpipe_agent.wire.codec import text_problem
-from ggufpipe_tui.server.openai_api import MAX_STOPS, bad
+from ggufpipe_tui.server.fields import MAX_STOPS, bad
 from ggufpipe_tui.server.request import CallArguments, CallStart, Finish, Piece, Text, Usage
 
 #: A function name as OpenAI and Anthropic allow it.

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
-from ggufpipe_tui.server.openai_api import error_body
+from ggufpipe_tui.server.fields import error_body
 
 #: How long a browser may keep a preflight's answer (seconds; Chrome keeps at most 7200).
 MAX_AGE = 600

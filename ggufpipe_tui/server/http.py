@@ -41,27 +41,34 @@ import json
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
 from aiohttp import web
 
 from ggufpipe_agent.ids import NO_RUN, RunId
-from ggufpipe_tui.core.events import (
-    Event,
-    PromptAssigned,
-    RunFinished,
-    RunResult,
-    TokenStreamed,
-)
+from ggufpipe_tui.core.events import Event, PromptAssigned, RunResult
 from ggufpipe_tui.core.format import reuse_line
 from ggufpipe_tui.core.inventory import Inventory
-from ggufpipe_tui.server import cors, operator
+from ggufpipe_tui.server import (
+    anthropic_api,
+    cors,
+    fields,
+    operator,
+    replies,
+    responses_answer,
+    responses_api,
+)
+from ggufpipe_tui.server import openai_answer as answer
 from ggufpipe_tui.server import openai_api as api
 from ggufpipe_tui.server.metrics import Metrics
+from ggufpipe_tui.server.renderers import AnthropicRenderer, OpenAIRenderer, Renderer, ResponsesRenderer
+from ggufpipe_tui.server.request import Completion, Finish, Piece, Usage
+from ggufpipe_tui.server.responses_api import ResponseStore
+from ggufpipe_tui.server.tools import Family
 from ggufpipe_tui.session.pipeline import Pipeline
-from ggufpipe_tui.session.runs import REFUSE, SHORTEN, ContextOverflow, Prompt, RunHandle
+from ggufpipe_tui.session.runs import ContextOverflow, RunHandle
 from ggufpipe_tui.session.stages import PipelineError
 
 #: Seconds the running requests may take to finish once SIGTERM came.
@@ -74,7 +81,6 @@ MAX_BODY = 8 * 1024 * 1024
 IDLE_SECONDS = 15.0
 #: The most seconds a request's body may take to arrive.
 BODY_SECONDS = 30.0
-STOP_WORDS = {"eos": "stop", "max_tokens": "length"}
 #: Seconds a request past the queue is told to wait (Retry-After) while the
 #: pipeline recovers a lost stage: about a local restart and replay.
 RECOVERY_RETRY_AFTER = 5
@@ -109,6 +115,7 @@ class Server:
         queue: int = 16,
         err: IO[str] = sys.stderr,
         cors_origins: Sequence[str] = (),
+        chat_template: str = "",
     ) -> None:
         self.pipeline = pipeline
         self.inventory = inventory
@@ -119,6 +126,8 @@ class Server:
         self.created = int(time.time())
         self.admitted = 0  # requests submitted and not answered (the running ones included)
         self.handles: set[RunHandle] = set()
+        self.chat_template = chat_template  # --chat-template-file: instead of the model's
+        self.store = ResponseStore()  # /v1/responses' previous_response_id
         self.closing = False
         self.ready = False
         self.metrics = Metrics()
@@ -130,6 +139,10 @@ class Server:
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_post("/v1/completions", self.completion)
+        self.app.router.add_post("/v1/messages", self.messages)
+        self.app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+        self.app.router.add_post("/v1/responses", self.responses)
+        self.app.router.add_post("/v1/embeddings", self.embeddings)
         operator.add_routes(self.app, self)
 
     # ------------------------------------------------------------ plumbing
@@ -143,20 +156,26 @@ class Server:
     async def _errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        """Every error is an OpenAI error body; the API key is checked first."""
+        """Every error is an error body of the route's API (OpenAI's, or
+        Anthropic's on /v1/messages); the API key is checked first (as
+        ``Authorization: Bearer KEY`` or Anthropic's ``x-api-key``)."""
+        anthropic = request.path.startswith("/v1/messages")
         try:
             if request.path.startswith("/v1/") and self.api_key:
                 given = request.headers.get("Authorization", "")
                 expected = f"Bearer {self.api_key}"
+                if not given and "x-api-key" in request.headers:
+                    given, expected = request.headers["x-api-key"], self.api_key
                 # A header of bytes that are not UTF-8 arrives with surrogates in it.
                 if not hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode()):
                     problem = "a missing" if not given else "an invalid"
-                    message = f"{problem} API key (Authorization: Bearer KEY)"
-                    raise api.ApiError(401, message, code="invalid_api_key")
+                    message = f"{problem} API key (Authorization: Bearer KEY, or x-api-key: KEY)"
+                    raise fields.ApiError(401, message, code="invalid_api_key")
             return await handler(request)
-        except api.ApiError as error:
+        except fields.ApiError as error:
             self._log_refusal(request, error.status, error.message)
-            return web.json_response(error.body(), status=error.status, headers=error.headers)
+            body = anthropic_api.error_body(error.status, error.message) if anthropic else error.body()
+            return web.json_response(body, status=error.status, headers=error.headers)
         except web.HTTPException as error:  # the router's 404 and 405, a body over the size limit
             if error.status < 400:
                 raise
@@ -165,10 +184,10 @@ class Server:
             if error.status == 404:
                 message += f"; this server serves {operator.served(self.app)}"
             self._log_refusal(request, error.status, error.reason)
-            return web.json_response(api.error_body(message, kind), status=error.status)
+            return web.json_response(fields.error_body(message, kind), status=error.status)
         except Exception as error:  # a bug of ours: this request fails, the server goes on
             self.log(f"internal error on {request.method} {request.path}: {type(error).__name__}: {error}")
-            body = api.error_body(f"internal error: {type(error).__name__}", "server_error")
+            body = fields.error_body(f"internal error: {type(error).__name__}", "server_error")
             return web.json_response(body, status=500)
 
     def _log_refusal(self, request: web.Request, status: int, why: str) -> None:
@@ -210,7 +229,17 @@ class Server:
             body |= {"slots": self.pipeline.parallel}
             return web.json_response(body | {"recoveries": len(self.pipeline.recoveries)})
         status = "loading" if not self.ready else "unavailable"
-        return web.json_response(api.error_body(f"the pipeline is {status}", "unavailable_error"), status=503)
+        return web.json_response(
+            fields.error_body(f"the pipeline is {status}", "unavailable_error"), status=503
+        )
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        raise fields.ApiError(
+            501,
+            "embeddings are not served: the pipeline's last stage samples tokens (run llama-server "
+            "--embedding on the whole model for /v1/embeddings)",
+            "not_implemented_error",
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         facts = self.pipeline.facts
@@ -221,183 +250,245 @@ class Server:
         entry["meta"] = meta
         return web.json_response({"object": "list", "data": [entry]})
 
+    # ---------------------------------------------------------- completions
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._complete(request, api.parse_chat(await self._body(request)))
+        c = api.parse_chat(await self._body(request))
+        ident, created = answer.new_id(True), int(time.time())
+        return await self._complete(request, c, OpenAIRenderer(c, ident, created, self.model))
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
-        return await self._complete(request, api.parse_completion(await self._body(request)))
+        c = api.parse_completion(await self._body(request))
+        ident, created = answer.new_id(False), int(time.time())
+        prefix = c.prompt if c.echo else ""
+        return await self._complete(request, c, OpenAIRenderer(c, ident, created, self.model, prefix))
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        c = anthropic_api.parse_messages(await self._body(request))
+        renderer = AnthropicRenderer(c, anthropic_api.new_id(), int(time.time()), self.model)
+        return await self._complete(request, c, renderer)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        c = responses_api.parse_responses(await self._body(request), self.store)
+        ident = responses_answer.new_id()
+        return await self._complete(
+            request, c, ResponsesRenderer(c, ident, int(time.time()), self.model, self.store)
+        )
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's ``/v1/messages/count_tokens``: the prompt's tokens."""
+        body = await self._body(request)
+        if isinstance(body, dict):
+            body = {"max_tokens": 1, **body}
+        c = anthropic_api.parse_messages(body)
+        (prompt,), _ = replies.prompts_for(c, self.template, self.inventory.run.seed)
+        try:
+            tokens, _ = await self.pipeline.tokenize(
+                prompt.text, True, prompt.messages, prompt.tools, prompt.template
+            )
+        except PipelineError as error:
+            raise fields.ApiError(400, str(error)) from None
+        return web.json_response({"input_tokens": len(tokens)})
+
+    @property
+    def template(self) -> str:
+        """The chat template prompts are rendered with."""
+        facts = self.pipeline.facts
+        return self.chat_template or (facts.chat_template if facts is not None else "")
 
     async def _body(self, request: web.Request) -> object:
         try:
             raw = await asyncio.wait_for(request.read(), BODY_SECONDS)
         except asyncio.TimeoutError:
-            raise api.ApiError(408, f"the request body took more than {BODY_SECONDS:g} s to arrive") from None
+            raise fields.ApiError(
+                408, f"the request body took more than {BODY_SECONDS:g} s to arrive"
+            ) from None
         try:
             return json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError, 4300+ digits
-            raise api.ApiError(400, f"the request body is not JSON: {error}") from None
+            raise fields.ApiError(400, f"the request body is not JSON: {error}") from None
 
-    # ---------------------------------------------------------- completions
-
-    async def _complete(self, request: web.Request, parsed: api.Request) -> web.StreamResponse:
+    def _admit(self, count: int) -> None:
         if self.closing or self.pipeline.queue.stopped:
-            raise api.ApiError(503, "the server is shutting down", "unavailable_error")
-        if self.admitted >= self.queue + self.pipeline.parallel:
+            raise fields.ApiError(503, "the server is shutting down", "unavailable_error")
+        if self.admitted + count > self.queue + self.pipeline.parallel:
             if self.pipeline.recovering:
                 # The pipeline is rebuilding a lost stage: come back when it may be done.
                 retry = str(RECOVERY_RETRY_AFTER)
-                raise api.ApiError(
+                raise fields.ApiError(
                     503,
                     f"the pipeline is recovering a lost stage and {self.queue} requests wait: "
                     f"try again in {retry} s",
                     "unavailable_error",
                     headers={"Retry-After": retry},
                 )
-            raise api.ApiError(
+            raise fields.ApiError(
                 503, f"the queue is full ({self.queue} requests wait): try again later", "unavailable_error"
             )
+
+    async def _complete(self, request: web.Request, c: Completion, renderer: Renderer) -> web.StreamResponse:
+        self._admit(c.n)
         exchange = Exchange(request.method, request.path, str(request.remote), time.perf_counter())
-        exchange.ident, exchange.created = api.new_id(parsed.chat), int(time.time())
-        prompt = Prompt(
-            text=parsed.shown,
-            tokens=parsed.tokens,
-            chat=parsed.chat,
-            messages=parsed.messages,
-            options=parsed.options,
-            # An explicit max_tokens that cannot fit is an error, as OpenAI says;
-            # without one, the reply takes the room the context has left.
-            overflow=REFUSE if parsed.options.max_tokens is not None else SHORTEN,
-            cache_prompt=parsed.cache_prompt,
-        )
-        handle = self.pipeline.submit(prompt, stream=True)
-        self.admitted += 1
-        self.handles.add(handle)
+        exchange.ident, exchange.created = renderer.ident, renderer.created
         try:
-            return await self._answer(request, parsed, handle, exchange)
+            prompts, family = replies.prompts_for(c, self.template, self.inventory.run.seed)
+        except ValueError as error:  # a call grammar the tools cannot make
+            raise fields.ApiError(400, f"tools: {error}", param="tools") from None
+        if self.chat_template:
+            prompts = [replace(p, template=self.chat_template) for p in prompts]
+        handles = [self.pipeline.submit(prompt, stream=True) for prompt in prompts]
+        self.admitted += len(handles)
+        self.handles.update(handles)
+        try:
+            return await self._answer(request, c, handles, family, exchange, renderer)
         except asyncio.CancelledError:  # aiohttp cancels the handler of a client that went away
             exchange.status, exchange.detail = 499, "the client went away: run stopped"
             raise
-        except api.ApiError as error:
+        except fields.ApiError as error:
             exchange.status, exchange.detail = error.status, error.message
             raise
         finally:
-            if not handle.done:
-                handle.stop("the client went away")
-            self.handles.discard(handle)
-            self.admitted -= 1
+            for handle in handles:
+                if not handle.done:
+                    handle.stop("the client went away")
+                self.handles.discard(handle)
+            self.admitted -= len(handles)
             self._log_exchange(exchange)
 
     async def _answer(
-        self, request: web.Request, parsed: api.Request, handle: RunHandle, exchange: Exchange
+        self,
+        request: web.Request,
+        c: Completion,
+        handles: list[RunHandle],
+        family: Family | None,
+        exchange: Exchange,
+        renderer: Renderer,
     ) -> web.StreamResponse:
-        events = handle.events()
-        first = await anext(events, None)  # PromptAssigned, or the end of a prompt that never ran
-        if first is None:
-            raise await self._not_run(handle, parsed)
-        assert isinstance(first, PromptAssigned)
+        streams = []
+        for handle in handles:
+            events = handle.events()
+            first = await anext(events, None)  # PromptAssigned, or the end of a prompt that never ran
+            if first is None:
+                raise await self._not_run(handle, c)
+            assert isinstance(first, PromptAssigned)
+            streams.append((handle, events, first.run_id))
         exchange.queued_s = time.perf_counter() - exchange.arrived
-        exchange.run_id = first.run_id
-        run = {"X-Ggufpipe-Run": f"{first.run_id:016x}"}  # names the run's event log
-        ident, created = exchange.ident, exchange.created
+        exchange.run_id = streams[0][2]
+        run = {
+            "X-Ggufpipe-Run": ",".join(f"{run_id:016x}" for _, _, run_id in streams)
+        }  # the runs' event logs
+        choices = [
+            replies.ChoiceRun(c, handle, self.pipeline, family, index)
+            for index, (handle, _, _) in enumerate(streams)
+        ]
         response: web.StreamResponse | None = None
         try:
-            if parsed.stream:
+            if c.stream:
                 response = web.StreamResponse(
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **run}
                 )
                 await response.prepare(request)
-                if parsed.chat:
-                    await self._send(response, api.chunk(parsed, ident, created, self.model, role=True))
-            return await self._follow(parsed, handle, exchange, events, response, run)
+                await self._write(response, renderer.start())
+            return await self._follow(
+                c, choices, [events for _, events, _ in streams], exchange, renderer, response, run
+            )
         except ConnectionError:  # a write to a client that went away
-            handle.stop("the client went away")
+            for handle in handles:
+                handle.stop("the client went away")
             exchange.status, exchange.detail = 499, "the client went away: run stopped"
             return response if response is not None else web.Response(status=499)
 
     async def _follow(
         self,
-        parsed: api.Request,
-        handle: RunHandle,
+        c: Completion,
+        choices: list[replies.ChoiceRun],
+        events: list[AsyncIterator[Event]],
         exchange: Exchange,
-        events: AsyncIterator[Event],
+        renderer: Renderer,
         response: web.StreamResponse | None,
         run: dict[str, str],
     ) -> web.StreamResponse:
-        """The run's text to the client (as it streams, or whole at the end)."""
-        ident, created = exchange.ident, exchange.created
-        scanner = api.StopScanner(parsed.stop)
-        parts: list[str] = []
-        counted = 0
-        async for event in events:
-            if isinstance(event, TokenStreamed) and not scanner.stopped:
-                counted += event.sequence >= 0
-                text = scanner.feed(event.text)
-                if scanner.stopped:
-                    handle.stop(f"stop string {scanner.stopped!r}")
-                if text and response is not None:
-                    await self._send(response, api.chunk(parsed, ident, created, self.model, text))
-                elif text:
-                    parts.append(text)
-            elif isinstance(event, RunFinished):
-                break
-        result = await handle.result()
-        exchange.result = result
-        exchange.prompt_tokens, exchange.completion_tokens = len(result.prompt_tokens), counted
-        tail = scanner.flush()
-        counts = api.usage(len(result.prompt_tokens), counted, result.prompt_reused)
-        finish = "stop" if scanner.stopped else STOP_WORDS.get(result.stop_reason, "length")
-        spent = result.timings
-        measured = api.timings(
-            len(result.prompt_tokens), spent.prefill_ms, counted, spent.decode_ms, result.prompt_reused
-        )
-        if result.outcome == "faulted":
-            exchange.status, exchange.detail = 500, f"faulted: {result.failure}"
-            error = api.ApiError(500, f"the pipeline faulted: {result.failure}", "server_error")
+        """The runs' pieces to the client (as they stream, or whole at the end)."""
+        out: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for piece in choices[index].pieces(events[index]):
+                    await out.put((index, piece))
+            except replies.Faulted as fault:
+                await out.put((index, fault))
+            await out.put((index, None))
+
+        tasks = [asyncio.ensure_future(pump(index)) for index in range(len(choices))]
+        collected: list[list[Piece]] = [[] for _ in choices]
+        fault: BaseException | None = None
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await out.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    fault = fault or item
+                    for choice in choices:
+                        choice.handle.stop("another choice of the request faulted")
+                else:
+                    collected[index].append(item)
+                    if response is not None:
+                        await self._write(response, renderer.piece(index, item))
+        finally:
+            for task in tasks:
+                task.cancel()
+        results = [choice.result for choice in choices]
+        counts = [piece.usage for pieces in collected for piece in pieces if isinstance(piece, Finish)]
+        prompt_tokens = len(results[0].prompt_tokens) if results[0] is not None else 0
+        completion_tokens = sum(choice.counted for choice in choices)
+        cached = counts[0].cached_tokens if counts else 0
+        usage = Usage(prompt_tokens, completion_tokens, cached)
+        exchange.result = results[0]
+        exchange.prompt_tokens, exchange.completion_tokens = prompt_tokens, completion_tokens
+        first = results[0]
+        if first is not None and len(choices) == 1:
+            spent = first.timings
+            renderer.timings = answer.timings(
+                prompt_tokens, spent.prefill_ms, completion_tokens, spent.decode_ms, cached
+            )
+        if fault is not None:
+            exchange.status, exchange.detail = 500, f"faulted: {fault}"
+            message = f"the pipeline faulted: {fault}"
             if response is None:
-                raise error
-            await self._send(response, error.body())
-            await self._done(response)
+                raise fields.ApiError(500, message, "server_error")
+            await self._write(response, renderer.failed(500, message))
+            await response.write_eof()
             return response
         if response is None:
-            body = api.answer(parsed, ident, created, self.model, "".join(parts) + tail, finish, counts)
-            body["timings"] = measured
-            return web.json_response(body, headers=run)
-        if tail:
-            await self._send(response, api.chunk(parsed, ident, created, self.model, tail))
-        last = api.chunk(parsed, ident, created, self.model, finish=finish)
-        if parsed.include_usage:
-            await self._send(response, last)
-            last = api.usage_chunk(parsed, ident, created, self.model, counts)
-        last["timings"] = measured
-        await self._send(response, last)
-        await self._done(response)
+            return web.json_response(renderer.whole(collected, usage), headers=run)
+        await self._write(response, renderer.end(usage))
+        await response.write_eof()
         return response
 
-    async def _not_run(self, handle: RunHandle, parsed: api.Request) -> api.ApiError:
+    async def _not_run(self, handle: RunHandle, c: Completion) -> fields.ApiError:
         """Why a prompt never ran, as the answer says it."""
         try:
             await handle.result()
         except ContextOverflow as overflow:
-            asked = overflow.max_tokens if parsed.options.max_tokens is not None else 0
-            what = "messages" if parsed.chat else "prompt"
+            asked = overflow.max_tokens if c.options.max_tokens is not None else 0
+            what = "messages" if c.chat else "prompt"
             message = (
                 f"This model's maximum context length is {overflow.context} tokens. However, you "
                 f"requested {overflow.prompt_tokens + asked} tokens ({overflow.prompt_tokens} in the "
                 f"{what}, {asked} in the completion). Please reduce the length of the {what} or completion."
             )
-            return api.ApiError(400, message, param=what, code="context_length_exceeded")
+            return fields.ApiError(400, message, param=what, code="context_length_exceeded")
         except PipelineError as error:
             if self.closing or self.pipeline.queue.stopped:
-                return api.ApiError(503, str(error), "unavailable_error")
-            return api.ApiError(400, str(error))  # e.g. the chat template refused the messages
-        return api.ApiError(500, "the run ended before it started", "server_error")
+                return fields.ApiError(503, str(error), "unavailable_error")
+            return fields.ApiError(400, str(error))  # e.g. the chat template refused the messages
+        return fields.ApiError(500, "the run ended before it started", "server_error")
 
-    async def _send(self, response: web.StreamResponse, data: dict[str, Any]) -> None:
-        await response.write(f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
-
-    async def _done(self, response: web.StreamResponse) -> None:
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+    async def _write(self, response: web.StreamResponse, chunks: list[bytes]) -> None:
+        for chunk in chunks:
+            await response.write(chunk)
 
     # ------------------------------------------------------------- shutdown
 

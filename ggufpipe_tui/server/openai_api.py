@@ -1,116 +1,62 @@
-"""The OpenAI API's shapes, for the server (:mod:`ggufpipe_tui.server.http`).
+"""OpenAI's chat and legacy completions requests, as the server's one request.
 
-Pure: request bodies in, checked :class:`Request` records or
-:class:`ApiError` out; answers, stream chunks and error bodies as plain dicts
-shaped as the OpenAI API (and llama.cpp's server) shape them; and
-:class:`StopScanner`, which applies ``stop`` strings to text as it streams.
+Pure: a request body in, a checked :class:`~ggufpipe_tui.server.request.Completion`
+or an :class:`~ggufpipe_tui.server.fields.ApiError` naming the field out
+(the answers' shapes: :mod:`ggufpipe_tui.server.openai_answer`).
 
 Accepted: ``model`` (any string; the answer names the one model served),
-``messages`` (system, developer, user and assistant turns; content a string
-or a list of text parts) or ``prompt`` (a string, one string in a list, or
-token ids), ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
-``top_p``, ``top_k`` (as llama.cpp), ``seed``, ``stop``, ``stream``,
-``stream_options.include_usage``, ``n`` = 1, llama-server's ``ignore_eos``
-(generate ``max_tokens`` past the end of text) and ``cache_prompt`` (false:
-compute the whole prompt, keeping nothing of earlier requests), and fields that change nothing
-at their default (``user``, ``presence_penalty`` 0, ...). Refused by name,
-with a 400: anything this server cannot honour (tools, logprobs, n > 1, ...).
+``messages`` (system, developer, user, assistant with its ``tool_calls``, and
+``tool`` turns; content a string or a list of text parts) or ``prompt`` (a
+string, one string in a list, or token ids), ``tools`` and ``tool_choice``
+(``auto``, ``none``, ``required`` or a named function; the legacy
+``functions`` and ``function_call`` too), ``parallel_tool_calls``,
+``response_format`` (text, json_object, json_schema), ``logprobs`` and
+``top_logprobs`` (chat; an integer ``logprobs`` on completions), ``n``,
+``echo`` (completions), ``max_tokens`` / ``max_completion_tokens``,
+``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
+``stream_options.include_usage``, and llama-server's own fields
+(:mod:`ggufpipe_tui.server.sampling`: ``top_k``, ``min_p``, the penalties,
+DRY, mirostat, ``logit_bias``, ``grammar``, ``json_schema``, ...,
+``ignore_eos``, ``cache_prompt``). Refused by name, with a 400: anything this
+server cannot honour (``suffix``, ``best_of`` > 1, ...).
 """
 
 from __future__ import annotations
 
-import math
-import secrets
+import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from ggufpipe_agent.errors import GgufpipeError
-from ggufpipe_agent.wire.codec import MAX_PROMPT_TURNS, text_problem
-from ggufpipe_agent.wire.protocol import ChatMessage
-from ggufpipe_agent.wire.records import SEED_MAX, SEED_MIN, TOP_K_MAX
+from ggufpipe_agent.wire.codec import MAX_PROMPT_TURNS
+from ggufpipe_agent.wire.records import LOGPROBS_MAX, SEED_MAX, SEED_MIN, TOP_K_MAX
+from ggufpipe_tui.server.fields import (
+    INT64,
+    MAX_STOPS,
+    ApiError,
+    bad,
+    boolean,
+    integer,
+    is_int,
+    number,
+    shown,
+    stops,
+    text,
+)
+from ggufpipe_tui.server.request import Completion, Message, Tool, ToolCall
+from ggufpipe_tui.server.sampling import reply_form, sampler_fields
+from ggufpipe_tui.server.tools import schema_problem
 from ggufpipe_tui.session.runs import RunOverrides
 
-#: The most stop strings a request may give (OpenAI allows 4).
-MAX_STOPS = 16
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-INT64 = 1 << 63
+__all__ = ["MAX_STOPS", "ApiError", "parse_chat", "parse_completion", "tools_of", "tool_choice_of"]
 
-#: Fields that change nothing as long as they have their default value:
-#: anything else is refused by name instead of silently ignored.
-DEFAULTS: dict[str, tuple[object, ...]] = {
-    "n": (1,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logprobs": (False, None),
-    "top_logprobs": (0,),
-    "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "functions": ([],),
-    "function_call": ("none",),
-    "parallel_tool_calls": (True, False),
-    "echo": (False,),
-    "suffix": ("",),
-    "best_of": (1,),
-}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+#: The most choices one request may ask for (each a run in flight beside the others).
+MAX_CHOICES = 16
+#: The most tools one request may offer.
+MAX_TOOLS = 512
 
 
-class ApiError(GgufpipeError):
-    """An answer that is an error: HTTP status and the OpenAI error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-        self.headers = headers or {}  # e.g. Retry-After on a 503 while the pipeline recovers
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.kind, self.param, self.code)
-
-
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def bad(param: str, message: str) -> ApiError:
-    return ApiError(400, f"{param}: {message}", param=param)
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """A checked completion request."""
-
-    chat: bool  # /v1/chat/completions (messages) or /v1/completions (prompt)
-    messages: tuple[ChatMessage, ...]
-    prompt: str
-    tokens: tuple[int, ...] | None  # /v1/completions with token ids
-    options: RunOverrides
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-    cache_prompt: bool = True  # llama-server's: False keeps nothing the stages hold
-
-    @property
-    def shown(self) -> str:
-        """What the run log and the views show of the prompt."""
-        if self.chat:
-            users = [m.content for m in self.messages if m.role == "user"]
-            return users[-1] if users else self.messages[-1].content
-        return self.prompt if self.tokens is None else f"{len(self.tokens)} token ids"
-
-
-# ------------------------------------------------------------------ parsing
-
-
-def parse_chat(body: object) -> Request:
+def parse_chat(body: object) -> Completion:
     fields = _object(body)
     raw = fields.get("messages")
     if not isinstance(raw, list) or not raw:
@@ -118,76 +64,224 @@ def parse_chat(body: object) -> Request:
     if len(raw) > MAX_PROMPT_TURNS:
         raise bad("messages", f"at most {MAX_PROMPT_TURNS} messages, not {len(raw)}")
     messages = tuple(_message(item, f"messages[{index}]") for index, item in enumerate(raw))
-    return _request(fields, chat=True, messages=messages, prompt="", tokens=None)
+    check_tool_results(messages)
+    tools = tools_of(fields)
+    choice, name = tool_choice_of(fields, tools)
+    logprobs = boolean(fields, "logprobs") or False
+    top = integer(fields, "top_logprobs", 0, LOGPROBS_MAX)
+    if top is not None and not logprobs:
+        raise bad("top_logprobs", "only with logprobs: true")
+    return _completion(
+        fields,
+        api="chat",
+        chat=True,
+        messages=messages,
+        tools=tools,
+        tool_choice=choice,
+        tool_name=name,
+        logprobs=logprobs,
+        top_logprobs=top or 0,
+    )
 
 
-def parse_completion(body: object) -> Request:
+def parse_completion(body: object) -> Completion:
     fields = _object(body)
     if "prompt" not in fields:
         raise bad("prompt", "a prompt is required")
     prompt, tokens = _prompt(fields["prompt"])
-    return _request(fields, chat=False, messages=(), prompt=prompt, tokens=tokens)
+    suffix = fields.get("suffix")
+    if suffix not in (None, ""):
+        raise bad("suffix", "fill-in-the-middle is not supported by this server")
+    # The legacy API's logprobs is how many alternatives (0-5 at OpenAI); llama-server's n_probs too.
+    given = fields.get("logprobs")
+    if isinstance(given, bool):
+        raise bad("logprobs", "an integer is required (alternatives per token)")
+    top = integer(fields, "logprobs", 0, LOGPROBS_MAX)
+    if top is None:
+        top = integer(fields, "n_probs", 0, LOGPROBS_MAX)
+    echo = boolean(fields, "echo") or False
+    if echo and tokens is not None:
+        raise bad("echo", "only with a prompt given as text")
+    return _completion(
+        fields,
+        api="completions",
+        chat=False,
+        prompt=prompt,
+        tokens=tokens,
+        logprobs=top is not None,
+        top_logprobs=top or 0,
+        echo=echo,
+    )
 
 
 def _object(body: object) -> Mapping[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for name, allowed in DEFAULTS.items():
-        if name in body and body[name] is not None and not _same(body[name], allowed):
-            raise bad(name, f"{body[name]!r} is not supported by this server")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise bad("response_format", "only {'type': 'text'} is supported by this server")
     return body
 
 
-def _same(value: object, allowed: tuple[object, ...]) -> bool:
-    for choice in allowed:
-        if isinstance(choice, bool) or isinstance(value, bool):
-            if value is choice:  # True == 1 in Python: a bool only matches a bool
-                return True
-        elif value == choice:
-            return True
-    return False
+# ------------------------------------------------------------------ messages
 
 
-def _message(item: object, where: str) -> ChatMessage:
+def _message(item: object, where: str) -> Message:
     if not isinstance(item, dict):
         raise bad(where, "a message is an object with a role and a content")
     role = item.get("role")
     if not isinstance(role, str) or role not in ROLES:
-        raise bad(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}")
-    if item.get("tool_calls") or item.get("function_call"):
-        raise bad(f"{where}.tool_calls", "tool calls are not supported by this server")
-    return ChatMessage(ROLES[role], _content(item.get("content"), f"{where}.content"))
+        raise bad(f"{where}.role", f"{shown(role)} is not one of {', '.join(ROLES)}")
+    role = ROLES[role]
+    calls: tuple[ToolCall, ...] = ()
+    if role == "assistant":
+        calls = _calls(item, where)
+    elif item.get("tool_calls") or item.get("function_call"):
+        raise bad(f"{where}.tool_calls", f"only an assistant turn makes tool calls, not a {role} turn")
+    content = item.get("content")
+    if content is None and (calls or role == "assistant"):
+        content = ""  # an assistant turn of calls alone
+    if role == "tool":
+        call_id = item.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad(f"{where}.tool_call_id", "a tool message names the call it answers (tool_call_id)")
+        name = item.get("name", "")
+        return Message(
+            "tool", _content(content, f"{where}.content"), tool_call_id=call_id, name=str(name or "")
+        )
+    return Message(role, _content(content, f"{where}.content"), calls)
 
 
-def _text(text: str, where: str) -> str:
-    """Text that can reach the stages, or a 400 naming the field."""
-    problem = text_problem(text)
-    if problem:
-        raise bad(where, problem)
-    return text
+def _calls(item: Mapping[str, Any], where: str) -> tuple[ToolCall, ...]:
+    raw = item.get("tool_calls")
+    legacy = item.get("function_call")
+    if raw is None and legacy is not None:
+        raw = [{"id": "call_0", "type": "function", "function": legacy}]
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise bad(f"{where}.tool_calls", "a list of tool calls is required")
+    calls = []
+    for index, call in enumerate(raw):
+        at = f"{where}.tool_calls[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad(
+                at, "a call is {'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}"
+            )
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        ident = call.get("id") or f"call_{index}"
+        if not isinstance(ident, str):
+            raise bad(f"{at}.id", "a string is required")
+        calls.append(ToolCall(ident, function["name"], text(arguments, f"{at}.function.arguments")))
+    return tuple(calls)
+
+
+def check_tool_results(messages: Sequence[Message]) -> None:
+    """A 400 for a tool result that answers no call made before it."""
+    made: set[str] = set()
+    for index, message in enumerate(messages):
+        made.update(call.id for call in message.tool_calls)
+        if message.role == "tool" and message.tool_call_id not in made:
+            raise bad(
+                f"messages[{index}].tool_call_id",
+                f"{shown(message.tool_call_id)} answers no tool call of an assistant turn before it",
+            )
 
 
 def _content(content: object, where: str) -> str:
     if isinstance(content, str):
-        return _text(content, where)
+        return text(content, where)
     if isinstance(content, list):
         parts = []
         for index, part in enumerate(content):
-            text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
-            if not isinstance(text, str):
+            piece = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+            if not isinstance(piece, str):
                 raise bad(f"{where}[{index}]", "only text parts {'type': 'text', 'text': ...} are supported")
-            parts.append(_text(text, f"{where}[{index}]"))
+            parts.append(text(piece, f"{where}[{index}]"))
         return "".join(parts)
     raise bad(where, "a string or a list of text parts is required")
 
 
+# -------------------------------------------------------------------- tools
+
+
+def tools_of(fields: Mapping[str, Any]) -> tuple[Tool, ...]:
+    """``tools`` ([{type: function, function: {name, description, parameters, strict}}])
+    or the legacy ``functions``; each schema checked, a 400 naming the tool."""
+    raw = fields.get("tools")
+    where = "tools"
+    if raw is None and fields.get("functions") is not None:
+        raw = (
+            [{"type": "function", "function": f} for f in fields["functions"]]
+            if isinstance(fields["functions"], list)
+            else fields["functions"]
+        )
+        where = "functions"
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise bad(where, "a list of tools is required")
+    if len(raw) > MAX_TOOLS:
+        raise bad(where, f"at most {MAX_TOOLS} tools, not {len(raw)}")
+    tools: list[Tool] = []
+    for index, item in enumerate(raw):
+        at = f"{where}[{index}]"
+        if not isinstance(item, dict) or item.get("type", "function") != "function":
+            kind = item.get("type") if isinstance(item, dict) else item
+            raise bad(f"{at}.type", f"{shown(kind)}: only function tools are supported")
+        function = item.get("function")
+        if not isinstance(function, dict):
+            raise bad(f"{at}.function", "an object with a name is required")
+        name = function.get("name")
+        if not isinstance(name, str) or not name or len(name) > 128:
+            raise bad(f"{at}.function.name", "a name of 1 to 128 characters is required")
+        if any(tool.name == name for tool in tools):
+            raise bad(f"{at}.function.name", f"{name!r} is offered twice")
+        description = function.get("description") or ""
+        if not isinstance(description, str):
+            raise bad(f"{at}.function.description", "a string is required")
+        parameters = function.get("parameters") or {}
+        problem = schema_problem(parameters)
+        if problem:
+            raise bad(f"{at}.function.parameters", f"tool {name!r}: {problem}")
+        strict = function.get("strict") is True
+        tools.append(Tool(name, text(description, f"{at}.function.description"), parameters, strict))
+    return tuple(tools)
+
+
+def tool_choice_of(fields: Mapping[str, Any], tools: Sequence[Tool]) -> tuple[str, str]:
+    """(``tool_choice``, the function it names) of ``tool_choice`` or the legacy ``function_call``."""
+    where = "tool_choice"
+    value = fields.get("tool_choice")
+    if value is None and fields.get("function_call") is not None:
+        where, value = "function_call", fields["function_call"]
+        if isinstance(value, dict) and "name" in value:
+            value = {"type": "function", "function": {"name": value["name"]}}
+    if value is None:
+        return ("auto", "") if tools else ("none", "")
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise bad(where, f"{shown(value)} is not one of auto, none, required or a named function")
+        if value == "required" and not tools:
+            raise bad(where, "required, but the request offers no tools")
+        return value, ""
+    function = value.get("function") if isinstance(value, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise bad(where, "{'type': 'function', 'function': {'name': ...}} is required for a named function")
+    if not any(tool.name == name for tool in tools):
+        offered = ", ".join(tool.name for tool in tools[:20]) or "none"
+        raise bad(where, f"names the function {shown(name)}, which is not among the tools ({offered})")
+    return "function", name
+
+
+# ------------------------------------------------------------------- prompt
+
+
 def _prompt(value: object) -> tuple[str, tuple[int, ...] | None]:
     if isinstance(value, str):
-        return _text(value, "prompt"), None
-    if isinstance(value, list) and value and all(_is_int(v) for v in value):
+        return text(value, "prompt"), None
+    if isinstance(value, list) and value and all(is_int(v) for v in value):
         return "", tuple(_token(v) for v in value)
     if isinstance(value, list) and len(value) == 1:
         return _prompt(value[0])
@@ -200,61 +294,10 @@ def _token(value: int) -> int:
     return value
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+# ----------------------------------------------------------------- the rest
 
 
-def _number(
-    fields: Mapping[str, Any], name: str, low: float, high: float, low_open: bool = False
-) -> float | None:
-    value = fields.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad(name, f"a number is required, not {value!r}")
-    try:
-        finite = math.isfinite(value)  # Python's JSON reads NaN and Infinity, and integers of any size
-    except OverflowError:
-        finite = False
-    if not finite:
-        raise bad(name, f"a finite number is required, not {value!r}")
-    if value < low or value > high or (low_open and value == low):
-        bound = "(" if low_open else "["
-        raise bad(name, f"{value!r} is not in {bound}{low:g}, {high:g}]")
-    return float(value)
-
-
-def _integer(fields: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
-    value = fields.get(name)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise bad(name, f"an integer is required, not {value!r}")
-    if not low <= value <= high:
-        raise bad(name, f"{value} is not in [{low}, {high}]")
-    return int(value)
-
-
-def _stops(value: object) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise bad("stop", "a string or a list of strings is required")
-    if len(stops) > MAX_STOPS:
-        raise bad("stop", f"at most {MAX_STOPS} stop strings, not {len(stops)}")
-    for stop in stops:
-        _text(stop, "stop")
-    return tuple(s for s in stops if s)  # an empty stop string stops nothing (as llama.cpp)
-
-
-def _request(
-    fields: Mapping[str, Any],
-    chat: bool,
-    messages: tuple[ChatMessage, ...],
-    prompt: str,
-    tokens: tuple[int, ...] | None,
-) -> Request:
+def _completion(fields: Mapping[str, Any], **given: Any) -> Completion:
     model = fields.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "a string is required")
@@ -272,166 +315,46 @@ def _request(
         if not stream:
             raise bad("stream_options", "only allowed with stream: true")
         include_usage = wanted
-    max_tokens = _integer(fields, "max_completion_tokens", 1, INT64 - 1)
+    grammar, schema = reply_form(fields)
+    if grammar and given.get("tool_choice") in ("required", "function"):
+        raise bad("tool_choice", "a required tool call and a response format at once: choose one")
+    parallel = boolean(fields, "parallel_tool_calls")
+    n = integer(fields, "n", 1, MAX_CHOICES) or 1
+    cache_prompt = boolean(fields, "cache_prompt")
+    return Completion(
+        **given,
+        options=run_overrides(fields),
+        stop=stops(fields.get("stop")),
+        stream=stream,
+        include_usage=include_usage,
+        cache_prompt=cache_prompt is not False,
+        parallel_tool_calls=parallel is not False,
+        grammar=grammar,
+        schema=schema,
+        n=n,
+        model=model or "",
+    )
+
+
+def run_overrides(fields: Mapping[str, Any]) -> RunOverrides:
+    """The run options a request sets: OpenAI's and llama-server's names."""
+    max_tokens = integer(fields, "max_completion_tokens", 1, INT64 - 1)
     if max_tokens is None:
-        max_tokens = _integer(fields, "max_tokens", 1, INT64 - 1)
-    options = RunOverrides(
+        max_tokens = integer(fields, "max_tokens", 1, INT64 - 1)
+    if max_tokens is None:
+        n_predict = integer(fields, "n_predict", -1, INT64 - 1)  # llama-server's; -1: no limit
+        max_tokens = n_predict if n_predict not in (None, -1, 0) else None
+    return RunOverrides(
         max_tokens=max_tokens,
-        temperature=_number(fields, "temperature", 0.0, 2.0),
-        top_k=_integer(fields, "top_k", 0, TOP_K_MAX),
-        top_p=_number(fields, "top_p", 0.0, 1.0, low_open=True),
-        seed=_integer(fields, "seed", SEED_MIN, SEED_MAX),
-        ignore_eos=_boolean(fields, "ignore_eos"),
-    )
-    cache_prompt = _boolean(fields, "cache_prompt")
-    stops = _stops(fields.get("stop"))
-    return Request(
-        chat, messages, prompt, tokens, options, stops, stream, include_usage, cache_prompt is not False
+        temperature=number(fields, "temperature", 0.0, 2.0),
+        top_k=integer(fields, "top_k", 0, TOP_K_MAX),
+        top_p=number(fields, "top_p", 0.0, 1.0, low_open=True),
+        seed=_seed(fields),
+        ignore_eos=boolean(fields, "ignore_eos"),
+        extra=sampler_fields(fields),
     )
 
 
-def _boolean(fields: Mapping[str, Any], name: str) -> bool | None:
-    value = fields.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise bad(name, f"true or false is required, not {value!r}")
-    return value
-
-
-# ---------------------------------------------------------------- answers
-
-
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """The answer's ``usage``; ``cached_tokens``: leading prompt tokens the
-    stages kept from the previous run instead of computing them (prefix
-    reuse), where OpenAI reports its prompt caching."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def timings(
-    prompt_tokens: int, prompt_ms: float, predicted: int, predicted_ms: float, cached_tokens: int = 0
-) -> dict[str, float]:
-    """llama.cpp's server's ``timings``: prefill and decode, as measured here;
-    ``cache_n`` prompt tokens were kept, ``prompt_n`` computed."""
-    return {
-        "cache_n": cached_tokens,
-        "prompt_n": prompt_tokens - cached_tokens,
-        "prompt_ms": round(prompt_ms, 3),
-        "predicted_n": predicted,
-        "predicted_ms": round(predicted_ms, 3),
-        "predicted_per_second": round((predicted - 1) / (predicted_ms / 1000.0), 3)
-        if predicted > 1 and predicted_ms > 0
-        else 0.0,
-    }
-
-
-def answer(
-    request: Request, ident: str, created: int, model: str, text: str, finish: str, counts: dict[str, Any]
-) -> dict[str, Any]:
-    """The whole answer of a request that is not streamed."""
-    if request.chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        kind = "text_completion"
-    return {
-        "id": ident,
-        "object": kind,
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": counts,
-    }
-
-
-def chunk(
-    request: Request,
-    ident: str,
-    created: int,
-    model: str,
-    text: str | None = None,
-    finish: str | None = None,
-    role: bool = False,
-) -> dict[str, Any]:
-    """One server-sent event of a streamed answer: text, or the first (the
-    role) or last (the finish reason) of a chat answer."""
-    if request.chat:
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
-            delta["content"] = ""
-        if text:
-            delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        kind = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        kind = "text_completion"
-    return {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice]}
-
-
-def usage_chunk(
-    request: Request, ident: str, created: int, model: str, counts: dict[str, Any]
-) -> dict[str, Any]:
-    """The last event when ``stream_options.include_usage``: no choices, the usage."""
-    kind = "chat.completion.chunk" if request.chat else "text_completion"
-    return {"id": ident, "object": kind, "created": created, "model": model, "choices": [], "usage": counts}
-
-
-# -------------------------------------------------------------- stop strings
-
-
-class StopScanner:
-    """Applies stop strings to text as it streams: :meth:`feed` returns the
-    text that can go out now and holds back any tail that may be the start of
-    a stop string; once one appears, :attr:`stopped` is set and neither it
-    nor anything after it is returned."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(s for s in stops if s)
-        self.held = ""
-        self.stopped = ""  # the stop string that ended the text
-
-    def feed(self, piece: str) -> str:
-        if self.stopped:
-            return ""
-        text = self.held + piece
-        if not self.stops:
-            self.held = ""
-            return text
-        found = [(text.find(stop), stop) for stop in self.stops]
-        hits = [(at, stop) for at, stop in found if at >= 0]
-        if hits:
-            at, stop = min(hits)
-            self.stopped, self.held = stop, ""
-            return text[:at]
-        keep = max((self._overlap(text, stop) for stop in self.stops), default=0)
-        self.held = text[len(text) - keep :] if keep else ""
-        return text[: len(text) - keep]
-
-    def flush(self) -> str:
-        """The end of the text: what was held back goes out."""
-        held, self.held = self.held, ""
-        return "" if self.stopped else held
-
-    @staticmethod
-    def _overlap(text: str, stop: str) -> int:
-        """The longest tail of ``text`` that begins ``stop`` (shorter than it)."""
-        for length in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:length]):
-                return length
-        return 0
+def _seed(fields: Mapping[str, Any]) -> int | None:
+    seed = integer(fields, "seed", SEED_MIN, SEED_MAX)
+    return None if seed == -1 else seed  # llama-server's -1: no seed of the request's own

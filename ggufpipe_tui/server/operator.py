@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
-from ggufpipe_tui.server.openai_api import ApiError
+from ggufpipe_tui.server.fields import ApiError
 from ggufpipe_tui.server.prometheus import CONTENT_TYPE, Exposition
 from ggufpipe_tui.session.stages import PipelineError
 

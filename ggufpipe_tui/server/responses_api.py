@@ -33,7 +33,7 @@ from typing import Any
 
 from ggufpipe_agent.wire.codec import MAX_PROMPT_TURNS
 from ggufpipe_tui.server import api_common as common
-from ggufpipe_tui.server.openai_api import INT64, ApiError, _integer, _number, bad
+from ggufpipe_tui.server.fields import INT64, ApiError, bad, integer, number
 from ggufpipe_tui.server.request import (
     Completion,
     Message,
@@ -176,11 +176,11 @@ def parse_responses(body: object, store: ResponseStore | None = None) -> Complet
     if len(messages) > MAX_PROMPT_TURNS:
         raise bad("input", f"at most {MAX_PROMPT_TURNS} turns, not {len(messages)}")
     text, schema = _text_format(body.get("text"))
-    max_tokens = _integer(body, "max_output_tokens", 1, INT64 - 1)
+    max_tokens = integer(body, "max_output_tokens", 1, INT64 - 1)
     options = RunOverrides(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 0.0, 2.0),
-        top_p=_number(body, "top_p", 0.0, 1.0, low_open=True),
+        temperature=number(body, "temperature", 0.0, 2.0),
+        top_p=number(body, "top_p", 0.0, 1.0, low_open=True),
     )
     echoed = {
         "instructions": instructions,

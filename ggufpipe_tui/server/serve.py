@@ -86,11 +86,20 @@ async def run_server(
     log_dir: str | None = None,
     err: IO[str] = sys.stderr,
     cors_origins: Sequence[str] = (),
+    chat_template: str = "",
 ) -> int:
     """Serve until SIGTERM or SIGINT (exit 0) or a fault of the pipeline (exit 1)."""
     printer = ServerPrinter(inventory, err, verbose, quiet)
     pipeline = Pipeline(inventory, printer, log_dir=log_dir, prepare_ahead=True)
-    server = Server(pipeline, inventory, api_key=api_key, queue=queue, err=err, cors_origins=cors_origins)
+    server = Server(
+        pipeline,
+        inventory,
+        api_key=api_key,
+        queue=queue,
+        err=err,
+        cors_origins=cors_origins,
+        chat_template=chat_template,
+    )
     runner = web.AppRunner(
         server.app,
         handler_cancellation=True,

@@ -40,6 +40,7 @@ class ModelRead:
     facts: ModelFacts
     pieces: tuple[bytes, ...]  # token id -> bytes
     where: str  # the model, for messages: "PATH on HOST" or "PATH on this machine"
+    special: tuple[tuple[int, bytes], ...] = ()  # control tokens' text (ModelInfo.special)
 
 
 class HostCopies:
@@ -80,7 +81,7 @@ class HostCopies:
             self._check_copy(reference_stage, reference, stage, info)
         facts = reference.facts
         where = f"{facts.path} on {reference_stage.host.name}"
-        return ModelRead(facts, reference.pieces, where)
+        return ModelRead(facts, reference.pieces, where, reference.special)
 
     async def check(self, stage: StageHandle, timeout: float) -> None:
         """A stage started again (recovery): its host's copy is still stage 0's model."""
@@ -136,7 +137,7 @@ def _read_local(path: str) -> tuple[ModelRead, ModelFiles]:
     facts = read_model_facts(path)
     vocab = vocabulary(facts.path)
     facts = replace(facts, eog_token_ids=vocab.eog_tokens())
-    read = ModelRead(facts, vocab.pieces(), f"{facts.path} on this machine")
+    read = ModelRead(facts, vocab.pieces(), f"{facts.path} on this machine", vocab.special_pieces())
     return read, files
 
 

@@ -106,6 +106,7 @@ class Pipeline:
         self.data: DataPlane | None = None
         self.facts: ModelFacts | None = None
         self.pieces: tuple[bytes, ...] = ()
+        self.special_pieces: dict[int, bytes] = {}  # control tokens' text
         self.ranges: list[tuple[int, int]] = []
         self.placement: Placement | None = None  # what each stage needs and each host has
         self.model: ModelSource | None = None  # where the model is read and prompts tokenized
@@ -267,6 +268,7 @@ class Pipeline:
         self.ranges = list(self.placement.ranges)
         check_plan(facts, self.ranges, where)
         self.facts, self.pieces = facts, model.pieces
+        self.special_pieces = dict(model.special)
         self.emit(ModelInspected(facts))
 
     async def _deliver(self) -> None:

@@ -38,16 +38,16 @@ from hypothesis import strategies as st
 
 from ggufpipe_agent.wire.codec import text_problem
 from ggufpipe_agent.wire.protocol import Tokenize, decode_message, encode_message
-from ggufpipe_agent.wire.records import SEED_MAX, SEED_MIN, TOP_K_MAX, sampling_problem
+from ggufpipe_agent.wire.records import SEED_MAX, SEED_MIN, TOP_K_MAX, ChatMessage, sampling_problem
 from ggufpipe_tui.core.inventory import RunOptions
 from ggufpipe_tui.server.openai_api import (
-    DEFAULTS,
     MAX_STOPS,
     ApiError,
-    Request,
     parse_chat,
     parse_completion,
 )
+from ggufpipe_tui.server.request import Completion as Request
+from ggufpipe_tui.server.sampling import REFUSED
 
 DEFAULT_RUN = RunOptions()
 ROLES = ("system", "developer", "user", "assistant")
@@ -77,7 +77,7 @@ def check_accepted(request: Request, chat: bool) -> None:
     if chat:
         assert request.messages and request.tokens is None and request.prompt == ""
         for message in request.messages:
-            assert message.role in ("system", "user", "assistant")
+            assert message.role in ("system", "user", "assistant", "tool")
             assert isinstance(message.content, str)
             texts.append(message.content)
     else:
@@ -104,7 +104,8 @@ def check_accepted(request: Request, chat: bool) -> None:
     assert sampling_problem(*sampling) == ("", ""), sampling
     assert isinstance(request.shown, str)
     # The text reaches the stages in a Tokenize message: it encodes and decodes.
-    tokenize = Tokenize(1, "/m.gguf", request.prompt, chat, request.messages)
+    turns = tuple(ChatMessage(m.role, m.content) for m in request.messages)
+    tokenize = Tokenize(1, "/m.gguf", request.prompt, chat, turns)
     assert decode_message(encode_message(tokenize)) == tokenize
 
 
@@ -202,7 +203,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "user": json_text,
     **{
         name: mostly(st.sampled_from(allowed), st.just(True) | st.just(2))
-        for name, allowed in DEFAULTS.items()
+        for name, (allowed, _why) in REFUSED.items()
     },
 }
 FIELD_NAMES = sorted(FIELDS)

@@ -55,7 +55,8 @@ ORCHESTRATOR_MAY_USE: dict[str, tuple[str, ...]] = {
     ),
     "ggufpipe_tui.views": AGENT_DATA,
     "ggufpipe_tui.commands": AGENT_DATA,
-    "ggufpipe_tui.server": AGENT_DATA,
+    # A request's grammar is checked by the parser the last stage runs.
+    "ggufpipe_tui.server": (*AGENT_DATA, "ggufpipe_agent.llama.sampler"),
     "ggufpipe_tui.cli": AGENT_DATA,
 }
 MAX_MODULES = 25

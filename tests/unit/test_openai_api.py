@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ggufpipe_agent.wire.protocol import ChatMessage
-from ggufpipe_tui.server.openai_api import ApiError, StopScanner, parse_chat, parse_completion
+from ggufpipe_tui.server.fields import ApiError, StopScanner
+from ggufpipe_tui.server.openai_api import parse_chat, parse_completion
+from ggufpipe_tui.server.request import Message, Tool, ToolCall
 from ggufpipe_tui.session.runs import RunOverrides
 
 HELLO = [{"role": "user", "content": "Hi"}]
@@ -39,12 +40,14 @@ def test_a_chat_request_with_every_supported_field():
         }
     )
     assert request.messages == (
-        ChatMessage("system", "Be brief."),
-        ChatMessage("user", "Hello"),
-        ChatMessage("assistant", "Hi!"),
-        ChatMessage("user", "Bye"),
+        Message("system", "Be brief."),
+        Message("user", "Hello"),
+        Message("assistant", "Hi!"),
+        Message("user", "Bye"),
     )
-    assert request.options == RunOverrides(max_tokens=7, temperature=0.5, top_k=20, top_p=0.9, seed=-3)
+    assert request.options == RunOverrides(
+        max_tokens=7, temperature=0.5, top_k=20, top_p=0.9, seed=-3, extra=(("presence_penalty", 0),)
+    )
     assert request.stop == ("\n\n",) and request.stream and request.include_usage
     assert request.shown == "Bye"
 
@@ -65,7 +68,13 @@ def test_a_completion_prompt_is_text_or_token_ids():
         ({}, "messages", "non-empty list"),
         ({"messages": []}, "messages", "non-empty list"),
         ({"messages": ["hi"]}, "messages[0]", "an object"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'tool' is not one of"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "'robot' is not one of"),
+        (
+            {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]},
+            "messages[0].tool_call_id",
+            "answers no tool call",
+        ),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "names the call"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "a string or a list"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -78,11 +87,43 @@ def test_a_completion_prompt_is_text_or_token_ids():
         ({"messages": HELLO, "max_tokens": 0}, "max_tokens", "not in [1,"),
         ({"messages": HELLO, "max_tokens": True}, "max_tokens", "an integer is required"),
         ({"messages": HELLO, "seed": 1.5}, "seed", "an integer is required"),
-        ({"messages": HELLO, "n": 2}, "n", "not supported"),
-        ({"messages": HELLO, "n": True}, "n", "not supported"),
-        ({"messages": HELLO, "tools": [{"type": "function"}]}, "tools", "not supported"),
-        ({"messages": HELLO, "logprobs": True}, "logprobs", "not supported"),
-        ({"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format", "only"),
+        ({"messages": HELLO, "n": 17}, "n", "not in [1, 16]"),
+        ({"messages": HELLO, "n": True}, "n", "an integer is required"),
+        ({"messages": HELLO, "tools": [{"type": "function"}]}, "tools[0].function", "an object with a name"),
+        ({"messages": HELLO, "tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
+        (
+            {
+                "messages": HELLO,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+            },
+            "tools[0].function.parameters",
+            "tool 'f'",
+        ),
+        (
+            {
+                "messages": HELLO,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+            "not among the tools (f)",
+        ),
+        ({"messages": HELLO, "tool_choice": "required"}, "tool_choice", "offers no tools"),
+        ({"messages": HELLO, "top_logprobs": 2}, "top_logprobs", "only with logprobs"),
+        ({"messages": HELLO, "response_format": {"type": "xml"}}, "response_format.type", "not one of"),
+        (
+            {
+                "messages": HELLO,
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}},
+            },
+            "response_format.json_schema.schema.type",
+            "not a valid JSON schema",
+        ),
+        ({"messages": HELLO, "grammar": "root ::= ("}, "grammar", "cannot parse"),
+        ({"messages": HELLO, "min_p": 2}, "min_p", "not in [0, 1]"),
+        ({"messages": HELLO, "mirostat": 3}, "mirostat", "not an integer in [0, 2]"),
+        ({"messages": HELLO, "logit_bias": {"x": 1}}, "logit_bias", "give token ids"),
+        ({"messages": HELLO, "post_sampling_probs": True}, "post_sampling_probs", "not supported"),
         ({"messages": HELLO, "stop": [1]}, "stop", "list of strings"),
         ({"messages": HELLO, "stop": ["a"] * 17}, "stop", "at most 16"),
         ({"messages": HELLO, "stream": "yes"}, "stream", "true or false"),
@@ -161,3 +202,58 @@ def test_llama_servers_ignore_eos_and_cache_prompt():
         with pytest.raises(ApiError, match=f"{name}: true or false is required, not 'yes'") as refused:
             parse_chat({"messages": HELLO, name: "yes"})
         assert refused.value.status == 400 and refused.value.param == name
+
+
+def test_tools_calls_and_their_results_are_taken():
+    request = parse_chat(
+        {
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            ],
+            "tools": [
+                {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+            ],
+            "tool_choice": {"type": "function", "function": {"name": "weather"}},
+            "logprobs": True,
+            "top_logprobs": 3,
+            "n": 2,
+            "min_p": 0.1,
+            "repeat_penalty": 1.1,
+            "logit_bias": {"42": -100},
+        }
+    )
+    assert request.messages[1] == Message("assistant", "", (ToolCall("c1", "weather", '{"city": "Paris"}'),))
+    assert request.messages[2] == Message("tool", "sunny", tool_call_id="c1")
+    assert request.tools == (Tool("weather", "", {"type": "object"}),)
+    assert (request.tool_choice, request.tool_name) == ("function", "weather")
+    assert request.logprobs and request.top_logprobs == 3 and request.n == 2
+    assert dict(request.options.extra) == {"min_p": 0.1, "repeat_penalty": 1.1, "logit_bias": ((42, -100.0),)}
+
+
+def test_a_schema_becomes_a_grammar():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    request = parse_chat(
+        {"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
+    )
+    assert request.schema == schema and "root ::=" in request.grammar
+    assert parse_chat({"messages": HELLO, "response_format": {"type": "json_object"}}).schema == {
+        "type": "object"
+    }
+
+
+def test_an_error_names_a_large_field_without_its_whole_value():
+    with pytest.raises(ApiError) as refused:
+        parse_chat({"messages": HELLO, "temperature": "x" * 10_000})
+    assert len(refused.value.message) < 200 and "10002 characters" in refused.value.message
