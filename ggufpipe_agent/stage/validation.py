@@ -125,7 +125,9 @@ def validate_provision(message: ProvisionStage) -> str:
         want_kind = "activation" if edge_kind == "Activation" else "tokens"
         if spec.kind != want_kind:
             return f"{name} {edge_kind} edge carries {want_kind} objects, not {spec.kind!r}"
-        if spec.kind == "tokens" and (spec.dtype != "int32" or spec.width != 1):
+        # The token-out edge is as wide as the run's logprobs (checked with the sampling).
+        width = spec.width if edge_kind == "TokenOut" else 1
+        if spec.kind == "tokens" and (spec.dtype != "int32" or spec.width != width):
             return f"{name} edge carries tokens as int32 of width 1, not {spec.dtype} of width {spec.width}"
         if spec.kind == "activation" and (
             spec.width != p.model.hidden_dim or spec.max_rows != p.model.max_seq_len

@@ -25,6 +25,7 @@ from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.framing import FrameWriter, TruncatedFrame
 from ggufpipe_agent.wire.protocol import Message, OpenEdge, encode_message
+from ggufpipe_agent.wire.records import LOGPROBS_MAX
 from ggufpipe_tui.core.plan import EdgePlan, RunPlan
 from ggufpipe_tui.dataplane import DataPlaneEvents, DataStage, DataStream, TokenSink
 
@@ -178,9 +179,13 @@ class RelayPlane:
     async def _token_out(self) -> None:
         index = len(self.stages) - 1
         source = self._stream(index).reader
+        # The reader waits for the next header with the limit of the runs bound
+        # then; a run bound while it waits may ask for logprobs: the widest
+        # token-out record any run may send is the bound.
+        widest = objects.token_out_width(LOGPROBS_MAX) * objects.DTYPES[objects.DTYPE_CODES["int32"]].itemsize
         while True:
             try:
-                header = await source.header(self._limit(index))
+                header = await source.header(max(self._limit(index), widest))
                 if header is None:
                     self.events.lost(index, "data stream ended")
                     return
