@@ -138,7 +138,10 @@ def with_history(options: RunOptions, tokens: Sequence[int]) -> RunOptions:
     sampling = sampling_params(options)
     if not sampling.uses_history:
         return options
-    windows = [sampling.repeat_last_n, sampling.dry_penalty_last_n]
+    s = sampling
+    penalties = s.repeat_penalty != 1.0 or s.frequency_penalty != 0.0 or s.presence_penalty != 0.0
+    windows = [s.repeat_last_n] if penalties else []
+    windows += [s.dry_penalty_last_n] if s.dry_multiplier != 0.0 else []
     back = len(tokens) if -1 in windows else max(windows)
     history = tuple(tokens[len(tokens) - min(back, len(tokens)) :])
     extra = tuple((k, v) for k, v in options.extra if k != "history") + (("history", history),)
