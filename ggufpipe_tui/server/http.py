@@ -1,17 +1,25 @@
-"""``ggufpipe-tui INVENTORY --serve HOST:PORT``: an OpenAI-compatible HTTP
-server on the warm pipeline (aiohttp).
+"""``ggufpipe-tui INVENTORY --serve HOST:PORT``: an HTTP server on the warm
+pipeline (aiohttp) that speaks the APIs agents speak.
 
-``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
-(streamed as server-sent events or whole; shapes in
-:mod:`ggufpipe_tui.server.openai_api`) and ``GET /health``. Each request is a
-prompt submitted to the pipeline's queue, which runs up to ``--parallel``
-of them at once (each in its own slot of every stage, so with as many in
-flight as stages every stage is busy; ggufpipe_tui/session/parallel.py), in
-the order they came; a chat request's prompt is its whole conversation, and
-it goes to the slot whose cache holds the longest prefix of it. The
-session policy does the rest: per-request sampling gets a run provisioned
-with it, and a reply that cannot fit the context is refused before it runs
-(an explicit ``max_tokens``) or shortened to the room left (none given).
+``POST /v1/chat/completions`` and ``/v1/completions`` (OpenAI's, with tools,
+structured output, logprobs and ``n``), ``POST /v1/messages`` and
+``/v1/messages/count_tokens`` (Anthropic's), ``POST /v1/responses``
+(OpenAI's Responses), ``GET /v1/models``, llama-server's ``/tokenize``,
+``/detokenize``, ``/props``, ``/slots`` and ``/metrics``
+(ggufpipe_tui/server/operator.py), ``GET /health``. Each API is a
+translation: its request becomes one :class:`~ggufpipe_tui.server.request.Completion`
+(openai_api.py, anthropic_api.py, responses_api.py), whose prompts
+(server/replies.py: the chat template with the tools, the grammar the reply
+is held to, one prompt per choice) are submitted to the pipeline's queue,
+which runs up to ``--parallel`` of them at once (each in its own slot of
+every stage; ggufpipe_tui/session/parallel.py), in the order they came; a
+chat request's prompt is its whole conversation, and it goes to the slot
+whose cache holds the longest prefix of it. The run's text comes back as
+pieces (text, tool calls, the end: server/answering.py), which the API's
+renderer writes (server/renderers.py). The session policy does the rest:
+per-request sampling gets a run provisioned with it, and a reply that cannot
+fit the context is refused before it runs (an explicit ``max_tokens``) or
+shortened to the room left (none given).
 
 Bounds: at most ``queue`` requests wait behind the running ones (a 503 past
 that, never a hang); a client that goes away stops its run or withdraws its
@@ -40,18 +48,17 @@ import hmac
 import json
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
 from aiohttp import web
 
-from ggufpipe_agent.ids import NO_RUN, RunId
-from ggufpipe_tui.core.events import Event, PromptAssigned, RunResult
 from ggufpipe_tui.core.format import reuse_line
 from ggufpipe_tui.core.inventory import Inventory
 from ggufpipe_tui.server import (
+    answering,
     anthropic_api,
     cors,
     fields,
@@ -62,13 +69,13 @@ from ggufpipe_tui.server import (
 )
 from ggufpipe_tui.server import openai_answer as answer
 from ggufpipe_tui.server import openai_api as api
+from ggufpipe_tui.server.answering import Exchange
 from ggufpipe_tui.server.metrics import Metrics
 from ggufpipe_tui.server.renderers import AnthropicRenderer, OpenAIRenderer, Renderer, ResponsesRenderer
-from ggufpipe_tui.server.request import Completion, Finish, Piece, Usage
+from ggufpipe_tui.server.request import Completion
 from ggufpipe_tui.server.responses_api import ResponseStore
-from ggufpipe_tui.server.tools import Family
 from ggufpipe_tui.session.pipeline import Pipeline
-from ggufpipe_tui.session.runs import ContextOverflow, RunHandle
+from ggufpipe_tui.session.runs import RunHandle
 from ggufpipe_tui.session.stages import PipelineError
 
 #: Seconds the running requests may take to finish once SIGTERM came.
@@ -84,25 +91,6 @@ BODY_SECONDS = 30.0
 #: Seconds a request past the queue is told to wait (Retry-After) while the
 #: pipeline recovers a lost stage: about a local restart and replay.
 RECOVERY_RETRY_AFTER = 5
-
-
-@dataclass
-class Exchange:
-    """One request on its way, for the log line at its end."""
-
-    method: str
-    path: str
-    peer: str
-    arrived: float
-    status: int = 200
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    queued_s: float = 0.0
-    run_id: RunId = NO_RUN
-    ident: str = ""  # the answer's id
-    created: int = 0
-    result: RunResult | None = None
-    detail: str = ""
 
 
 class Server:
@@ -340,7 +328,9 @@ class Server:
         self.admitted += len(handles)
         self.handles.update(handles)
         try:
-            return await self._answer(request, c, handles, family, exchange, renderer)
+            return await answering.answer(
+                self.pipeline, self._closed, request, c, handles, family, exchange, renderer
+            )
         except asyncio.CancelledError:  # aiohttp cancels the handler of a client that went away
             exchange.status, exchange.detail = 499, "the client went away: run stopped"
             raise
@@ -355,140 +345,8 @@ class Server:
             self.admitted -= len(handles)
             self._log_exchange(exchange)
 
-    async def _answer(
-        self,
-        request: web.Request,
-        c: Completion,
-        handles: list[RunHandle],
-        family: Family | None,
-        exchange: Exchange,
-        renderer: Renderer,
-    ) -> web.StreamResponse:
-        streams = []
-        for handle in handles:
-            events = handle.events()
-            first = await anext(events, None)  # PromptAssigned, or the end of a prompt that never ran
-            if first is None:
-                raise await self._not_run(handle, c)
-            assert isinstance(first, PromptAssigned)
-            streams.append((handle, events, first.run_id))
-        exchange.queued_s = time.perf_counter() - exchange.arrived
-        exchange.run_id = streams[0][2]
-        run = {
-            "X-Ggufpipe-Run": ",".join(f"{run_id:016x}" for _, _, run_id in streams)
-        }  # the runs' event logs
-        choices = [
-            replies.ChoiceRun(c, handle, self.pipeline, family, index)
-            for index, (handle, _, _) in enumerate(streams)
-        ]
-        response: web.StreamResponse | None = None
-        try:
-            if c.stream:
-                response = web.StreamResponse(
-                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **run}
-                )
-                await response.prepare(request)
-                await self._write(response, renderer.start())
-            return await self._follow(
-                c, choices, [events for _, events, _ in streams], exchange, renderer, response, run
-            )
-        except ConnectionError:  # a write to a client that went away
-            for handle in handles:
-                handle.stop("the client went away")
-            exchange.status, exchange.detail = 499, "the client went away: run stopped"
-            return response if response is not None else web.Response(status=499)
-
-    async def _follow(
-        self,
-        c: Completion,
-        choices: list[replies.ChoiceRun],
-        events: list[AsyncIterator[Event]],
-        exchange: Exchange,
-        renderer: Renderer,
-        response: web.StreamResponse | None,
-        run: dict[str, str],
-    ) -> web.StreamResponse:
-        """The runs' pieces to the client (as they stream, or whole at the end)."""
-        out: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
-
-        async def pump(index: int) -> None:
-            try:
-                async for piece in choices[index].pieces(events[index]):
-                    await out.put((index, piece))
-            except replies.Faulted as fault:
-                await out.put((index, fault))
-            await out.put((index, None))
-
-        tasks = [asyncio.ensure_future(pump(index)) for index in range(len(choices))]
-        collected: list[list[Piece]] = [[] for _ in choices]
-        fault: BaseException | None = None
-        try:
-            running = len(tasks)
-            while running:
-                index, item = await out.get()
-                if item is None:
-                    running -= 1
-                elif isinstance(item, BaseException):
-                    fault = fault or item
-                    for choice in choices:
-                        choice.handle.stop("another choice of the request faulted")
-                else:
-                    collected[index].append(item)
-                    if response is not None:
-                        await self._write(response, renderer.piece(index, item))
-        finally:
-            for task in tasks:
-                task.cancel()
-        results = [choice.result for choice in choices]
-        counts = [piece.usage for pieces in collected for piece in pieces if isinstance(piece, Finish)]
-        prompt_tokens = len(results[0].prompt_tokens) if results[0] is not None else 0
-        completion_tokens = sum(choice.counted for choice in choices)
-        cached = counts[0].cached_tokens if counts else 0
-        usage = Usage(prompt_tokens, completion_tokens, cached)
-        exchange.result = results[0]
-        exchange.prompt_tokens, exchange.completion_tokens = prompt_tokens, completion_tokens
-        first = results[0]
-        if first is not None and len(choices) == 1:
-            spent = first.timings
-            renderer.timings = answer.timings(
-                prompt_tokens, spent.prefill_ms, completion_tokens, spent.decode_ms, cached
-            )
-        if fault is not None:
-            exchange.status, exchange.detail = 500, f"faulted: {fault}"
-            message = f"the pipeline faulted: {fault}"
-            if response is None:
-                raise fields.ApiError(500, message, "server_error")
-            await self._write(response, renderer.failed(500, message))
-            await response.write_eof()
-            return response
-        if response is None:
-            return web.json_response(renderer.whole(collected, usage), headers=run)
-        await self._write(response, renderer.end(usage))
-        await response.write_eof()
-        return response
-
-    async def _not_run(self, handle: RunHandle, c: Completion) -> fields.ApiError:
-        """Why a prompt never ran, as the answer says it."""
-        try:
-            await handle.result()
-        except ContextOverflow as overflow:
-            asked = overflow.max_tokens if c.options.max_tokens is not None else 0
-            what = "messages" if c.chat else "prompt"
-            message = (
-                f"This model's maximum context length is {overflow.context} tokens. However, you "
-                f"requested {overflow.prompt_tokens + asked} tokens ({overflow.prompt_tokens} in the "
-                f"{what}, {asked} in the completion). Please reduce the length of the {what} or completion."
-            )
-            return fields.ApiError(400, message, param=what, code="context_length_exceeded")
-        except PipelineError as error:
-            if self.closing or self.pipeline.queue.stopped:
-                return fields.ApiError(503, str(error), "unavailable_error")
-            return fields.ApiError(400, str(error))  # e.g. the chat template refused the messages
-        return fields.ApiError(500, "the run ended before it started", "server_error")
-
-    async def _write(self, response: web.StreamResponse, chunks: list[bytes]) -> None:
-        for chunk in chunks:
-            await response.write(chunk)
+    def _closed(self) -> bool:
+        return self.closing or bool(self.pipeline.queue.stopped)
 
     # ------------------------------------------------------------- shutdown
 
