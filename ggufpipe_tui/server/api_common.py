@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ggufpipe_agent.wire.codec import text_problem
-from ggufpipe_tui.server.fields import MAX_STOPS, bad
+from ggufpipe_tui.server.fields import MAX_STOPS, bad, shown
 from ggufpipe_tui.server.request import CallArguments, CallStart, Finish, Piece, Text, Usage
+from ggufpipe_tui.server.tools import schema_problem
 
 #: A function name as OpenAI and Anthropic allow it.
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -125,13 +126,14 @@ def tool_name(value: object, where: str) -> str:
 
 
 def schema(value: object, where: str) -> Mapping[str, Any]:
-    """A tool's parameters: a JSON schema object (absent: an object of no properties)."""
+    """A tool's parameters: a JSON schema of an object, usable as a grammar
+    (absent: an object of no properties)."""
     if value is None:
         return {"type": "object", "properties": {}}
-    if not isinstance(value, dict):
-        raise bad(where, "a JSON schema object is required")
-    if value.get("type", "object") != "object":
-        raise bad(f"{where}.type", f"the parameters of a function are an object, not {shown(value['type'])}")
+    problem = schema_problem(value)
+    if problem:
+        raise bad(where, problem)
+    assert isinstance(value, dict)
     return value
 
 
@@ -140,9 +142,3 @@ def unknown(fields: Mapping[str, Any], known: frozenset[str], where: str = "") -
     for name in fields:
         if name not in known:
             raise bad(f"{where}{name}", "is not supported by this server")
-
-
-def shown(value: object) -> str:
-    """A value as an error names it: short, never a whole large value."""
-    said = repr(value)
-    return said if len(said) <= 60 else f"{said[:57]}..."

@@ -128,7 +128,7 @@ def test_max_tokens_is_required() -> None:
         ),
         (body(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools[0].type"),
         (body(tools=[{"name": "f"}]), "tools[0].input_schema"),
-        (body(tools=[{"name": "f", "input_schema": {"type": "string"}}]), "tools[0].input_schema.type"),
+        (body(tools=[{"name": "f", "input_schema": {"type": "string"}}]), "tools[0].input_schema"),
         (body(tools=[{"name": "a b", "input_schema": {}}]), "tools[0].name"),
         (body(tool_choice={"type": "any"}), "tool_choice"),
         (body(tool_choice={"type": "sometimes"}), "tool_choice.type"),
