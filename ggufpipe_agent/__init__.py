@@ -20,4 +20,4 @@ UNFIT_MARKER = "ggufpipe-agent cannot run here:"
 #: 8: Refused.run_id.
 #: 9: shared agent processes (Hello.share_endpoint, Hello.share_token, ShareAttach) and
 #:    ggufpipe-agent receive (a stage file over SSH on its own exec session).
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
