@@ -54,3 +54,74 @@ def as_llama_server(grammar: str) -> str:
             body = f"{before}{gap} {closer.group(1)}"
         lines.append(f"{name} ::= {body}")
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------- the chat form
+
+#: What llama-server's chat path (a Jinja template's "peg-native" format)
+#: holds a schema's reply to: whitespace, then the JSON alone or in a
+#: ```json fence, then whitespace. The content it answers is the JSON inside.
+FENCE = "```json"
+_TOKEN = re.compile(r'("(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\])')
+_ROOT = re.compile(r"(?<![A-Za-z0-9-])root(?![A-Za-z0-9-])")
+
+
+def chat_form(grammar: str) -> str:
+    """``grammar`` (a schema's, :func:`as_llama_server`) as llama-server's
+    chat path holds it: ``space ("```json" space SCHEMA space "```" | space
+    SCHEMA space)``; its root renamed ``response-format-schema``."""
+    lines = []
+    for line in grammar.strip().splitlines():
+        parts = _TOKEN.split(line)  # literals and classes at the odd places: left alone
+        lines.append(
+            "".join(p if i % 2 else _ROOT.sub("response-format-schema", p) for i, p in enumerate(parts))
+        )
+    if not any(line.startswith("space ::= ") for line in lines):
+        lines.append(SPACE)
+    top = (
+        'root ::= space ( "```json" space response-format-schema space "```" '
+        "| space response-format-schema space )"
+    )
+    return "\n".join([top, *lines]) + "\n"
+
+
+class ChatFormText:
+    """The content of a reply held to :func:`chat_form`, as it streams: the
+    leading whitespace and fence are held back until the JSON begins, and a
+    trailing run of whitespace and backticks until more follows (or dropped
+    at :meth:`end`). ``feed`` gives what may be shown now."""
+
+    def __init__(self) -> None:
+        self._head = ""  # before the JSON, while it may still be whitespace or the fence
+        self._started = False
+        self._tail = ""  # held back: whitespace and backticks that may end the reply
+
+    def feed(self, text: str) -> str:
+        if not self._started:
+            self._head += text
+            stripped = self._head.lstrip()
+            if stripped.startswith(FENCE):
+                stripped = stripped[len(FENCE) :].lstrip()
+                if not stripped:
+                    return ""
+            elif not stripped or FENCE.startswith(stripped):
+                return ""
+            self._started, text = True, stripped
+        text = self._tail + text
+        kept = text.rstrip(" \t\n`")
+        self._tail = text[len(kept) :]
+        return kept
+
+    def end(self) -> str:
+        """What is left to show when the reply ends: nothing (the held
+        whitespace and fence close the form), but a reply cut before its JSON
+        began shows what it wrote."""
+        if not self._started:
+            return self._head.strip()
+        return ""
+
+
+def unwrap_chat_form(text: str) -> str:
+    """A whole reply's content, as :class:`ChatFormText` streams it."""
+    reader = ChatFormText()
+    return reader.feed(text) + reader.end()
