@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from ggufpipe_tui.server.json_grammar import chat_form, unwrap_chat_form
+from ggufpipe_tui.server.sampling import schema_grammar
 from tests.support.common import agent_pids, serve, wait_no_new_agents
 from tests.support.local import write_inventory
 from tests.support.served import KEY, START_TIMEOUT, Served
@@ -335,3 +337,19 @@ def test_seeded_sampled_under_schema_equal(pair: Pair) -> None:
 def test_seeded_sampled_chat_under_schema_equal(pair: Pair) -> None:
     ours, theirs = pair.ask("/v1/chat/completions", person_chat(json_schema=PERSON, temperature=0.8, seed=42))
     assert chat_text(ours) == chat_text(theirs)
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 42}], ids=["greedy", "seeded"]
+)
+def test_chat_form_gives_llama_servers_chat_reply(pair: Pair, sampling: dict[str, Any]) -> None:
+    """json_grammar.chat_form and unwrap_chat_form are llama-server's chat
+    path under a schema: its prompt (its /apply-template) as a completion
+    held to our chat form, unwrapped, is its chat reply."""
+    chat = person_chat(json_schema=PERSON, **sampling)
+    prompt = post(pair.theirs, "/apply-template", {"messages": chat["messages"]})["prompt"]
+    grammar = chat_form(schema_grammar(PERSON, "json_schema"))
+    body = {"prompt": prompt, "grammar": grammar, "max_tokens": chat["max_tokens"], **sampling}
+    ours = post(pair.ours.url, "/v1/completions", body, KEY)
+    theirs = post(pair.theirs, "/v1/chat/completions", chat)
+    assert unwrap_chat_form(completion_text(ours)) == chat_text(theirs)
