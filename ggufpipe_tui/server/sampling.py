@@ -31,6 +31,7 @@ from ggufpipe_agent.wire.records import (
     sampler_field_problem,
 )
 from ggufpipe_tui.server.fields import bad, shown
+from ggufpipe_tui.server.json_grammar import as_llama_server
 
 #: llama-server's request fields this server does not do, and why; refused
 #: (a 400 naming the field) when given a value other than their default.
@@ -235,7 +236,8 @@ def schema_grammar(schema: object, where: str) -> str:
         path = "/".join(str(p) for p in error.absolute_path)
         raise bad(where + (f".{path}" if path else ""), f"not a valid JSON schema: {error.message}") from None
     try:
-        grammar = json_schema_to_gbnf(json.dumps(schema))
+        # llama-server's whitespace (json_grammar): the same reply as its for the same schema.
+        grammar = as_llama_server(json_schema_to_gbnf(json.dumps(schema)))
     except Exception as error:  # noqa: BLE001 - the converter raises what it cannot express
         raise bad(where, f"the grammar cannot express this schema: {error or type(error).__name__}") from None
     problem = grammar_problem(grammar)
