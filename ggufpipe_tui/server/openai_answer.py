@@ -49,8 +49,9 @@ def timings(
 # ------------------------------------------------------------------ logprobs
 
 
-def _alternative(token: str, logprob: float, raw: Sequence[int]) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(raw)}
+def _alternative(token: str, logprob: float, raw: Sequence[int], ident: int) -> dict[str, Any]:
+    """One token's logprob record; ``id`` as llama-server gives it."""
+    return {"id": ident, "token": token, "logprob": logprob, "bytes": list(raw)}
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -58,8 +59,8 @@ def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
     content = []
     for entry in entries:
         chosen = entry.chosen
-        record = _alternative(chosen.token, chosen.logprob, chosen.bytes)
-        record["top_logprobs"] = [_alternative(a.token, a.logprob, a.bytes) for a in entry.top]
+        record = _alternative(chosen.token, chosen.logprob, chosen.bytes, chosen.id)
+        record["top_logprobs"] = [_alternative(a.token, a.logprob, a.bytes, a.id) for a in entry.top]
         content.append(record)
     return {"content": content, "refusal": None}
 

@@ -22,6 +22,7 @@ from typing import Protocol
 from ggufpipe_agent.wire.records import ChatMessage
 from ggufpipe_tui.core.events import Event, RunFinished, RunResult, TokenStreamed
 from ggufpipe_tui.server.fields import StopScanner
+from ggufpipe_tui.server.json_grammar import ChatFormText, chat_form
 from ggufpipe_tui.server.request import (
     Alternative,
     CallStart,
@@ -73,6 +74,10 @@ def prompts_for(c: Completion, template: str, base_seed: int) -> tuple[list[Prom
     elif c.tool_choice == "none":
         family = None if not with_calls else family
     extra = dict(c.options.extra)
+    if grammar and chat_form_of(c):
+        # llama-server's chat under a schema: the JSON, or the JSON in a ```json fence
+        # (unwrapped as it streams: ChoiceRun), so a greedy reply is llama-server's.
+        grammar = chat_form(grammar)
     if grammar:
         extra["grammar"] = grammar
     if c.logprobs:
@@ -102,6 +107,11 @@ def prompts_for(c: Completion, template: str, base_seed: int) -> tuple[list[Prom
     # The parser only where tools are offered: a reply to a request without
     # them is text, whatever it looks like.
     return prompts, family if c.tools and c.tool_choice != "none" else None
+
+
+def chat_form_of(c: Completion) -> bool:
+    """Whether ``c``'s reply is a chat reply held to a schema (not a raw grammar, not a call)."""
+    return c.chat and c.schema is not None and not (c.tools and c.tool_choice != "none")
 
 
 def _with_system(messages: list[Message], text: str) -> list[Message]:
@@ -138,6 +148,7 @@ class ChoiceRun:
         self.c, self.handle, self.index = c, handle, index
         self.vocabulary = vocabulary
         self.scanner = StopScanner(c.stop)
+        self.form = ChatFormText() if chat_form_of(c) else None
         self.parser: Parser | None = family.parser(c.tools, stream=c.stream) if family is not None else None
         self.special: Mapping[int, bytes] = vocabulary.special_pieces if family is not None else {}
         self.counted = 0  # tokens streamed (what the usage counts)
@@ -157,6 +168,8 @@ class ChoiceRun:
                 text = event.text
                 if event.token in self.special:
                     text = self.special[event.token].decode("utf-8", "replace")
+                if self.form is not None:
+                    text = self.form.feed(text)
                 out = scanner.feed(text)
                 if scanner.stopped:
                     self.handle.stop(f"stop string {scanner.stopped!r}")
@@ -165,7 +178,8 @@ class ChoiceRun:
             elif isinstance(event, RunFinished):
                 break
         result = self.result = await self.handle.result()
-        for piece in self._parse(scanner.flush(), end=True):
+        tail = scanner.feed(self.form.end()) if self.form is not None and not scanner.stopped else ""
+        for piece in self._parse(tail + scanner.flush(), end=True):
             yield piece
         if self._logprobs:
             yield Text("", tuple(self._logprobs))

@@ -189,12 +189,9 @@ def person_chat(**extra: Any) -> dict[str, Any]:
 #: llama-server's chat path (its Jinja templates' "peg-native" format) holds the
 #: reply to ``space ("```json" space SCHEMA space "```" | space SCHEMA space)`` and
 #: gives the JSON inside as the content: SmolLM2 writes the fence, and the JSON
-#: in it, after "```json\n", differs from what it writes held to SCHEMA alone
-#: (ours, as /v1/completions' json_schema is in both). Until ggufpipe's chat
-#: path holds and unwraps the same form, the chat answers differ.
-CHAT_FORM = pytest.mark.xfail(
-    strict=True, reason="llama-server's chat grammar allows a ```json fence around the schema; ours does not"
-)
+#: in it, after "```json\n", differs from what it writes held to SCHEMA alone.
+#: ggufpipe's chat path holds the reply to the same form and unwraps it as it
+#: streams (server/json_grammar.py), so the chat answers below are equal.
 
 
 @pytest.mark.parametrize(
@@ -212,7 +209,6 @@ CHAT_FORM = pytest.mark.xfail(
     ],
     ids=["response_format", "strict", "llama_json_schema", "json_object"],
 )
-@CHAT_FORM
 def test_greedy_chat_under_schema_equal(pair: Pair, form: dict[str, Any]) -> None:
     ours, theirs = pair.ask("/v1/chat/completions", person_chat(**form))
     assert chat_text(ours) == chat_text(theirs)
@@ -333,7 +329,6 @@ def test_seeded_sampled_under_schema_equal(pair: Pair) -> None:
         assert completion_text(ours) == completion_text(theirs), seed
 
 
-@CHAT_FORM
 def test_seeded_sampled_chat_under_schema_equal(pair: Pair) -> None:
     ours, theirs = pair.ask("/v1/chat/completions", person_chat(json_schema=PERSON, temperature=0.8, seed=42))
     assert chat_text(ours) == chat_text(theirs)
