@@ -362,7 +362,10 @@ def new_id() -> str:
 
 
 def stop_reason(finish: Finish | None, calls: bool) -> tuple[str, str | None]:
-    """Anthropic's ``stop_reason`` and ``stop_sequence`` for a run's end."""
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for a run's end
+    (``max_tokens`` for a cut one, whose last call may be unfinished)."""
+    if finish is not None and finish.reason == "length":
+        return "max_tokens", None
     if calls:
         return "tool_use", None
     if finish is None:
