@@ -171,7 +171,10 @@ def test_json_schema_output_parses_and_validates(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model="smol",
         messages=[{"role": "user", "content": "Describe a person called Ada, aged 36, as JSON."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
         max_tokens=80,
         temperature=0,
     )
@@ -278,7 +281,10 @@ def test_a_reply_cut_inside_a_character_ends_before_it(client: openai.OpenAI) ->
     """The reply's tokens end inside a character (their bytes say so): the
     text ends before it, never with U+FFFD."""
     cut_inside = 0
-    for prompt in ("Translate 'good morning' to Japanese.", "Write three emoji: a cat, a dog and a smiling face."):
+    for prompt in (
+        "Translate 'good morning' to Japanese.",
+        "Write three emoji: a cat, a dog and a smiling face.",
+    ):
         for max_tokens in (2, 3, 5, 12):
             reply = client.chat.completions.create(
                 model="smol",
@@ -335,3 +341,33 @@ def test_a_preflight_and_the_metrics_after_the_requests(server: Served) -> None:
         assert samples[("ggufpipe_stages", ())] == 2
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("max_tokens", [20, 60])
+def test_a_call_cut_by_max_tokens_ends_with_length(
+    client: openai.OpenAI, stream: bool, max_tokens: int
+) -> None:
+    """20 tokens cut the first call, 60 a second one (parallel calls are on):
+    the reply says it was cut ("length", as OpenAI and llama-server say), not
+    "tool_calls", so no agent runs a call whose arguments never ended."""
+    ask: dict[str, Any] = {
+        "model": "smol",
+        "messages": ASK,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    if stream:
+        finishes = [
+            choice.finish_reason
+            for chunk in client.chat.completions.create(**ask, stream=True)
+            for choice in chunk.choices
+            if choice.finish_reason
+        ]
+    else:
+        reply = client.chat.completions.create(**ask)
+        finishes = [choice.finish_reason for choice in reply.choices]
+        assert reply.usage and reply.usage.completion_tokens == max_tokens
+    assert finishes == ["length"]

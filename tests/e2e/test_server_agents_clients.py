@@ -71,7 +71,9 @@ def test_langchain_structured_output(server: Served, method: str) -> None:
 def test_langchain_structured_output_json_mode(server: Served) -> None:
     """json_mode holds the reply to a JSON object, not to Person's fields:
     include_raw shows the object and whether the fields came out right."""
-    model = chat_openai(server, max_tokens=80).with_structured_output(Person, method="json_mode", include_raw=True)
+    model = chat_openai(server, max_tokens=80).with_structured_output(
+        Person, method="json_mode", include_raw=True
+    )
     out = model.invoke(
         'Reply with a JSON object with the keys "name" (a string) and "age" (an integer) '
         "for this person: Ada, 36 years old."
@@ -180,7 +182,8 @@ def test_anthropic_forced_tool_use(claude: anthropic.Anthropic) -> None:
             {
                 "role": "user",
                 "content": [
-                    {"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 degrees"} for use in uses
+                    {"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 degrees"}
+                    for use in uses
                 ],
             },
         ],

@@ -40,7 +40,11 @@ TIME_PARAMETERS: dict[str, Any] = {
 }
 TIME = {
     "type": "function",
-    "function": {"name": "get_time", "description": "The time now in a timezone.", "parameters": TIME_PARAMETERS},
+    "function": {
+        "name": "get_time",
+        "description": "The time now in a timezone.",
+        "parameters": TIME_PARAMETERS,
+    },
 }
 PARIS = "What is the weather in Paris right now?"
 
