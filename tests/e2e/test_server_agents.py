@@ -371,3 +371,21 @@ def test_a_call_cut_by_max_tokens_ends_with_length(
         finishes = [choice.finish_reason for choice in reply.choices]
         assert reply.usage and reply.usage.completion_tokens == max_tokens
     assert finishes == ["length"]
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    """The SDK's chat.completions.parse sends the model's strict json_schema."""
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    reply = client.chat.completions.parse(
+        model="smol",
+        messages=[{"role": "user", "content": "Ada is 36."}],
+        response_format=Person,
+        max_tokens=60,
+        temperature=0,
+    )
+    assert isinstance(reply.choices[0].message.parsed, Person)

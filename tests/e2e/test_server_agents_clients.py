@@ -7,6 +7,7 @@ streaming, a forced ``tool_use``, count_tokens) and OpenAI's Responses API
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,9 +50,11 @@ def chat_openai(server: Served, **options: Any) -> Any:
 
 @pytest.mark.parametrize("tool_choice", ["get_weather", "required", "any"])
 def test_langchain_bind_tools_gives_tool_calls(server: Served, tool_choice: str) -> None:
-    model = chat_openai(server, max_tokens=80).bind_tools([WEATHER, TIME], tool_choice=tool_choice)
+    model = chat_openai(server, max_tokens=80).bind_tools(
+        [WEATHER, TIME], tool_choice=tool_choice, parallel_tool_calls=False
+    )
     message = model.invoke(PARIS)
-    assert message.tool_calls, message
+    assert len(message.tool_calls) == 1, message
     call = message.tool_calls[0]
     if tool_choice == "get_weather":
         assert call["name"] == "get_weather"
@@ -61,28 +64,40 @@ def test_langchain_bind_tools_gives_tool_calls(server: Served, tool_choice: str)
     assert message.response_metadata["finish_reason"] == "tool_calls"
 
 
+ADA = 'Reply with a JSON object with the keys "name" and "age" for: Ada, 36 years old.'
+
+
 @pytest.mark.parametrize("method", ["function_calling", "json_schema"])
 def test_langchain_structured_output(server: Served, method: str) -> None:
+    """function_calling forces a call of the tool "Person", json_schema holds
+    the reply to Person's schema: either way a Person, whatever the model."""
     model = chat_openai(server, max_tokens=80).with_structured_output(Person, method=method)
-    person = model.invoke("Ada is 36 years old. Who is she?")
-    assert isinstance(person, Person)
+    assert isinstance(model.invoke("Ada is 36 years old. Who is she?"), Person)
+    assert model.invoke(ADA) == Person(name="Ada", age=36)
 
 
 def test_langchain_structured_output_json_mode(server: Served) -> None:
-    """json_mode holds the reply to a JSON object, not to Person's fields:
-    include_raw shows the object and whether the fields came out right."""
+    """json_mode holds the reply to a JSON object only, not to Person's
+    fields: the prompt names them, and greedy SmolLM2 writes them."""
     model = chat_openai(server, max_tokens=80).with_structured_output(
         Person, method="json_mode", include_raw=True
     )
-    out = model.invoke(
-        'Reply with a JSON object with the keys "name" (a string) and "age" (an integer) '
-        "for this person: Ada, 36 years old."
+    out = model.invoke(ADA)
+    assert isinstance(json.loads(out["raw"].content), dict)
+    assert out["parsing_error"] is None and out["parsed"] == Person(name="Ada", age=36), out
+
+
+def test_langchain_streams_a_bound_tool_s_call(server: Served) -> None:
+    model = chat_openai(server, max_tokens=80).bind_tools(
+        [WEATHER], tool_choice="get_weather", parallel_tool_calls=False
     )
-    assert out["raw"].content.lstrip().startswith("{")
-    if out["parsing_error"] is None:
-        assert isinstance(out["parsed"], Person)
-    else:  # the tiny model wrote another object: a validation error, not a failed call
-        assert isinstance(out["parsing_error"], pydantic.ValidationError | ValueError), out
+    merged: Any = None
+    for chunk in model.stream(PARIS):
+        merged = chunk if merged is None else merged + chunk
+    (call,) = merged.tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], WEATHER_PARAMETERS)
+    assert merged.response_metadata["finish_reason"] == "tool_calls"
 
 
 # -------------------------------------------------------------------- LiteLLM
@@ -99,6 +114,7 @@ def test_litellm_completion_with_tools(server: Served) -> None:
         messages=[{"role": "user", "content": PARIS}],
         tools=[WEATHER],
         tool_choice="required",
+        parallel_tool_calls=False,
         max_tokens=80,
         temperature=0,
     )
@@ -106,8 +122,6 @@ def test_litellm_completion_with_tools(server: Served) -> None:
     assert choice.finish_reason == "tool_calls"
     (call, *_) = choice.message.tool_calls
     assert call.function.name == "get_weather"
-    import json
-
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)
 
 
@@ -165,7 +179,7 @@ def test_anthropic_forced_tool_use(claude: anthropic.Anthropic) -> None:
         max_tokens=80,
         messages=[{"role": "user", "content": PARIS}],
         tools=[tool],  # type: ignore[list-item]
-        tool_choice={"type": "tool", "name": "get_weather"},
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
         extra_body=GREEDY,
     )
     assert message.stop_reason == "tool_use"
@@ -191,6 +205,36 @@ def test_anthropic_forced_tool_use(claude: anthropic.Anthropic) -> None:
         extra_body=GREEDY,
     )
     assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+def test_anthropic_streamed_tool_use(claude: anthropic.Anthropic) -> None:
+    with claude.messages.stream(
+        model="smol",
+        max_tokens=80,
+        messages=[{"role": "user", "content": PARIS}],
+        tools=[{"name": "get_weather", "input_schema": WEATHER_PARAMETERS}],  # type: ignore[list-item]
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        extra_body=GREEDY,
+    ) as stream:
+        kinds = {event.type for event in stream}
+        final = stream.get_final_message()
+    assert "input_json" in kinds, "the input streams as input_json_delta"
+    assert final.stop_reason == "tool_use"
+    (use,) = final.content
+    assert use.type == "tool_use" and use.name == "get_weather"
+    jsonschema.validate(use.input, WEATHER_PARAMETERS)
+
+
+def test_anthropic_parse_holds_the_reply_to_the_schema(claude: anthropic.Anthropic) -> None:
+    """messages.parse sends output_config.format: the reply is held to it."""
+    parsed = claude.messages.parse(
+        model="smol",
+        max_tokens=60,
+        messages=[{"role": "user", "content": "Ada is 36."}],
+        output_format=Person,
+        extra_body=GREEDY,
+    )
+    assert isinstance(parsed.parsed_output, Person)
 
 
 def test_anthropic_count_tokens(claude: anthropic.Anthropic) -> None:
@@ -224,9 +268,46 @@ def test_responses_forced_function_call(server: Served) -> None:
     )
     calls = [item for item in response.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and calls[0].call_id
-    import json
-
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER_PARAMETERS)
+
+
+def test_responses_parse_holds_the_reply_to_the_schema(server: Served) -> None:
+    """responses.parse sends text.format's json_schema: the reply is held to it."""
+    response = server.client().responses.parse(
+        model="smol", input="Ada is 36.", text_format=Person, max_output_tokens=60, temperature=0
+    )
+    assert isinstance(response.output_parsed, Person)
+
+
+def test_responses_streamed_call_and_its_output_continued(server: Served) -> None:
+    client = server.client()
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMETERS}
+    kinds, final = [], None
+    for event in client.responses.create(
+        model="smol",
+        input=PARIS,
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=80,
+        temperature=0,
+        stream=True,
+    ):
+        kinds.append(event.type)
+        if event.type == "response.completed":
+            final = event.response
+    assert "response.function_call_arguments.delta" in kinds and final is not None
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMETERS)
+    answer = client.responses.create(
+        model="smol",
+        previous_response_id=final.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 degrees"}],
+        tools=[tool],  # type: ignore[list-item]
+        max_output_tokens=20,
+        temperature=0,
+    )
+    assert answer.status in ("completed", "incomplete") and answer.output
 
 
 def test_responses_streaming(server: Served) -> None:
