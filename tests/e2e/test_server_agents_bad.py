@@ -189,6 +189,56 @@ def test_responses_tool_choice_naming_no_such_tool(server: Served, before: tuple
     assert good(server.client()) == before
 
 
+def test_a_bad_tool_among_thirty_is_named_not_quoted(server: Served, before: tuple[str, str, str]) -> None:
+    """A 30-tool agent's error names the one tool, not the whole list."""
+    tools: list[Any] = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": "Does one thing well. " * 20,
+                "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+            },
+        }
+        for i in range(30)
+    ]
+    tools[17]["function"]["parameters"] = {"type": "object", "properties": {"x": {"type": "strin"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client().chat.completions.create(model="smol", messages=ASK, tools=tools, max_tokens=8)
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == "tools[17].function.parameters", error
+    assert "tool_17" in error["message"] and "Does one thing" not in error["message"]
+    assert good(server.client()) == before
+
+
+def test_a_schema_the_grammar_cannot_express_in_the_other_apis(
+    server: Served, before: tuple[str, str, str]
+) -> None:
+    """output_config.format (Anthropic) and text.format (Responses) hold the
+    reply to their schema by a grammar, so a remote $ref is their 400 too."""
+    claude = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(
+            model="smol",
+            max_tokens=16,
+            messages=[{"role": "user", "content": "A person."}],
+            output_config={"format": {"type": "json_schema", "schema": REMOTE}},
+        )
+    assert "output_config.format.schema" in str(refused.value) and "grammar cannot express" in str(
+        refused.value
+    )
+    with pytest.raises(openai.BadRequestError) as refused_too:
+        server.client().responses.create(
+            model="smol",
+            input="A person.",
+            text={"format": {"type": "json_schema", "name": "p", "schema": REMOTE}},
+            max_output_tokens=16,
+        )
+    error = refused_too.value.body
+    assert isinstance(error, dict) and error.get("param") == "text.format.schema", error
+    assert good(server.client()) == before
+
+
 def test_the_server_logged_no_fault(server: Served) -> None:
     log = "".join(server.lines)
     assert "Traceback" not in log and "fault" not in log.lower(), log[-3000:]
