@@ -186,7 +186,12 @@ def test_json_schema_output_parses_and_validates(client: openai.OpenAI) -> None:
 def test_json_object_output_is_an_object(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model="smol",
-        messages=[{"role": "user", "content": "Give the capital of France as JSON with the key capital."}],
+        messages=[
+            {
+                "role": "user",
+                "content": 'Reply with a JSON object with the keys "name" and "age" for: Ada, 36 years old.',
+            }
+        ],
         response_format={"type": "json_object"},
         max_tokens=60,
         temperature=0,
