@@ -48,6 +48,7 @@ from ggufpipe_tui.server.request import (
     ToolCall,
     Usage,
 )
+from ggufpipe_tui.server.sampling import schema_grammar
 from ggufpipe_tui.session.runs import RunOverrides
 
 FIELDS = frozenset(
@@ -129,6 +130,11 @@ def parse_messages(body: object) -> Completion:
         top_k=integer(body, "top_k", 0, TOP_K_MAX),
         top_p=number(body, "top_p", 0.0, 1.0, low_open=True),
     )
+    # The schema holds the reply by a grammar, as response_format's does.
+    schema = _output_schema(body.get("output_config"))
+    grammar = schema_grammar(schema, "output_config.format.schema") if schema is not None else ""
+    if grammar and choice in ("required", "function"):
+        raise bad("tool_choice", "a required tool call and output_config.format at once: choose one")
     return Completion(
         api="messages",
         chat=True,
@@ -140,7 +146,8 @@ def parse_messages(body: object) -> Completion:
         tool_choice=choice,
         tool_name=name,
         parallel_tool_calls=parallel,
-        schema=_output_schema(body.get("output_config")),
+        grammar=grammar,
+        schema=schema,
         model=model or "",
     )
 
@@ -362,7 +369,10 @@ def new_id() -> str:
 
 
 def stop_reason(finish: Finish | None, calls: bool) -> tuple[str, str | None]:
-    """Anthropic's ``stop_reason`` and ``stop_sequence`` for a run's end."""
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for a run's end
+    (``max_tokens`` for a cut one, whose last call may be unfinished)."""
+    if finish is not None and finish.reason == "length":
+        return "max_tokens", None
     if calls:
         return "tool_use", None
     if finish is None:

@@ -90,6 +90,8 @@ def _calls(reply: Reply) -> list[dict[str, Any]]:
 
 
 def finish_reason(reply: Reply) -> str:
+    if reply.finish is not None and reply.finish.reason == "length":
+        return "length"  # a reply cut by max_tokens says so, calls or not (as OpenAI's)
     if reply.calls:
         return "tool_calls"
     return FINISH.get(reply.finish.reason if reply.finish else "length", "length")

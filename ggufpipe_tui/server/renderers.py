@@ -88,7 +88,9 @@ class OpenAIRenderer(Renderer):
             self.calls.add(index)
             return [sse(self.chunks.call(index, piece))]
         assert isinstance(piece, Finish)
-        reason = "tool_calls" if index in self.calls else openai_answer.FINISH.get(piece.reason, "length")
+        reason = openai_answer.FINISH.get(piece.reason, "length")
+        if index in self.calls and reason != "length":  # a cut reply says so, calls or not
+            reason = "tool_calls"
         return [sse(self.chunks.finish(index, reason))]
 
     def end(self, usage: Usage) -> list[bytes]:

@@ -186,12 +186,12 @@ class ChoiceRun:
             self._logprobs.clear()
         if result.outcome == "faulted":
             raise Faulted(result.failure)
-        if self.calls:
+        if not (scanner.stopped or result.stop_reason == "eos"):
+            reason = "length"  # cut, calls or not: its last call may be unfinished
+        elif self.calls:
             reason = "tool_calls"
-        elif scanner.stopped or result.stop_reason == "eos":
-            reason = "stop"
         else:
-            reason = "length"
+            reason = "stop"
         usage = Usage(len(result.prompt_tokens), self.counted, result.prompt_reused)
         yield Finish(reason, usage, scanner.stopped)
 

@@ -41,6 +41,7 @@ from ggufpipe_tui.server.request import (
     Tool,
     ToolCall,
 )
+from ggufpipe_tui.server.sampling import schema_grammar
 from ggufpipe_tui.session.runs import RunOverrides
 
 #: Fields that change nothing here, at any value (beyond their type).
@@ -176,6 +177,10 @@ def parse_responses(body: object, store: ResponseStore | None = None) -> Complet
     if len(messages) > MAX_PROMPT_TURNS:
         raise bad("input", f"at most {MAX_PROMPT_TURNS} turns, not {len(messages)}")
     text, schema = _text_format(body.get("text"))
+    # The schema holds the reply by a grammar, as chat's response_format does.
+    grammar = schema_grammar(schema, "text.format.schema") if schema is not None else ""
+    if grammar and choice in ("required", "function"):
+        raise bad("tool_choice", "a required tool call and text.format at once: choose one")
     max_tokens = integer(body, "max_output_tokens", 1, INT64 - 1)
     options = RunOverrides(
         max_tokens=max_tokens,
@@ -201,6 +206,7 @@ def parse_responses(body: object, store: ResponseStore | None = None) -> Complet
         tool_choice=choice,
         tool_name=name,
         parallel_tool_calls=common.flag(body, "parallel_tool_calls", True),
+        grammar=grammar,
         schema=schema,
         model=body.get("model") or "",
         metadata=echoed,

@@ -71,9 +71,19 @@ def raw(
     return asyncio.run(main())
 
 
-def start_server(tmp_path: Path, model_path: Path, *args: str, key: str = KEY, data: str = "") -> Served:
-    """``data``: more top-level inventory lines (e.g. ``recovery: {attempts: 0}``)."""
-    inventory = write_inventory(tmp_path, model_path, UNEVEN, data=data)
+def start_server(
+    tmp_path: Path,
+    model_path: Path,
+    *args: str,
+    key: str = KEY,
+    data: str = "",
+    stages: str = UNEVEN,
+    here: str = "{local: true}",
+    context: int = 512,
+) -> Served:
+    """``data``: more top-level inventory lines (e.g. ``recovery: {attempts: 0}``);
+    ``stages``, ``here`` and ``context`` as :func:`write_inventory` takes them."""
+    inventory = write_inventory(tmp_path, model_path, stages, data=data, here=here, context=context)
     log_dir = tmp_path / "runs"
     env = dict(os.environ, GGUFPIPE_API_KEY=key)
     process, lines = serve(inventory, log_dir, *args, env=env)

@@ -90,7 +90,11 @@ def test_claude_codes_stamp_leaves_the_prompt_cacheable() -> None:
 def test_output_config_holds_the_reply_to_a_schema() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     completion = api.parse_messages(body(output_config={"format": {"type": "json_schema", "schema": schema}}))
-    assert completion.schema == schema and completion.grammar == ""
+    assert completion.schema == schema and "root ::=" in completion.grammar  # the reply held to it
+    refused(
+        body(output_config={"format": {"type": "json_schema", "schema": {"$ref": "https://example.com/x"}}}),
+        "output_config.format.schema",
+    )
     assert api.parse_messages(body(output_config={})).schema is None
     refused(body(output_config={"effort": "high"}), "output_config.effort")
     refused(body(output_config={"format": {"type": "json_schema"}}), "output_config.format.schema")
