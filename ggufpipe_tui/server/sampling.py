@@ -239,7 +239,8 @@ def schema_grammar(schema: object, where: str) -> str:
         # llama-server's whitespace (json_grammar): the same reply as its for the same schema.
         grammar = as_llama_server(json_schema_to_gbnf(json.dumps(schema)))
     except Exception as error:  # noqa: BLE001 - the converter raises what it cannot express
-        raise bad(where, f"the grammar cannot express this schema: {error or type(error).__name__}") from None
+        said = str(error).replace(" (use --allow-fetch for force)", "") or type(error).__name__
+        raise bad(where, f"the grammar cannot express this schema: {said}") from None
     problem = grammar_problem(grammar)
     if problem:
         raise bad(where, f"the grammar cannot express this schema: {problem}")
