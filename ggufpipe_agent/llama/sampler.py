@@ -51,6 +51,7 @@ class Sampler:
             lib.llama_sampler_accept(self.chain, token)
         self._keep.clear()
         self._cur = np.zeros(self.n_vocab, dtype=_TOKEN_DATA) if self.grammar is not None else None
+        self._ids = np.arange(self.n_vocab, dtype=np.int32) if self.grammar is not None else None
         #: The last sampled token's logprob record (logprob_payload), when asked.
         self.last_logprobs: np.ndarray | None = None
 
@@ -137,12 +138,11 @@ class Sampler:
         """The next token from the last row's logits; the chain (and grammar)
         accept it, and :attr:`last_logprobs` holds its logprobs when asked."""
         lib = self._lib
-        logits_ptr = lib.llama_get_logits_ith(context, -1)
-        logits = np.ctypeslib.as_array(logits_ptr, shape=(self.n_vocab,))
-        if self.sampling.logprobs >= 0:
-            self.last_logprobs = None  # set below, once the token is known
+        if self.grammar is None and self.sampling.logprobs < 0:
+            return int(lib.llama_sampler_sample(self.chain, context, -1))  # applies and accepts
+        logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(context, -1), shape=(self.n_vocab,))
         if self.grammar is None:
-            token = int(lib.llama_sampler_sample(self.chain, context, -1))  # applies and accepts
+            token = int(lib.llama_sampler_sample(self.chain, context, -1))
         else:
             token = self._sample_with_grammar(logits)
             lib.llama_sampler_accept(self.grammar, token)
@@ -167,7 +167,7 @@ class Sampler:
     def _apply(self, logits: np.ndarray, grammar_first: bool) -> int:
         cur = self._cur
         assert cur is not None
-        cur["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        cur["id"] = self._ids  # the samplers reorder and cut the array: it is set afresh each step
         cur["logit"] = logits
         cur["p"] = 0.0
         lib = self._lib

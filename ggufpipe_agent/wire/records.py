@@ -167,12 +167,18 @@ class SamplingParams:
     history: tuple[int, ...] = ()
 
     @property
+    def history_window(self) -> int:
+        """How many tokens before the reply the penalties and DRY look back
+        over: 0 none (neither is on), -1 all of them."""
+        penalties = (self.repeat_penalty, self.frequency_penalty, self.presence_penalty) != (1.0, 0.0, 0.0)
+        windows = [self.repeat_last_n] if penalties else []
+        windows += [self.dry_penalty_last_n] if self.dry_multiplier != 0.0 else []
+        return -1 if -1 in windows else max(windows, default=0)
+
+    @property
     def uses_history(self) -> bool:
         """Whether the penalties or DRY look back at the tokens before the reply."""
-        penalties = self.repeat_last_n != 0 and (
-            self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-        )
-        return penalties or (self.dry_multiplier != 0.0 and self.dry_penalty_last_n != 0)
+        return self.history_window != 0
 
 
 #: The sampling a stage accepts, one definition for both sides: the agent

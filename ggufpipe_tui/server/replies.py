@@ -152,6 +152,7 @@ class ChoiceRun:
         self.parser: Parser | None = family.parser(c.tools, stream=c.stream) if family is not None else None
         self.special: Mapping[int, bytes] = vocabulary.special_pieces if family is not None else {}
         self.counted = 0  # tokens streamed (what the usage counts)
+        self._held: list[str] = []  # a reply not streamed: its text, parsed at the end
         self.calls = 0
         self._logprobs: list[TokenLogprob] = []
         self.result: RunResult | None = None
@@ -198,6 +199,14 @@ class ChoiceRun:
     def _parse(self, text: str, end: bool = False) -> list[Piece]:
         if self.parser is None:
             pieces: list[Piece] = [Text(text)] if text else []
+        elif not self.c.stream:
+            # Whole at the end: the parser gives the same pieces however the
+            # text is cut, and read once a long call is not scanned per token.
+            self._held.append(text)
+            if not end:
+                return []
+            whole = "".join(self._held)
+            pieces = (self.parser.feed(whole) if whole else []) + self.parser.close()
         else:
             pieces = self.parser.feed(text) if text else []
             if end:

@@ -230,18 +230,54 @@ def schema_grammar(schema: object, where: str) -> str:
 
     if not isinstance(schema, dict):
         raise bad(where, "a JSON schema (an object) is required")
+    # Agents send the same schema with every request: converted once. The key
+    # keeps the properties' order, which the grammar follows.
+    key = json.dumps(schema)
+    known = _converted.get(key)
+    if known is not None:
+        grammar, problem_where, problem = known
+        if problem:
+            raise bad(where + problem_where, problem)
+        return grammar
+    try:
+        grammar = _schema_grammar(schema, json_schema_to_gbnf, jsonschema)
+    except _Refused as refused:
+        _remember(key, ("", refused.where, refused.message))
+        raise bad(where + refused.where, refused.message) from None
+    _remember(key, (grammar, "", ""))
+    return grammar
+
+
+class _Refused(Exception):
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(message)
+        self.where, self.message = where, message
+
+
+#: Converted schemas by their JSON text: (grammar, where, why refused).
+_converted: dict[str, tuple[str, str, str]] = {}
+_CONVERTED_MAX = 64
+
+
+def _remember(key: str, value: tuple[str, str, str]) -> None:
+    if len(_converted) >= _CONVERTED_MAX:
+        _converted.pop(next(iter(_converted)))
+    _converted[key] = value
+
+
+def _schema_grammar(schema: dict[str, Any], json_schema_to_gbnf: Any, jsonschema: Any) -> str:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as error:
         path = "/".join(str(p) for p in error.absolute_path)
-        raise bad(where + (f".{path}" if path else ""), f"not a valid JSON schema: {error.message}") from None
+        raise _Refused(f".{path}" if path else "", f"not a valid JSON schema: {error.message}") from None
     try:
         # llama-server's whitespace (json_grammar): the same reply as its for the same schema.
         grammar = as_llama_server(json_schema_to_gbnf(json.dumps(schema)))
     except Exception as error:  # noqa: BLE001 - the converter raises what it cannot express
         said = str(error).replace(" (use --allow-fetch for force)", "") or type(error).__name__
-        raise bad(where, f"the grammar cannot express this schema: {said}") from None
+        raise _Refused("", f"the grammar cannot express this schema: {said}") from None
     problem = grammar_problem(grammar)
     if problem:
-        raise bad(where, f"the grammar cannot express this schema: {problem}")
+        raise _Refused("", f"the grammar cannot express this schema: {problem}")
     return grammar

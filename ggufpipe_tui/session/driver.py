@@ -338,10 +338,7 @@ class RunDriver:
         elif isinstance(effect, fsm.AcceptToken):
             return self._accept(effect.sequence, effect.token)
         elif isinstance(effect, fsm.FinalizeOutput):
-            tail = self.detokenizer.flush()
-            if tail:
-                self.text.append(tail)
-                self.emit(TokenStreamed(plan.run_id, -1, -1, tail))
+            self.detokenizer.flush()  # a character the run ended inside is left out
         elif isinstance(effect, fsm.RecordFailure):
             self.emit(Notice("error", f"run {plan.run_id:016x} faulted: {effect.reason}"))
         elif isinstance(effect, fsm.SendStopRun):

@@ -135,14 +135,10 @@ def with_history(options: RunOptions, tokens: Sequence[int]) -> RunOptions:
     """``options`` with the prompt's tokens for the penalties and DRY to look
     back over, as llama-server feeds its sampler the prompt; unchanged when
     neither is on (nothing to look back for)."""
-    sampling = sampling_params(options)
-    if not sampling.uses_history:
+    window = sampling_params(options).history_window
+    if not window:
         return options
-    s = sampling
-    penalties = s.repeat_penalty != 1.0 or s.frequency_penalty != 0.0 or s.presence_penalty != 0.0
-    windows = [s.repeat_last_n] if penalties else []
-    windows += [s.dry_penalty_last_n] if s.dry_multiplier != 0.0 else []
-    back = len(tokens) if -1 in windows else max(windows)
+    back = len(tokens) if window == -1 else window
     history = tuple(tokens[len(tokens) - min(back, len(tokens)) :])
     extra = tuple((k, v) for k, v in options.extra if k != "history") + (("history", history),)
     return replace(options, extra=extra)
