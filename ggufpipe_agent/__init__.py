@@ -20,4 +20,6 @@ UNFIT_MARKER = "ggufpipe-agent cannot run here:"
 #: 8: Refused.run_id.
 #: 9: shared agent processes (Hello.share_endpoint, Hello.share_token, ShareAttach) and
 #:    ggufpipe-agent receive (a stage file over SSH on its own exec session).
-PROTOCOL_VERSION = 10
+#: 10: sampling fields, logprobs on the token-out edge, tools in Tokenize.
+#: 11: object header flags (a prompt in parts, MORE), EngineOptions.batching.
+PROTOCOL_VERSION = 11

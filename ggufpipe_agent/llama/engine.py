@@ -26,11 +26,13 @@ import ctypes
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ggufpipe_agent.errors import ContextOverflow, EngineError, ProtocolError
+from ggufpipe_agent.errors import ContextOverflow, EngineError, GgufpipeError, ProtocolError
 from ggufpipe_agent.ids import EVERY_SLOT, SlotId
+from ggufpipe_agent.llama.batches import BatchBuffer
 from ggufpipe_agent.llama.plumbing import (
     MROPE_TYPES,
     BufferTypeOverride,
@@ -81,11 +83,10 @@ class StageEngine:
         self._slot_states = [_Slot() for _ in range(self.parallel)]
         self._seq = 0  # the slot (llama.cpp sequence id) the calls work on: use()
         self._state = self._slot_states[0]  # what that slot holds
-        self._batch_seq = 0  # the sequence id the batch's first _batch_rows rows carry
-        self._batch_rows = 0
         self._running = -1  # the slot whose step is running
         self._aborting: set[int] = set()  # slots whose steps stop at the next graph node
         self._closed = False
+        self._buffer: BatchBuffer | None = None
         self._capture_name = f"l_out-{shape.block_count - 1}".encode()
         self._capture: np.ndarray | None = None
         self._capture_row = 0
@@ -144,34 +145,15 @@ class StageEngine:
         # A cold run computes its prompt in ubatches that start at multiples of
         # this (prefill chunks are aligned to absolute positions, see step()).
         self.granularity = self.n_ubatch if self.n_batch % self.n_ubatch == 0 else self.n_batch
-        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0 if shape.first else n_embd, 1)
-        self._tokens = (
-            np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,)) if shape.first else None
-        )
-        self._embd = (
-            None if shape.first else np.ctypeslib.as_array(self._batch.embd, shape=(self.n_batch, n_embd))
-        )
         # Positions per token of a batch of embeddings: 4 where the model uses
-        # M-RoPE (llama.cpp reads them section-major, pos[j * n_tokens + i]),
-        # more than llama_batch_init allocates; the batch then points at ours.
+        # M-RoPE (llama.cpp reads them section-major, pos[j * n_tokens + i]).
         mrope = llama_cpp.llama_model_rope_type(self.model) in MROPE_TYPES
         # Only an M-RoPE model's stage file is read again (its header says how many).
-        self._positions = positions_per_token(path) if mrope and not shape.first else 1
-        if mrope and not shape.first and self._positions == 1:
+        per_token = positions_per_token(path) if mrope and not shape.first else 1
+        if mrope and not shape.first and per_token == 1:
             self.close()  # llama.cpp would read 4 positions per embedding, past the buffer
             raise EngineError(f"{path}: llama.cpp reads 4 positions per token, the stage file says 1")
-        # The address llama_batch_free frees (a ctypes pointer read from the
-        # struct would follow the field when it changes).
-        self._batch_pos = ctypes.cast(self._batch.pos, ctypes.c_void_p).value
-        if self._positions > 1:
-            self._pos_buffer = np.zeros(self.n_batch * self._positions, dtype=np.int32)
-            self._batch.pos = self._pos_buffer.ctypes.data_as(type(self._batch.pos))
-        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch * self._positions,))
-        self._outputs = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
-        n_seq_id = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))
-        n_seq_id[:] = 1
-        for index in range(self.n_batch):
-            self._batch.seq_id[index][0] = 0
+        self._buffer = BatchBuffer(llama_cpp, self.n_batch, 0 if shape.first else n_embd, per_token)
         from ggufpipe_agent.llama.devices import ggml
 
         self._ggml = ggml()
@@ -297,12 +279,15 @@ class StageEngine:
         step goes on. Called from any thread."""
         self._aborting.update(range(self.parallel) if slot < 0 else (slot,))
 
-    def step(self, inputs: np.ndarray | list[int], position: int | None = None) -> np.ndarray | int:
+    def step(
+        self, inputs: np.ndarray | list[int], position: int | None = None, sample: bool = True
+    ) -> np.ndarray | int | None:
         """Run one sequence. ``inputs`` is token ids (stage 0) or float32
         activations [n, hidden]; ``position`` is where its first row goes
         (None: the next position), which must be the next position. Returns
         activations [n, hidden] float32, or the sampled token id in the last
-        stage."""
+        stage (None where ``sample`` is off: a prompt's chunk that another
+        follows computes no logits)."""
         if self._closed:
             raise EngineError("the stage engine is closed")
         if position is not None and position != self._state.n_past:
@@ -310,16 +295,10 @@ class StageEngine:
                 f"an object at position {position}, this stage is at position {self._state.n_past} "
                 "(the stages disagree on positions)"
             )
-        if self.shape.first:
-            tokens = np.asarray(inputs, dtype=np.int32).reshape(-1)
-            n = int(tokens.shape[0])
-        else:
-            rows = np.asarray(inputs)
-            if rows.ndim != 2 or rows.shape[1] != self.shape.hidden:
-                raise ProtocolError(
-                    f"activation of shape {tuple(rows.shape)}, stage expects [n, {self.shape.hidden}]"
-                )
-            n = int(rows.shape[0])
+        if self._seq in self._aborting:
+            raise EngineError("step aborted")  # a prompt's next chunk after StopRun
+        values = self._inputs(inputs)
+        n = int(values.shape[0])
         if n == 0:
             raise EngineError("a step needs at least one token")
         if self._state.n_past + n > self.n_ctx:
@@ -328,6 +307,8 @@ class StageEngine:
                 f"{self.n_ctx} (raise run.context in the inventory or lower max_tokens)"
             )
         lib = self._lib
+        batch = self._buffer
+        assert batch is not None
         long_step = n > self.options.n_ubatch
         if long_step:
             # Only long prefills can be worth aborting; the callback costs a
@@ -338,13 +319,7 @@ class StageEngine:
             self._capture_row = 0
         start = self._state.n_past
         seq = self._seq
-        if seq != self._batch_seq or n > self._batch_rows:
-            # The rows a step uses carry its slot's sequence id: a decode step
-            # sets one (slots alternate step by step), a prefill its rows.
-            tagged = min(n, self.n_batch)
-            for index in range(tagged):
-                self._batch.seq_id[index][0] = seq
-            self._batch_seq, self._batch_rows = seq, tagged
+        batch.sequences(0, min(n, self.n_batch), seq)
         self._running = seq
         try:
             begin = 0
@@ -356,39 +331,16 @@ class StageEngine:
                     count = min(n - begin, self.n_batch - self._state.n_past % self.n_batch)
                 else:  # batches from the first new position, as one context is fed
                     count = min(n - begin, self.n_batch)
-                if self.shape.first:
-                    assert self._tokens is not None
-                    self._tokens[:count] = tokens[begin : begin + count]
-                else:
-                    assert self._embd is not None
-                    self._embd[:count] = rows[begin : begin + count]
-                if self._positions == 1:
-                    first = self._state.n_past
-                    self._pos[:count] = np.arange(first, first + count, dtype=np.int32)
-                else:
-                    # Text positions as llama.cpp expands them for M-RoPE
-                    # (llm_graph_input_pos::set_input): [p, p, p, 0] per token.
-                    sections = self._pos[: self._positions * count].reshape(self._positions, count)
-                    sections[:] = np.arange(self._state.n_past, self._state.n_past + count, dtype=np.int32)
-                    sections[3:] = 0
+                batch.put(0, values[begin : begin + count])
+                batch.positions(np.arange(self._state.n_past, self._state.n_past + count, dtype=np.int32))
                 if self.shape.last:
-                    self._outputs[:count] = 0
-                    self._outputs[count - 1] = 1 if begin + count == n else 0
+                    batch.outputs[:count] = 0
+                    batch.outputs[count - 1] = 1 if begin + count == n and sample else 0
                 else:
                     # Every row must be an output, or the last block keeps
                     # only the rows flagged for logits.
-                    self._outputs[:count] = 1
-                self._batch.n_tokens = count
-                status = lib.llama_decode(self.context, self._batch)
-                if status != 0:
-                    if status == 2 or seq in self._aborting:
-                        raise EngineError("step aborted")
-                    if status == 1:
-                        raise ContextOverflow(
-                            f"llama.cpp found no KV slot for {count} tokens at position "
-                            f"{self._state.n_past} (context size {self.n_ctx})"
-                        )
-                    raise EngineError(f"llama_decode failed with status {status}")
+                    batch.outputs[:count] = 1
+                self._check(batch.decode(self.context, count), count)
                 self._state.n_past += count
                 begin += count
         finally:
@@ -399,9 +351,102 @@ class StageEngine:
             # Whole ubatches from an aligned start are what a cold run computes.
             self._state.exact_end = start + (n // self.granularity) * self.granularity
         if self.shape.last:
+            if not sample:
+                return None
             sampler = self._state.sampler
             assert sampler is not None  # reset() made it
             return sampler.sample(self.context)
+        return self._captured(n)
+
+    def step_batch(self, rows: list[tuple[SlotId, np.ndarray | list[int]]]) -> list[Any]:
+        """One decode step of several slots in one ``llama_decode``: a row
+        each (a token id, or one activation row), in increasing slot order
+        (llama.cpp puts consecutive sequence ids of a batch in one ubatch).
+        Returns per slot what :meth:`step` returns, and in the last stage
+        (token, logprob words or None) per slot."""
+        if self._closed:
+            raise EngineError("the stage engine is closed")
+        slots = [slot for slot, _ in rows]
+        if slots != sorted(set(slots)):
+            raise EngineError(f"a batch's slots must increase: {slots}")
+        batch = self._buffer
+        assert batch is not None
+        n = len(rows)
+        if n > self.n_batch:
+            raise EngineError(f"a batch of {n} rows, the stage's batches hold {self.n_batch}")
+        positions = np.empty(n, dtype=np.int32)
+        for index, (slot, inputs) in enumerate(rows):
+            state = self._slot_states[slot]
+            problem = self.row_problem(slot, inputs)
+            if problem is not None:
+                raise problem
+            batch.put(index, self._inputs(inputs))
+            batch.sequences(index, 1, slot)
+            positions[index] = state.n_past
+        batch.positions(positions)
+        batch.outputs[:n] = 1
+        if not self.shape.last:
+            self._capture = np.empty((n, self.shape.hidden), dtype=np.float32)
+            self._capture_row = 0
+        self._check(batch.decode(self.context, n), n)
+        for slot in slots:
+            self._slot_states[slot].n_past += 1
+        if not self.shape.last:
+            captured = self._captured(n)
+            return [captured[index : index + 1] for index in range(n)]
+        results: list[Any] = []
+        for index, slot in enumerate(slots):
+            sampler = self._slot_states[slot].sampler
+            assert sampler is not None
+            token = sampler.sample(self.context, index)
+            results.append((token, sampler.last_logprobs if sampler.sampling.logprobs >= 0 else None))
+        return results
+
+    def row_problem(self, slot: SlotId, inputs: np.ndarray | list[int]) -> GgufpipeError | None:
+        """Why one slot's decode row cannot go into a batch (its context is
+        full, it is not one row of this stage's width), or None: a batch
+        leaves such a row out, so the other slots' runs go on."""
+        if not 0 <= slot < self.parallel:
+            return EngineError(f"slot {slot} does not exist: the stage has {self.parallel}")
+        state = self._slot_states[slot]
+        if state.n_past + 1 > self.n_ctx:
+            return ContextOverflow(
+                f"context full: {state.n_past} positions used + 1 new > context size "
+                f"{self.n_ctx} (raise run.context in the inventory or lower max_tokens)"
+            )
+        try:
+            values = self._inputs(inputs)
+        except GgufpipeError as error:
+            return error
+        if values.shape[0] != 1:
+            return EngineError(f"a batched step takes one row per slot, slot {slot} has {values.shape[0]}")
+        return None
+
+    def _inputs(self, inputs: np.ndarray | list[int]) -> np.ndarray:
+        """Token ids as int32 [n] (stage 0), or activations checked to be [n, hidden]."""
+        if self.shape.first:
+            return np.asarray(inputs, dtype=np.int32).reshape(-1)
+        rows = np.asarray(inputs)
+        if rows.ndim != 2 or rows.shape[1] != self.shape.hidden:
+            raise ProtocolError(
+                f"activation of shape {tuple(rows.shape)}, stage expects [n, {self.shape.hidden}]"
+            )
+        return rows
+
+    def _check(self, status: int, count: int) -> None:
+        """Raise what a ``llama_decode`` status other than 0 means."""
+        if status == 0:
+            return
+        if status == 2 or self._seq in self._aborting:
+            raise EngineError("step aborted")
+        if status == 1:
+            raise ContextOverflow(
+                f"llama.cpp found no KV slot for {count} tokens at position "
+                f"{self._state.n_past} (context size {self.n_ctx})"
+            )
+        raise EngineError(f"llama_decode failed with status {status}")
+
+    def _captured(self, n: int) -> np.ndarray:
         captured, self._capture = self._capture, None
         assert captured is not None
         if self._capture_row != n:
@@ -439,7 +484,7 @@ class StageEngine:
         """The logprob record of the token the slot in use sampled last (its
         run asked for logprobs), as sampler.logprob_payload words."""
         sampler = self._state.sampler
-        return None if sampler is None else sampler.last_logprobs
+        return None if sampler is None or sampler.sampling.logprobs < 0 else sampler.last_logprobs
 
     def last_logits(self) -> bytes:
         """The last row's logits after a step of the last stage."""
@@ -477,12 +522,10 @@ class StageEngine:
             if slot.sampler is not None:
                 slot.sampler.free()
                 slot.sampler = None
-        if getattr(self, "_batch", None) is not None:
-            original = getattr(self, "_batch_pos", None)
-            if original is not None:  # llama_batch_init's, not our position buffer
-                self._batch.pos = ctypes.cast(original, type(self._batch.pos))
-            lib.llama_batch_free(self._batch)
-            self._batch = None
+        buffer = getattr(self, "_buffer", None)
+        if buffer is not None:
+            buffer.free()
+            self._buffer = None
         if getattr(self, "context", None):
             lib.llama_free(self.context)
             self.context = None

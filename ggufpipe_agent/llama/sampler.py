@@ -134,15 +134,16 @@ class Sampler:
 
     # ------------------------------------------------------------- sampling
 
-    def sample(self, context: Any) -> int:
-        """The next token from the last row's logits; the chain (and grammar)
-        accept it, and :attr:`last_logprobs` holds its logprobs when asked."""
+    def sample(self, context: Any, row: int = -1) -> int:
+        """The next token from the logits of the batch's row ``row`` (-1: its
+        last); the chain (and grammar) accept it, and :attr:`last_logprobs`
+        holds its logprobs when asked."""
         lib = self._lib
         if self.grammar is None and self.sampling.logprobs < 0:
-            return int(lib.llama_sampler_sample(self.chain, context, -1))  # applies and accepts
-        logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(context, -1), shape=(self.n_vocab,))
+            return int(lib.llama_sampler_sample(self.chain, context, row))  # applies and accepts
+        logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(context, row), shape=(self.n_vocab,))
         if self.grammar is None:
-            token = int(lib.llama_sampler_sample(self.chain, context, -1))
+            token = int(lib.llama_sampler_sample(self.chain, context, row))
         else:
             token = self._sample_with_grammar(logits)
             lib.llama_sampler_accept(self.grammar, token)

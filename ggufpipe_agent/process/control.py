@@ -29,6 +29,7 @@ from ggufpipe_agent.process.data_streams import DataStreams, live
 from ggufpipe_agent.process.peer_links import Links
 from ggufpipe_agent.process.requests import answer_request
 from ggufpipe_agent.stage import slots
+from ggufpipe_agent.stage.batching import StepBatcher
 from ggufpipe_agent.stage.fsm import Provision, StageState, StopRunEvent
 from ggufpipe_agent.stage.job import StageJob
 from ggufpipe_agent.stage.validation import fits_bits, validate_provision
@@ -141,6 +142,7 @@ class ControlChannel:
         self.guest = guest
         self.data_token = secrets.token_hex(16) if guest else agent.data_token
         self.engines = LoadedEngine() if guest else agent.engines
+        self.batcher = StepBatcher(agent.worker)
         self.seen_runs = SeenRuns() if guest else agent.seen_runs
         self.reader = FrameReader(reader, "control stream")
         self.writer = FrameWriter(writer, what="control stream")
@@ -370,7 +372,11 @@ class ControlChannel:
             self.refuse("ProvisionStage", f"stage {taken}", message.run_id)
             return
         self.seen_runs.add(message.run_id)
-        run = StageJob(message, self.post, self.agent.worker, self.engines, self.agent.cache_dir)
+        batcher = None
+        if message.engine.batching:  # one per engine: the runs in flight on its slots
+            self.batcher.stage = message.stage_index
+            batcher = self.batcher
+        run = StageJob(message, self.post, self.agent.worker, self.engines, self.agent.cache_dir, batcher)
         for old in slots.replaced(held, message.slot):
             del self.runs[old]  # stopped: the slot is the new run's
         self.runs[run.run_id] = run

@@ -76,7 +76,12 @@ class ObjectLoaded:
 
 @dataclass(frozen=True, slots=True)
 class StepCompleted:
+    """A step of object ``sequence`` is done; ``more``: it was a part of the
+    sequence that another part follows (a prompt's chunk), so the next
+    object is still ``sequence``."""
+
     sequence: int
+    more: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,8 +314,9 @@ def transition(stage: Stage, event: StageEvent) -> tuple[Stage, list[StageEffect
         if isinstance(event, StepCompleted):
             if event.sequence != stage.next_sequence:
                 raise _reject(stage, event)
+            following = event.sequence if event.more else event.sequence + 1
             return (
-                replace(stage, state=S.READY, next_sequence=event.sequence + 1),
+                replace(stage, state=S.READY, next_sequence=following),
                 [ReleaseInput(event.sequence)],
             )
         if isinstance(event, TokenSampled):

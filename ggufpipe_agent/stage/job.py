@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from dataclasses import replace
@@ -20,8 +21,10 @@ from typing import Any
 
 from ggufpipe_agent.errors import GgufpipeError, ProtocolError
 from ggufpipe_agent.ids import NO_RUN, EdgeId
+from ggufpipe_agent.llama.batches import prefill_chunks
 from ggufpipe_agent.llama.engine import StageEngine
 from ggufpipe_agent.llama.loaded import LoadedEngine
+from ggufpipe_agent.stage.batching import Row, StepBatcher, trace
 from ggufpipe_agent.stage.fsm import (
     CancelPrepare,
     EmitFault,
@@ -88,13 +91,20 @@ class Counters:
 
     def count(self, sequence: int, elapsed_ms: float, sent: int, rows: int, position: int) -> None:
         now = replace(self._now, last_ms=elapsed_ms, bytes_out=self._now.bytes_out + sent)
-        if sequence == 0:
-            self._now = replace(now, prefill_ms=elapsed_ms, prefill_rows=rows, kept=position)
+        if sequence == 0:  # the prompt, or one of its parts: the first says where it starts
+            kept = position if now.prefill_rows == 0 else now.kept
+            self._now = replace(
+                now, prefill_ms=now.prefill_ms + elapsed_ms, prefill_rows=now.prefill_rows + rows, kept=kept
+            )
         else:
             self._now = replace(now, steps=now.steps + 1, total_ms=now.total_ms + elapsed_ms)
 
     def snapshot(self) -> StepCounters:
         return self._now
+
+
+class _PartNotSent(GgufpipeError):
+    """A prompt's part could not be sent on (the stage faulted already)."""
 
 
 class StageJob:
@@ -105,6 +115,7 @@ class StageJob:
         worker: Executor,
         engines: LoadedEngine,
         cache_dir: Path | None,
+        batcher: StepBatcher | None = None,
     ) -> None:
         self.provision = provision
         self.run_id = provision.run_id
@@ -145,6 +156,12 @@ class StageJob:
         self.local_next: ConsumerRun | None = None
         self.precomputed: Precomputed | None = None
         self.chained = 0  # steps of this run taken from the chain
+        # Decode steps batched with the other runs in flight on this stage
+        # (stage/batching.py), or None: each step alone (run.batching: off,
+        # or one slot).
+        self.batcher = batcher if batcher is not None and provision.engine.parallel > 1 else None
+        self._prompt_open = False  # a part of the prompt came that another follows
+        self._row_ms = 0.0  # a prompt row's ms on this stage, as the last chunk took
 
     def edge_ids(self, from_link: bool) -> dict[str, EdgeId]:
         """The edge id each role may set up; a link sets up only the
@@ -319,6 +336,7 @@ class StageJob:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         ahead, self.precomputed = self.precomputed, None
+        position = header.position  # where the rows this step sends on start
         try:
             if ahead is not None and ahead.matches(header):
                 # The producer's worker ran this step already (stage/handover.py).
@@ -338,14 +356,25 @@ class StageJob:
                     inputs: Any = objects.decode_tokens(header, payload)
                 else:
                     inputs = objects.decode_activation(header, payload)
-                # Every step runs on the one worker thread, decode steps included:
-                # llama.cpp's OpenMP team belongs to the calling thread, and a
-                # second team (decode steps inline on the event loop) measured
-                # half the tokens/s of one team, whatever the thread hops save.
-                step = self.worker_step
-                result, chained = await loop.run_in_executor(self._worker, step, engine, header, inputs)
-                # This stage's step, not the later stages' the worker ran after it.
-                ran = (time.perf_counter() - started) * 1000.0 - chained
+                if sequence == 0:
+                    result, position = await self._prompt(engine, header, inputs)
+                    ran = (time.perf_counter() - started) * 1000.0
+                elif self.batcher is not None:
+                    row = Row(
+                        self.run_id, self.slot, header.position, inputs, loop.create_future(), self._settle
+                    )
+                    result, ran = await self.batcher.step(engine, row)
+                else:
+                    # Every step runs on the one worker thread, decode steps included:
+                    # llama.cpp's OpenMP team belongs to the calling thread, and a
+                    # second team (decode steps inline on the event loop) measured
+                    # half the tokens/s of one team, whatever the thread hops save.
+                    step = self.worker_step
+                    result, chained = await loop.run_in_executor(self._worker, step, engine, header, inputs)
+                    # This stage's step, not the later stages' the worker ran after it.
+                    ran = (time.perf_counter() - started) * 1000.0 - chained
+        except _PartNotSent:
+            return  # the edge's fault is the stage's fault already
         except GgufpipeError as error:
             self._apply_if_alive(StepFailed(f"step {sequence}: {error}"))
             return
@@ -353,22 +382,93 @@ class StageJob:
             log.exception("step failed")
             self._apply_if_alive(StepFailed(f"step {sequence}: {type(error).__name__}: {error}"))
             return
-        elapsed = ran
         if self.fsm.state is not StageState.EXECUTING:
             return  # StopRun came while the step ran
+        sent = 0
+        if result is not None:  # None: the last stage computed a prompt's part another follows
+            written = await self._send(engine, header, result, position)
+            if written is None:
+                return
+            sent = written
+        counters = self.counters
+        counters.count(sequence, ran, sent, header.rows, header.position)
+        self.apply(StepCompleted(sequence, more=header.more))
+        now = time.monotonic()
+        if now - counters.sent_at >= STATS_INTERVAL_S:
+            counters.sent_at = now
+            self._post(StepStats(self.run_id, self.index, counters.snapshot()))
+
+    async def _prompt(
+        self, engine: StageEngine, header: objects.ObjectHeader, inputs: Any
+    ) -> tuple[Any, int]:
+        """A prompt, or a part of one, computed in the chunks one llama.cpp
+        context fed it computes (llama/batches.py): each chunk's rows go on
+        to the next stage as soon as they are computed, a part flagged MORE
+        but the last, while the worker computes the next chunk. Returns the
+        last chunk's result (the sampled token in the last stage, None where
+        another part follows) and its position."""
+        p = self.provision
+        loop = asyncio.get_running_loop()
+        chunks = deque(
+            prefill_chunks(
+                header.position, header.rows, engine.n_batch, engine.n_ubatch, p.engine.exact_reuse
+            )
+        )
+        opens = not self._prompt_open  # the prompt's first part: it says where the run starts
+        self._prompt_open = header.more
+        sending: asyncio.Task[int | None] | None = None
+        begin, position, result, count = 0, header.position, None, 0
+        while chunks:
+            count = chunks.popleft()
+            if self.first and self.batcher is not None:
+                # Beside runs streaming, stage 0 cuts the chunk finer (the
+                # stages after it compute the parts as they come).
+                rows = self.batcher.prompt_rows(count, self._row_ms)
+                if rows < count:
+                    chunks.appendleft(count - rows)
+                    count = rows
+            final = not chunks
+            chunk = inputs[begin : begin + count]
+            sample = final and not header.more
+            started = time.perf_counter()
+            computing = loop.run_in_executor(
+                self._worker, self._step, engine, opens and begin == 0, position, chunk, sample
+            )
+            if sending is not None and await sending is None:
+                raise _PartNotSent()
+            result = await computing
+            self._row_ms = (time.perf_counter() - started) * 1000.0 / count
+            if not final and not self.last:
+                part = replace(header, rows=count, position=position, more=True)
+                sending = asyncio.ensure_future(self._send(engine, part, result, position))
+            begin, position = begin + count, position + count
+        if sending is not None and await sending is None:
+            raise _PartNotSent()
+        return result, position - count
+
+    async def _send(
+        self, engine: StageEngine, header: objects.ObjectHeader, result: Any, position: int
+    ) -> int | None:
+        """The outputs of a step for ``header``: the next stage's activation
+        rows (from ``position``), or the sampled token (to stage 0 by the ring
+        and to the orchestrator). The payload bytes sent, or None where an
+        edge failed (the stage faulted)."""
         p = self.provision
         sent = 0
         if self.last and p.ring is not None and p.ring.produce:
             # The token ring: the next input goes to stage 0 first (it is the
             # critical path), then the token to the orchestrator.
             self._feed = None
-            self.apply(TokenSampled(sequence, int(result)))
+            self.apply(TokenSampled(header.sequence, int(result[0])))
             feed = self._feed
             if feed is not None:
                 # Stage 0's next input, at the position after the rows that made it.
-                position = header.position + header.rows
                 record = objects.tokens_record(
-                    self.run_id, p.ring.edge_id, feed.sequence, [feed.token], position=position
+                    self.run_id,
+                    p.ring.edge_id,
+                    feed.sequence,
+                    [feed.token],
+                    position=header.position + header.rows,
                 )
                 try:
                     if self.ring_out is None:
@@ -377,48 +477,42 @@ class StageJob:
                 except (ConnectionError, OSError) as error:
                     self.fault_peer = self.ring_peer
                     self._apply_if_alive(OutputFault(f"token ring edge {p.ring.edge_id}: {error}"))
-                    return
+                    return None
                 sent += len(record) - objects.HEADER_SIZE
         try:
             if self.outbound is None:
                 raise ConnectionError("outbound edge is not connected")
             if self.last:
                 # The sampled token is fed back at the position after the rows that made it.
-                position = header.position + header.rows
-                words = engine.sampled_logprobs() if p.sampling.logprobs >= 0 else None
+                after = header.position + header.rows
+                words = result[1]
                 if words is not None:  # the run asked for logprobs: they travel with the token
                     record = objects.sample_record(
-                        self.run_id, p.outbound.edge_id, sequence, words, position=position
+                        self.run_id, p.outbound.edge_id, header.sequence, words, position=after
                     )
                 else:
                     record = objects.tokens_record(
-                        self.run_id, p.outbound.edge_id, sequence, [int(result)], position=position
+                        self.run_id, p.outbound.edge_id, header.sequence, [int(result[0])], position=after
                     )
                 await self.outbound.write(record)
                 sent += len(record) - objects.HEADER_SIZE
             else:
-                assert not isinstance(result, int)  # a non-last stage returns activations
                 head, body = objects.activation_record(
                     self.run_id,
                     p.outbound.edge_id,
-                    sequence,
+                    header.sequence,
                     result,
                     p.outbound.object_spec.dtype,
-                    position=header.position,
+                    position=position,
+                    more=header.more,
                 )
                 await self.outbound.write(head, body)
                 sent += len(body)
         except (ConnectionError, OSError) as error:
             self.fault_peer = self.outbound_peer
             self._apply_if_alive(OutputFault(f"outbound edge {p.outbound.edge_id}: {error}"))
-            return
-        counters = self.counters
-        counters.count(sequence, elapsed, sent, header.rows, header.position)
-        self.apply(StepCompleted(sequence))
-        now = time.monotonic()
-        if now - counters.sent_at >= STATS_INTERVAL_S:
-            counters.sent_at = now
-            self._post(StepStats(self.run_id, self.index, counters.snapshot()))
+            return None
+        return sent
 
     def waiting_for_input(self) -> bool:
         """Ready for its next object, with nothing queued (the chain asks)."""
@@ -427,48 +521,55 @@ class StageJob:
     def worker_step(
         self, engine: StageEngine, header: objects.ObjectHeader, inputs: Any
     ) -> tuple[Any, float]:
-        """One step on the worker thread; then, on a shared process's direct
-        link, the consumer's step (stage/handover.py). Returns the result and the
-        milliseconds the chained steps took."""
-        result = self._step(engine, header.sequence, header, inputs)
+        """One decode step on the worker thread; then, on a shared process's
+        direct link, the consumer's step (stage/handover.py). Returns the
+        result and the milliseconds the chained steps took."""
+        result = self._step(engine, False, header.position, inputs)
         if self.local_next is None:
             return result, 0.0
         started = time.perf_counter()
         chain_next(self, header, result)
         return result, (time.perf_counter() - started) * 1000.0
 
-    def _step(self, engine: StageEngine, sequence: int, header: objects.ObjectHeader, inputs: Any) -> Any:
-        """One step, on the worker thread. The prompt object (sequence 0) says
-        where the run starts: at 0, or after a prefix this stage said it holds
-        (StageReady), which is kept and the rest of the cache dropped. The
-        slot then records that this run wrote the cache; a step that fails
-        leaves nothing a later run may keep."""
+    def _step(self, engine: StageEngine, opens: bool, position: int, inputs: Any, sample: bool = True) -> Any:
+        """One step, on the worker thread. The prompt's first chunk (``opens``)
+        says where the run starts: at 0, or after a prefix this stage said it
+        holds (StageReady), which is kept and the rest of the cache dropped.
+        The slot then records that this run wrote the cache; a step that
+        fails leaves nothing a later run may keep."""
         slots = self._engines
         engine.use(self.slot)
         try:
-            if sequence == 0:
+            if opens:
                 slots.wrote(self.slot, NO_RUN)  # the cache changes now
-                held, start = self.held, header.position
-                if start and (start > held.positions or start % held.granularity):
+                held = self.held
+                if position and (position > held.positions or position % held.granularity):
                     raise ProtocolError(
-                        f"the prompt starts at position {start}, but this stage holds "
+                        f"the prompt starts at position {position}, but this stage holds "
                         f"{held.positions} positions of run {held.run_id:016x} (in steps of "
                         f"{held.granularity})"
                     )
-                engine.keep(start)
+                engine.keep(position)
                 log.info(
-                    "run %016x stage %d: prefill of %d rows after %d kept positions",
-                    self.run_id,
-                    self.index,
-                    header.rows,
-                    start,
+                    "run %016x stage %d: prompt after %d kept positions", self.run_id, self.index, position
                 )
-            result = engine.step(inputs, header.position)
+            result: Any = engine.step(inputs, position, sample)
+            if self.last and result is not None:  # its logprobs, read before another slot's step
+                result = (result, engine.sampled_logprobs())
         except BaseException:
-            slots.forget(f"a step of run {self.run_id:016x} failed or was aborted", self.slot)
+            self._settle(False)
             raise
         slots.wrote(self.slot, self.run_id)
+        trace(self.index, [(self.run_id, self.slot, position, len(inputs), int(not sample))], [inputs])
         return result
+
+    def _settle(self, done: bool) -> None:
+        """After a step of this run (on the worker thread): its slot holds
+        this run's positions, or (the step failed) nothing a later run may keep."""
+        if done:
+            self._engines.wrote(self.slot, self.run_id)
+        else:
+            self._engines.forget(f"a step of run {self.run_id:016x} failed or was aborted", self.slot)
 
     async def _stop_local(self) -> None:
         """Stop local edges, let a running step end, then report stopped."""

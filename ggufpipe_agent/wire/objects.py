@@ -3,7 +3,8 @@
 A record is a fixed 44-byte little-endian header followed by raw payload bytes::
 
     magic  b"GPOB"     4s
-    version            u16
+    version            u8
+    flags              u8   bit 0 (MORE): another part of this object's sequence follows
     kind               u8   1 tokens, 2 activation
     dtype              u8   1 int32, 2 float32, 3 float16
     run_id             u64
@@ -15,7 +16,12 @@ A record is a fixed 44-byte little-endian header followed by raw payload bytes::
     nbytes             u64  payload length == rows * cols * itemsize
 
 Version 2 split version 1's u64 sequence into a u32 sequence and a u32
-position, so the header is still 44 bytes. Positions travel in-band because a
+position, so the header is still 44 bytes. Version 3 split version 2's u16
+version into a u8 version and a u8 of flags: a prompt travels between stages
+in parts (a chunk of rows each, as soon as a stage has computed it), every
+part but the last flagged MORE, so the next stage starts on the first chunk
+while this one computes the second and the last stage samples only after
+the last (docs/protocol.md, "Prompt parts"). Positions travel in-band because a
 run may start after a prefix its stages kept from the previous run: the
 prompt object says where it starts, and every object after it says where it
 is, so a stage never guesses (docs/protocol.md, docs/worker.md).
@@ -36,8 +42,10 @@ from ggufpipe_agent.ids import EdgeId, RunId
 from ggufpipe_agent.wire.protocol import ObjectSpec
 
 OBJECT_MAGIC = b"GPOB"
-OBJECT_VERSION = 2
-_HEADER = struct.Struct("<4sHBBQIIIIIQ")
+OBJECT_VERSION = 3
+_HEADER = struct.Struct("<4sBBBBQIIIIIQ")
+#: The flag of a part of a sequence that another part follows.
+FLAG_MORE = 1
 HEADER_SIZE = _HEADER.size
 
 #: Bound on any payload before an edge's own max_extent is known.
@@ -67,14 +75,17 @@ class ObjectHeader:
     rows: int
     cols: int
     nbytes: int
-    # Last among the fields (not on the wire) so that records built by
-    # position keep their meaning; 0 is the start of the sequence.
+    # Last among the fields so that records built by position keep their
+    # meaning; 0 is the start of the sequence.
     position: int = 0
+    #: Another part of this sequence follows (a prompt's chunk but its last).
+    more: bool = False
 
     def pack(self) -> bytes:
         return _HEADER.pack(
             OBJECT_MAGIC,
             OBJECT_VERSION,
+            FLAG_MORE if self.more else 0,
             self.kind,
             self.dtype,
             self.run_id,
@@ -95,8 +106,10 @@ class ObjectHeader:
         return DTYPE_NAMES[self.dtype]
 
     def describe(self) -> str:
+        part = " (a part, more follow)" if self.more else ""
         return (
-            f"{self.kind_name} object seq {self.sequence} at position {self.position} on edge {self.edge_id} "
+            f"{self.kind_name} object seq {self.sequence}{part} at position {self.position} "
+            f"on edge {self.edge_id} "
             f"({self.rows}x{self.cols} {self.dtype_name}, {self.nbytes} bytes)"
         )
 
@@ -109,13 +122,15 @@ def unpack_header(data: bytes, max_payload: int) -> ObjectHeader:
     """
     if len(data) != HEADER_SIZE:
         raise ProtocolError(f"truncated object header ({len(data)} of {HEADER_SIZE} bytes)")
-    (magic, version, kind, dtype, run_id, edge_id, sequence, position, rows, cols, nbytes) = _HEADER.unpack(
-        data
+    (magic, version, flags, kind, dtype, run_id, edge_id, sequence, position, rows, cols, nbytes) = (
+        _HEADER.unpack(data)
     )
     if magic != OBJECT_MAGIC:
         raise ProtocolError(f"bad object magic {magic!r}")
     if version != OBJECT_VERSION:
         raise ProtocolError(f"object record version {version}, this side speaks {OBJECT_VERSION}")
+    if flags & ~FLAG_MORE:
+        raise ProtocolError(f"unknown object flags {flags:#x}")
     if kind not in KIND_NAMES:
         raise ProtocolError(f"unknown object kind {kind}")
     if dtype not in DTYPES:
@@ -124,7 +139,8 @@ def unpack_header(data: bytes, max_payload: int) -> ObjectHeader:
         raise ProtocolError(f"object of {nbytes} bytes exceeds the limit of {max_payload}")
     if nbytes != rows * cols * DTYPES[dtype].itemsize:
         raise ProtocolError(f"object says {rows}x{cols} {DTYPE_NAMES[dtype]} but {nbytes} payload bytes")
-    return ObjectHeader(kind, dtype, run_id, edge_id, sequence, rows, cols, nbytes, position)
+    more = bool(flags & FLAG_MORE)
+    return ObjectHeader(kind, dtype, run_id, edge_id, sequence, rows, cols, nbytes, position, more)
 
 
 def check_spec(header: ObjectHeader, spec: ObjectSpec) -> None:
@@ -179,13 +195,22 @@ def tokens_record(
 
 
 def activation_record(
-    run_id: RunId, edge_id: EdgeId, sequence: int, rows: np.ndarray, dtype: str, *, position: int = 0
+    run_id: RunId,
+    edge_id: EdgeId,
+    sequence: int,
+    rows: np.ndarray,
+    dtype: str,
+    *,
+    position: int = 0,
+    more: bool = False,
 ) -> tuple[bytes, memoryview]:
     """Header and payload (no concatenation copy) for ``rows`` of shape [n, hidden]."""
     code = DTYPE_CODES[dtype]
     array = np.ascontiguousarray(rows, dtype=DTYPES[code])
     n, width = array.shape
-    header = ObjectHeader(KIND_ACTIVATION, code, run_id, edge_id, sequence, n, width, array.nbytes, position)
+    header = ObjectHeader(
+        KIND_ACTIVATION, code, run_id, edge_id, sequence, n, width, array.nbytes, position, more
+    )
     return header.pack(), array.data.cast("B")
 
 

@@ -113,6 +113,10 @@ class EngineOptions:
     #: ``n_ctx`` positions (llama.cpp sequence ids). A run's provision names
     #: its slot; runs on different slots are in flight together (docs/architecture.md, "Runs in flight").
     parallel: int = 1
+    #: The decode steps of the runs in flight on a stage are computed in one
+    #: batch (ggufpipe_agent/stage/batching.py); False (run.batching: off):
+    #: each alone, so a run's output is what it is alone.
+    batching: bool = True
 
 
 #: llama-server's samplers, in its default order (its ``samplers`` field).

@@ -122,6 +122,9 @@ class RunOptions:
     # run's KV cache in its own slot (the server's --parallel; docs/architecture.md, "Runs in flight").
     # 0: auto (--serve: one per machine, default_parallel; else 1).
     parallel: int = 0
+    # The decode steps of the runs in flight computed in one batch per stage
+    # (off: each alone, so each run's output is what it is alone).
+    batching: bool = True
     #: llama-server's other sampling fields a request set, by name
     #: (records.SamplingParams); empty from an inventory.
     extra: tuple[tuple[str, Any], ...] = ()

@@ -171,6 +171,7 @@ def engine_options(run: RunOptions, facts: ModelFacts) -> EngineOptions:
         n_ubatch=min(run.ubatch, length),
         exact_reuse=run.reuse == "exact",
         parallel=max(1, run.parallel),
+        batching=run.batching,
     )
 
 

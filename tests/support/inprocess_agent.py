@@ -104,6 +104,8 @@ class FakeEngine:
         self.slot = 0
         self.past: dict[int, int] = {}  # positions each slot holds
         self.closed = False
+        self.n_batch = options.n_batch
+        self.n_ubatch = options.n_ubatch
 
     @property
     def n_past(self) -> int:
@@ -132,14 +134,28 @@ class FakeEngine:
     def abort(self, slot: int = -1) -> None:
         self.calls.append(("abort",))
 
-    def step(self, inputs: Any, position: int | None = None) -> Any:
+    def step(self, inputs: Any, position: int | None = None, sample: bool = True) -> Any:
         rows = len(inputs)
         start = self.n_past if position is None else position
         self.calls.append(("step", rows, start))
         self.n_past = start + rows
         if self.shape.last:
-            return self.TOKEN
+            return self.TOKEN if sample else None
         return np.full((rows, self.shape.hidden), self.ACTIVATION, np.float32)
+
+    def step_batch(self, rows: list[tuple[int, Any]]) -> list[Any]:
+        results = []
+        for slot, inputs in rows:
+            self.use(slot)
+            value = self.step(inputs)
+            results.append((value, None) if self.shape.last else value)
+        return results
+
+    def sampled_logprobs(self) -> Any:
+        return None
+
+    def row_problem(self, slot: int, inputs: Any) -> Any:
+        return None
 
     def close(self) -> None:
         self.calls.append(("close",))

@@ -240,6 +240,7 @@ RUN_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "feedback": mostly(st.sampled_from(["ring", "orchestrator"]), st.sampled_from(["none", ""])),
     "reuse": mostly(st.sampled_from(["cache", "exact"]), st.sampled_from(["none", "", "warm"])),
     "parallel": mostly(st.integers(0, 64), st.integers(-2, -1) | huge),
+    "batching": mostly(st.booleans(), st.sampled_from(["sometimes", 2])),
 }
 # extra: a request's llama-server sampling fields, never read from an inventory.
 assert set(RUN_FIELDS) == {f.name for f in fields(RunOptions)} - {"extra"}, "a RunOptions field is not fuzzed"

@@ -152,7 +152,7 @@ def test_token_record_round_trip():
     record = objects.tokens_record(7, 3, 0, [1, 2, 49151], position=2**32 - 3)
     header = objects.unpack_header(record[: objects.HEADER_SIZE], 1 << 20)
     assert (header.run_id, header.edge_id, header.sequence, header.rows) == (7, 3, 0, 3)
-    assert header.position == 2**32 - 3 and objects.HEADER_SIZE == 44 and objects.OBJECT_VERSION == 2
+    assert header.position == 2**32 - 3 and objects.HEADER_SIZE == 44 and objects.OBJECT_VERSION == 3
     assert objects.decode_tokens(header, record[objects.HEADER_SIZE :]) == [1, 2, 49151]
 
 
@@ -172,6 +172,14 @@ def test_activation_record_round_trip(dtype):
     objects.check_spec(header, dataclasses.replace(SPEC, dtype=dtype))
 
 
+def test_a_prompt_part_says_more_follow():
+    rows = np.zeros((3, 8), dtype=np.float32)
+    head, _ = objects.activation_record(1, 2, 0, rows, "float32", position=512, more=True)
+    header = objects.unpack_header(head, 1 << 20)
+    assert header.more and header.position == 512 and "more follow" in header.describe()
+    assert not objects.unpack_header(objects.activation_record(1, 2, 0, rows, "float32")[0], 1 << 20).more
+
+
 def header_bytes(**changes: int) -> bytes:
     base = dict(kind=2, dtype=2, run_id=1, edge_id=2, sequence=0, rows=2, cols=8, nbytes=64)
     base.update(changes)
@@ -182,8 +190,9 @@ def header_bytes(**changes: int) -> bytes:
     ("data", "words"),
     [
         (b"XXXX" + header_bytes()[4:], "bad object magic"),
-        (header_bytes()[:4] + struct.pack("<H", 9) + header_bytes()[6:], "version 9"),
-        (header_bytes()[:4] + struct.pack("<H", 1) + header_bytes()[6:], "version 1, this side speaks 2"),
+        (header_bytes()[:4] + struct.pack("<B", 9) + header_bytes()[5:], "version 9"),
+        (header_bytes()[:4] + struct.pack("<B", 2) + header_bytes()[5:], "version 2, this side speaks 3"),
+        (header_bytes()[:5] + struct.pack("<B", 6) + header_bytes()[6:], "unknown object flags 0x6"),
         (header_bytes(kind=9), "unknown object kind"),
         (header_bytes(dtype=9), "unknown object dtype"),
         (header_bytes(rows=10**6, nbytes=10**6 * 32), "exceeds the limit"),

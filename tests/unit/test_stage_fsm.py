@@ -226,6 +226,18 @@ def test_output_sequence_equals_input_and_sequences_increase():
     assert stage.state is S.FAULTED and "expected object 6, got 5" in stage.fault
 
 
+def test_a_prompt_in_parts_is_one_sequence():
+    stage = replace(STAGES[S.READY], next_sequence=0)
+    for more in (True, True, False):
+        stage, effects = transition(stage, ObjectLoaded(0))
+        assert effects == [ExecuteStep(0)]
+        stage, effects = transition(stage, StepCompleted(0, more=more))
+        assert stage.state is S.READY and effects == [ReleaseInput(0)]
+        assert stage.next_sequence == (0 if more else 1)
+    stage, _ = transition(stage, ObjectLoaded(0))  # a part after the last one is a violation
+    assert stage.state is S.FAULTED and "expected object 1, got 0" in stage.fault
+
+
 def test_fault_reason_is_kept():
     stage, effects = transition(STAGES[S.EXECUTING], StepFailed("out of memory"))
     assert stage.fault == "out of memory" and effects == [EmitFault("out of memory")]

@@ -1,0 +1,180 @@
+"""Decode steps of the runs in flight on one stage, computed together.
+
+Each run in flight on a stage has its own slot (a llama.cpp sequence, its
+own KV stream). A run's decode step is one row; the rows of every run whose
+step is ready go into one ``llama_decode`` (:meth:`StageEngine.step_batch`),
+which costs little more than one row alone (the weights are read once per
+batch, not once per row). Batches form of themselves: a step that arrives
+while the worker computes a batch waits for the next one, and everything
+waiting then goes together (continuous batching: a run joins or leaves at
+the next step). With N stages the runs fall into micro-batches that keep
+every stage at work: while stage 1 computes the rows stage 0 sent, stage 0
+computes the next group's.
+
+A batched row is computed with other rows beside it, and llama.cpp's kernels
+need not give a row the same bits in a batch of 4 as alone: a run's output
+is then what one llama.cpp context computes when fed the same batches, not
+what the run computes alone. ``run.batching: off`` keeps every step alone
+(docs/worker.md, "Batched decode").
+
+``GGUFPIPE_BATCH_TRACE=DIR`` writes, per stage, the composition of every
+``llama_decode`` this process runs (run, slot, position, rows, and stage 0's
+tokens) as JSON lines, so that a test can feed one llama.cpp context per
+stage the same batches and compare (tests/model/test_batched_decode.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ggufpipe_agent.ids import RunId, SlotId
+
+#: Rows of one batched step at most (the runs in flight on a stage; llama.cpp's
+#: n_batch bounds it too).
+MAX_ROWS = 256
+#: A decode batch this recent means runs are streaming through the stage.
+STREAMING_S = 0.5
+#: A prompt's chunk beside streaming runs: at least this many rows, and about
+#: a decode batch's time (at least this many ms).
+INTERLEAVE_MIN_ROWS = 4
+INTERLEAVE_MIN_MS = 5.0
+
+
+@dataclass(slots=True)
+class Row:
+    """One run's decode step waiting for a batch."""
+
+    run_id: RunId
+    slot: SlotId
+    position: int
+    inputs: Any
+    done: asyncio.Future[Any]
+    #: Called on the worker thread after the batch, with this row's result
+    #: or None where the batch failed (the slot bookkeeping of its run).
+    settle: Callable[[bool], None]
+
+
+@dataclass(slots=True)
+class StepBatcher:
+    """The batches of one stage engine's decode steps, on its worker thread."""
+
+    worker: Executor
+    stage: int = 0
+    waiting: list[Row] = field(default_factory=list)
+    running: bool = False
+    #: The batches computed so far, and their rows.
+    batches: int = 0
+    rows: int = 0
+    #: When the last batch ended (monotonic s), and a batch's ms (a moving mean).
+    last_at: float = 0.0
+    batch_ms: float = 0.0
+
+    def streaming(self) -> bool:
+        """Runs are decoding on this stage: a step waits, or one ran lately."""
+        return bool(self.waiting) or self.running or time.monotonic() - self.last_at < STREAMING_S
+
+    def prompt_rows(self, rows: int, row_ms: float) -> int:
+        """How many of a prompt chunk's ``rows`` to compute next: all of them
+        when no run is decoding here; else as many as take about one decode
+        batch's time (``row_ms``: a prompt row's ms here, 0 not known yet), so
+        that the decode steps of the runs streaming go between the chunks
+        instead of waiting for the whole chunk (docs/worker.md, "A new prompt
+        beside the streams")."""
+        if not self.streaming():
+            return rows
+        if row_ms <= 0.0:
+            return min(rows, INTERLEAVE_MIN_ROWS)
+        wanted = int(max(self.batch_ms, INTERLEAVE_MIN_MS) / row_ms)
+        return max(1, min(rows, max(INTERLEAVE_MIN_ROWS, wanted)))
+
+    async def step(self, engine: Any, row: Row) -> tuple[Any, float]:
+        """Compute ``row`` in the next batch; its result and the batch's ms."""
+        self.waiting.append(row)
+        if not self.running:
+            self.running = True
+            asyncio.get_running_loop().create_task(self._drain(engine))
+        result: tuple[Any, float] = await row.done
+        return result
+
+    async def _drain(self, engine: Any) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self.waiting:
+                rows = sorted(self.waiting[:MAX_ROWS], key=lambda row: row.slot)
+                del self.waiting[:MAX_ROWS]
+                rows = [row for row in rows if not row.done.done()]  # a stopped run's row
+                if not rows:
+                    continue
+                try:
+                    results, elapsed = await loop.run_in_executor(
+                        self.worker, _compute, engine, rows, self.stage
+                    )
+                except BaseException as error:  # noqa: BLE001 - each row's run gets the failure
+                    for row in rows:
+                        if not row.done.done():
+                            row.done.set_exception(error)
+                    continue
+                self.batches += 1
+                self.rows += len(rows)
+                self.last_at = time.monotonic()
+                self.batch_ms = elapsed if self.batches == 1 else 0.8 * self.batch_ms + 0.2 * elapsed
+                for row, result in zip(rows, results, strict=True):
+                    if row.done.done():
+                        continue
+                    if isinstance(result, BaseException):
+                        row.done.set_exception(result)
+                    else:
+                        row.done.set_result((result, elapsed))
+        finally:
+            self.running = False
+
+
+def _compute(engine: Any, rows: list[Row], stage: int) -> tuple[list[Any], float]:
+    """One batched step on the worker thread. A row that cannot be computed
+    (its run's context is full) gets its own error, the others are batched."""
+    started = time.perf_counter()
+    problems = [engine.row_problem(row.slot, row.inputs) for row in rows]
+    if any(problems):
+        for row, problem in zip(rows, problems, strict=True):
+            if problem is not None:
+                row.settle(False)
+        sound = [row for row, problem in zip(rows, problems, strict=True) if problem is None]
+        results = iter(_compute(engine, sound, stage)[0] if sound else [])
+        merged = [problem if problem is not None else next(results) for problem in problems]
+        return merged, (time.perf_counter() - started) * 1000.0
+    try:
+        results = engine.step_batch([(row.slot, row.inputs) for row in rows])
+    except BaseException:
+        for row in rows:
+            row.settle(False)
+        raise
+    for row in rows:
+        row.settle(True)
+    trace(stage, [(row.run_id, row.slot, row.position, 1, 0) for row in rows], [row.inputs for row in rows])
+    return results, (time.perf_counter() - started) * 1000.0
+
+
+_trace_lock = threading.Lock()
+
+
+def trace(stage: int, rows: list[tuple[int, int, int, int, int]], inputs: list[Any]) -> None:
+    """One ``llama_decode``'s composition (per run: run, slot, position, rows,
+    1 where it samples nothing: a prompt's part that another follows), and
+    stage 0's token ids, to ``$GGUFPIPE_BATCH_TRACE/stage-N.jsonl``."""
+    where = os.environ.get("GGUFPIPE_BATCH_TRACE", "")
+    if not where:
+        return
+    record: dict[str, Any] = {"rows": [list(row) for row in rows]}
+    if stage == 0:
+        record["tokens"] = [[int(token) for token in values] for values in inputs]
+    with _trace_lock, (Path(where) / f"stage-{stage}.jsonl").open("a") as out:
+        out.write(json.dumps(record) + "\n")

@@ -1,0 +1,77 @@
+"""How a prompt is cut into chunks, and how decode steps of the runs in flight
+are batched (ggufpipe_agent/llama/batches.py, ggufpipe_agent/stage/batching.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from ggufpipe_agent.errors import ContextOverflow
+from ggufpipe_agent.llama.batches import prefill_chunks
+from ggufpipe_agent.stage.batching import INTERLEAVE_MIN_ROWS, Row, StepBatcher
+
+
+@pytest.mark.parametrize(
+    ("start", "rows", "aligned", "counts"),
+    [
+        (0, 1800, False, [512, 512, 512, 264]),
+        (0, 2048, False, [512, 512, 512, 512]),
+        (100, 2100, False, [512, 512, 512, 512, 52]),  # a batch of 2048 from 100, then 52
+        (100, 2100, True, [512, 512, 512, 412, 152]),  # batches end at 2048 in absolute positions
+        (0, 5, False, [5]),
+        (2040, 16, True, [8, 8]),
+    ],
+)
+def test_a_prompt_is_cut_where_one_context_cuts_it(start, rows, aligned, counts):
+    assert prefill_chunks(start, rows, 2048, 512, aligned) == counts
+    assert sum(counts) == rows
+
+
+class Engine:
+    """Slots 0..3; slot 3's context is full."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def row_problem(self, slot: int, inputs: Any) -> Exception | None:
+        return ContextOverflow("context full") if slot == 3 else None
+
+    def step_batch(self, rows: list[tuple[int, Any]]) -> list[Any]:
+        self.batches.append([slot for slot, _ in rows])
+        return [(inputs[0] + 100, None) for _, inputs in rows]
+
+
+def test_ready_steps_go_in_one_batch_in_slot_order_and_a_full_context_fails_alone():
+    async def scenario() -> tuple[list[Any], list[list[int]]]:
+        engine = Engine()
+        batcher = StepBatcher(ThreadPoolExecutor(1))
+        loop = asyncio.get_running_loop()
+        settled: list[bool] = []
+        rows = [Row(slot, slot, 5, [slot], loop.create_future(), settled.append) for slot in (2, 0, 3, 1)]
+        outcomes = await asyncio.gather(*(batcher.step(engine, row) for row in rows), return_exceptions=True)
+        assert sorted(settled) == [False, True, True, True]
+        return outcomes, engine.batches
+
+    outcomes, batches = asyncio.run(scenario())
+    # Every step that waits when the worker is free goes in, in slot order.
+    assert batches == [[0, 1, 2]]
+    assert [outcome[0] if isinstance(outcome, tuple) else type(outcome) for outcome in outcomes] == [
+        (102, None),
+        (100, None),
+        ContextOverflow,
+        (101, None),
+    ]
+
+
+def test_a_prompt_beside_streaming_runs_is_cut_finer():
+    batcher = StepBatcher(ThreadPoolExecutor(1))
+    assert batcher.prompt_rows(512, 3.0) == 512, "nothing streams: the whole chunk"
+    batcher.waiting.append(object())  # type: ignore[arg-type]
+    batcher.batch_ms = 30.0
+    assert batcher.prompt_rows(512, 0.0) == INTERLEAVE_MIN_ROWS, "no row time yet"
+    assert batcher.prompt_rows(512, 3.0) == 10, "about one decode batch's time"
+    assert batcher.prompt_rows(512, 100.0) == INTERLEAVE_MIN_ROWS
+    assert batcher.prompt_rows(3, 0.5) == 3
