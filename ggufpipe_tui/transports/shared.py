@@ -135,6 +135,14 @@ class SharedAgent(AgentConnection):
         await self.tasks.close()
 
 
+def process_owner(link: AgentConnection) -> AgentConnection | None:
+    """The link of the stage whose agent process ``link``'s stage runs in,
+    when that process is shared (itself for the first stage); else None."""
+    if isinstance(link, SharedAgent):
+        return link.first
+    return link if link.share_process else None
+
+
 class ProcessSharing:
     """Makes each stage's link: the first stage on a ``share_process`` host
     gets the transport's own link, started with ``--share-process``; every
