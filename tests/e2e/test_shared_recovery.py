@@ -26,7 +26,7 @@ from ggufpipe_tui.session.pipeline import Pipeline
 from tests.support import local
 from tests.support.common import LONG_PROMPT, REPO, agent_pids, wait_no_new_agents, whole_model_greedy
 from tests.support.local import tokenize
-from tests.support.sabotage import Saboteur, on_token, run_with, text_so_far
+from tests.support.sabotage import Saboteur, on_token, run_with
 from tests.support.served import raw, start_server
 
 pytestmark = pytest.mark.model
@@ -128,22 +128,32 @@ def test_the_bundled_example_recovers_headless(model_path, no_agent_left):
     text = "Tell me about the history of Rome, emperor by emperor."
     command = [sys.executable, "-m", "ggufpipe_tui.cli", "inventory.example.yaml", "--prompt", text]
     command += ["--raw", "--max-tokens", str(MAX_TOKENS), "--ignore-eos"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    # Unbuffered bytes: what is read before the kill is not left in a buffer
+    # that communicate() does not read.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, cwd=REPO)
     try:
-        seen = text_so_far(process, 12)
+        assert process.stdout is not None
+        seen = b""
+        while len(seen) < 16:  # the reply has begun ("\nassistant\n" and more)
+            byte = process.stdout.read(1)
+            assert byte, "the run ended before it produced text"
+            seen += byte
         (agent,) = agent_pids() - before
         os.kill(agent, signal.SIGKILL)
-        rest, errors = process.communicate(timeout=240)
+        rest, stderr = process.communicate(timeout=240)
     finally:
         if process.poll() is None:
             process.kill()
             process.communicate()
+    errors = stderr.decode()
     assert process.returncode == 0, errors
     prompt = tokenize(model_path, text, True)
     vocab = vocabulary(str(model_path))
     pieces = vocab.pieces()
     tokens = whole_model_greedy(model_path, prompt, MAX_TOKENS, n_ctx=2048, n_ubatch=512)
-    assert (seen + rest).rstrip("\n") == b"".join(pieces[t] for t in tokens).decode("utf-8", "replace")
+    assert (seen + rest).decode().rstrip("\n") == b"".join(pieces[t] for t in tokens).decode(
+        "utf-8", "replace"
+    )
     assert f"{PROCESS} lost at token " in errors and "; restarted; replayed " in errors, errors
 
 
