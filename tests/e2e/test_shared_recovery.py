@@ -38,10 +38,14 @@ PROCESS = "stages 0, 1, 2 on here (local), one agent process"
 FAILING_AGENT = Path(__file__).resolve().parents[1] / "support" / "ggufpipe_agent_failing.py"
 
 
-def inventory_file(tmp_path: Path, model_path: Path, here: str = SHARED) -> Path:
+def inventory_file(
+    tmp_path: Path, model_path: Path, here: str = SHARED, timeouts: str = local.TIMEOUTS
+) -> Path:
     stages = "".join(f"- {{host: here, layers: [{a}, {b}]}}\n" for a, b in EXAMPLE_RANGES)
     run = f"max_tokens: {MAX_TOKENS}, ignore_eos: true, chat: false"
-    return local.write_inventory(tmp_path, model_path, stages, run, "data: direct\n", here=here)
+    return local.write_inventory(
+        tmp_path, model_path, stages, run, "data: direct\n", here=here, timeouts=timeouts
+    )
 
 
 def of(events: list[Any], kind: type) -> list[Any]:
@@ -82,31 +86,60 @@ async def test_the_shared_process_killed_mid_reply_is_started_again(tmp_path, mo
     assert [bool(e.hello.share_endpoint) for e in after].count(True) == 1
 
 
-async def test_a_stage_whose_engine_fails_is_attached_again_alone(
-    tmp_path, model_path, no_agent_left, monkeypatch
+async def test_a_stopped_shared_process_is_lost_by_its_heartbeat(tmp_path, model_path, no_agent_left):
+    """SIGSTOP: the process says nothing for any of its stages; after
+    timeouts.heartbeat it is lost, killed and started again whole."""
+
+    def stop(pipeline: Pipeline) -> None:
+        hello = pipeline.links[0].hello
+        assert hello is not None
+        os.kill(hello.pid, signal.SIGSTOP)
+
+    saboteur = Saboteur(on_token(5), stop)
+    timeouts = "connect: 30, ready: 120, step: 60, teardown: 10, heartbeat: 3"
+    result = await run_with(saboteur, inventory_file(tmp_path, model_path, timeouts=timeouts))
+    assert_whole(saboteur, result, model_path)
+    (lost, *_) = of(saboteur.events, StageRecovery)
+    assert lost.state == "Lost" and "for 3 s" in lost.detail, lost
+    ready = sorted(e.stage for e in of(saboteur.events, StageRecovery) if e.state == "Ready")
+    assert ready == [0, 1, 2], "every stage of the process started again"
+    assert len({e.hello.pid for e in of(saboteur.events, AgentConnected)}) == 2
+
+
+@pytest.mark.parametrize("stage", [1, 0])
+async def test_a_stage_whose_engine_fails_is_started_again(
+    tmp_path, model_path, no_agent_left, monkeypatch, stage
 ):
-    """Stage 1's engine raises in a step (tests/support/ggufpipe_agent_failing.py:
-    the real agent whose middle stage's StageEngine.step fails once) while
-    its process lives: stage 1 alone is lost, a new session of it attaches to
-    the same process, the run is replayed and is the unbroken one."""
+    """A stage's engine raises in a step (tests/support/ggufpipe_agent_failing.py:
+    the real agent whose StageEngine.step fails once) while its process
+    lives: that stage is lost. Stage 1 (attached to the process) gets a new
+    session in the same process; stage 0, whose session the process lives
+    by, takes the process with it: it is started again whole. Either way the
+    run is replayed and is the unbroken one."""
     prompt = tokenize(model_path, LONG_PROMPT, True)
     position = len(prompt) + 8
-    monkeypatch.setenv("GGUFPIPE_TEST_ENGINE_FAILS", f"{position}:{tmp_path / 'failed-once'}")
+    which = "middle" if stage == 1 else "first"
+    monkeypatch.setenv("GGUFPIPE_TEST_ENGINE_FAILS", f"{which}:{position}:{tmp_path / 'failed-once'}")
     here = f"{{local: true, share_process: true, agent: '{sys.executable} {FAILING_AGENT}'}}"
     saboteur = Saboteur(lambda event: False, lambda pipeline: None)
     saboteur.fired = True
     result = await run_with(saboteur, inventory_file(tmp_path, model_path, here))
     assert (tmp_path / "failed-once").exists(), "the engine failed"
     recovered = assert_whole(saboteur, result, model_path)
-    assert recovered.stages == "stage 1 on here (local)"
+    assert recovered.stages == f"stage {stage} on here (local)"
     lost = [e for e in of(saboteur.events, StageRecovery) if e.state == "Lost"]
-    assert len(lost) == 1 and lost[0].stage == 1, lost
+    assert len(lost) == 1 and lost[0].stage == stage, lost
     assert "its engine failed (step " in lost[0].detail and "injected by the test" in lost[0].detail
     ready = [e.stage for e in of(saboteur.events, StageRecovery) if e.state == "Ready"]
-    assert ready == [1], "only stage 1 started again"
     connected = of(saboteur.events, AgentConnected)
-    assert [e.stage for e in connected] == [0, 1, 2, 1]
-    assert len({e.hello.pid for e in connected}) == 1, "the same process throughout"
+    pids = [e.hello.pid for e in connected]
+    if stage == 1:
+        assert ready == [1], "only stage 1 started again"
+        assert [e.stage for e in connected] == [0, 1, 2, 1]
+        assert len(set(pids)) == 1, "the same process throughout"
+    else:
+        assert ready == [0, 1, 2], "the process started again with its stages"
+        assert [e.stage for e in connected][3:] == [0, 1, 2] and len(set(pids)) == 2
 
 
 def expected_text(model_path: Path, prompt: list[int], steps: int, n_ctx: int, n_ubatch: int) -> str:
