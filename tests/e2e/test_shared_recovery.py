@@ -106,21 +106,23 @@ async def test_a_stopped_shared_process_is_lost_by_its_heartbeat(tmp_path, model
     assert len({e.hello.pid for e in of(saboteur.events, AgentConnected)}) == 2
 
 
-@pytest.mark.parametrize("stage", [1, 0])
+@pytest.mark.parametrize(("stage", "shared"), [(1, True), (0, True), (1, False)])
 async def test_a_stage_whose_engine_fails_is_started_again(
-    tmp_path, model_path, no_agent_left, monkeypatch, stage
+    tmp_path, model_path, no_agent_left, monkeypatch, stage, shared
 ):
     """A stage's engine raises in a step (tests/support/ggufpipe_agent_failing.py:
     the real agent whose StageEngine.step fails once) while its process
     lives: that stage is lost. Stage 1 (attached to the process) gets a new
     session in the same process; stage 0, whose session the process lives
-    by, takes the process with it: it is started again whole. Either way the
-    run is replayed and is the unbroken one."""
+    by, takes the process with it: it is started again whole; with a process
+    per stage, the stage's process is started again. Each time the run is
+    replayed and is the unbroken one."""
     prompt = tokenize(model_path, LONG_PROMPT, True)
     position = len(prompt) + 8
     which = "middle" if stage == 1 else "first"
     monkeypatch.setenv("GGUFPIPE_TEST_ENGINE_FAILS", f"{which}:{position}:{tmp_path / 'failed-once'}")
-    here = f"{{local: true, share_process: true, agent: '{sys.executable} {FAILING_AGENT}'}}"
+    sharing = "share_process: true, " if shared else ""
+    here = f"{{local: true, {sharing}agent: '{sys.executable} {FAILING_AGENT}'}}"
     saboteur = Saboteur(lambda event: False, lambda pipeline: None)
     saboteur.fired = True
     result = await run_with(saboteur, inventory_file(tmp_path, model_path, here))
@@ -133,7 +135,11 @@ async def test_a_stage_whose_engine_fails_is_started_again(
     ready = [e.stage for e in of(saboteur.events, StageRecovery) if e.state == "Ready"]
     connected = of(saboteur.events, AgentConnected)
     pids = [e.hello.pid for e in connected]
-    if stage == 1:
+    if not shared:
+        stages = [e.stage for e in connected]
+        assert ready == [1] and sorted(stages[:3]) == [0, 1, 2] and stages[3:] == [1]
+        assert len(set(pids)) == 4, "a new process for stage 1"
+    elif stage == 1:
         assert ready == [1], "only stage 1 started again"
         assert [e.stage for e in connected] == [0, 1, 2, 1]
         assert len(set(pids)) == 1, "the same process throughout"
