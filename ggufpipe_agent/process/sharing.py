@@ -20,7 +20,8 @@ ids. A connection without the secret is closed unanswered.
 
 The process lives as long as its first session: when that ends, every other
 ends too (each stops its run first), and when the process dies every stage
-in it is lost at once, which the orchestrator reports as one fault.
+in it is lost at once, which the orchestrator reports as one loss (and
+recovers by starting the process again with all its stages).
 """
 
 from __future__ import annotations

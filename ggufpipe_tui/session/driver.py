@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import math
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -56,6 +57,15 @@ STOP_SEND_TIMEOUT = 5.0
 #: (a dead peer's loss report, with its exit status, is the root cause).
 LINK_GRACE_SECONDS = 1.5
 LOSS_REPORT_SECONDS = 3.0
+
+#: A stage's StageFault for a step that failed in its engine (stage/job.py:
+#: StepFailed's "step N: ..."), not for its links or its setup.
+ENGINE_FAILURE = re.compile(r"step \d+: ")
+
+
+def engine_failed(reason: str) -> bool:
+    return ENGINE_FAILURE.match(reason) is not None
+
 
 Send = Callable[[], Awaitable[None]]
 #: What a failed send becomes: the event to feed the run (or None).
@@ -238,6 +248,10 @@ class RunDriver:
         elif isinstance(message, StageFault):
             if 0 <= message.link_peer < len(self.stages):
                 self.tasks.spawn(self._link_fault(stage, message), f"link fault of stage {stage}")
+            elif engine_failed(message.reason):
+                # Its engine failed while its agent lives: the stage is lost, and
+                # recovery starts it again with a fresh engine (docs/recovery.md).
+                self.stages[stage].report_lost(f"its engine failed ({message.reason})")
             else:
                 self.feed(fsm.StageFaultEvent(stage, f"{self.stages[stage].label}: {message.reason}"))
         elif isinstance(message, StageStopped):

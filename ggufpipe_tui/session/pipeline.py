@@ -182,10 +182,6 @@ class Pipeline:
             host = inventory.hosts[spec.host]
             link = sharing.link(host, index, self._log_sink(index, host.name))
             self.stages.append(StageHandle(index, link, self._on_message, self._stage_lost))
-        if any(inventory.hosts[spec.host].share_process for spec in inventory.stages):
-            # Recovery cannot start a shared agent process again yet: a loss
-            # there is the fault it was before recovery (docs/recovery.md).
-            self.recovery.policy = rec.Policy(0, self.recovery.policy.deadline)
         starting = (self.start_stage(stage, timeout) for stage in self.stages)
         results = await asyncio.gather(*starting, return_exceptions=True)
         failures = [result for result in results if isinstance(result, BaseException)]
@@ -211,8 +207,16 @@ class Pipeline:
         stage.start_heartbeat(self.tasks, self.inventory.timeouts.heartbeat)
         self.tasks.spawn(stage.read_control(), f"control reader of stage {stage.index}")
 
-    def new_stage(self, index: int, host: HostSpec) -> StageHandle:
-        link = self.connection_factory(host, index, self._log_sink(index, host.name))
+    def new_stage(self, index: int, host: HostSpec, shares: AgentConnection | None = None) -> StageHandle:
+        sink = self._log_sink(index, host.name)
+        link: AgentConnection
+        if shares is not None:  # attached to the agent process of ``shares`` (transports/shared.py)
+            if index not in shares.sharers:
+                shares.sharers.append(index)
+            link = SharedAgent(host, index, sink, shares)
+        else:
+            link = self.connection_factory(host, index, sink)
+            link.share_process = host.share_process  # a first stage: it starts the shared process
         return StageHandle(index, link, self._on_message, self._stage_lost)
 
     def close_data_plane(self) -> None:

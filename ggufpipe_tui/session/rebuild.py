@@ -23,8 +23,8 @@ from ggufpipe_tui.core.spares import moved_inventory, spare_candidates, spare_pl
 from ggufpipe_tui.session.delivery import Delivered, deliver_stages
 from ggufpipe_tui.session.modelsource import LocalModel, ModelSource
 from ggufpipe_tui.session.stages import PipelineError, StageHandle
-from ggufpipe_tui.transports.connection import HostUnreachable
-from ggufpipe_tui.transports.shared import SharedAgent
+from ggufpipe_tui.transports.connection import AgentConnection, HostUnreachable
+from ggufpipe_tui.transports.shared import SharedAgent, process_owner
 
 
 class Rebuildable(Protocol):
@@ -51,8 +51,9 @@ class Rebuildable(Protocol):
 
     def emit(self, event: Event) -> None: ...
 
-    def new_stage(self, index: int, host: HostSpec) -> StageHandle:
-        """A handle for stage ``index`` on ``host``, not started."""
+    def new_stage(self, index: int, host: HostSpec, shares: AgentConnection | None = None) -> StageHandle:
+        """A handle for stage ``index`` on ``host``, not started; ``shares``:
+        the link of the shared agent process it attaches to."""
         ...
 
     async def start_stage(self, stage: StageHandle, timeout: float) -> None: ...
@@ -75,22 +76,27 @@ async def rebuild(pipeline: Rebuildable) -> tuple[str, str]:
     it), and a new data plane (new links, new credentials) over all stages.
     Returns how, in a sentence and in a few words ("moved to gpu-c")."""
     timeout = pipeline.inventory.timeouts.connect
-    lost = [stage for stage in pipeline.stages if stage.lost or not stage.alive()]
-    for stage in lost:
-        if stage.link.share_process or isinstance(stage.link, SharedAgent):
-            raise PipelineError(
-                f"{stage.label} runs in a shared agent process (share_process: true), "
-                "which recovery cannot start again yet"
-            )
+    lost = restart_set(pipeline.stages)
     pipeline.close_data_plane()
+    for old in lost:  # what closing them says (their streams ending) is not a new loss
+        old.retired = True
+        old.lost = old.lost or "started again with its agent process"
     await asyncio.gather(*(stage.close(1.0) for stage in lost), return_exceptions=True)
-    fresh: list[StageHandle] = []
-    for old in lost:
-        fresh.append(pipeline.new_stage(old.index, old.host))
-        pipeline.stages[old.index] = fresh[-1]
+    fresh = _new_handles(pipeline, lost)
+    for stage in fresh:
+        pipeline.stages[stage.index] = stage
     results = await asyncio.gather(
         *(pipeline.start_stage(stage, timeout) for stage in fresh), return_exceptions=True
     )
+    # A stage attached to a shared process whose host does not answer goes with it.
+    unreachable = {
+        id(stage.link): result
+        for stage, result in zip(fresh, results, strict=True)
+        if isinstance(result, HostUnreachable)
+    }
+    for at, stage in enumerate(fresh):
+        if isinstance(stage.link, SharedAgent) and id(stage.link.first) in unreachable:
+            results[at] = unreachable[id(stage.link.first)]
     # Stages whose host does not answer, by host: they move together.
     gone: dict[str, tuple[HostUnreachable, list[StageHandle]]] = {}
     failures: list[BaseException] = []
@@ -127,11 +133,71 @@ async def rebuild(pipeline: Rebuildable) -> tuple[str, str]:
         short.append("moved to " + ", ".join(dict.fromkeys(to for _, to in moves)))
     how = [f"moved {stages} to {to}" for stages, to in moves]
     if restarted:
-        how.insert(0, "restarted " + ", ".join(stage.label for stage in restarted))
+        how.insert(0, "restarted " + _labels(restarted))
     lost_again = next((stage for stage in pipeline.stages if stage.lost), None)
     if lost_again is not None:
         raise PipelineError(f"lost while repairing: {lost_again.lost}")
     return "; ".join(how) or "reopened the data plane", ", ".join(short) or "reopened the data plane"
+
+
+def restart_set(stages: list[StageHandle]) -> list[StageHandle]:
+    """The stages a repair starts again: every lost one, and every stage of
+    a shared agent process (share_process: true) that is lost as a whole:
+    it exited or went silent, or its first stage, whose session the process
+    lives by, is lost. A further stage lost alone while its process lives
+    (its session ended, its engine failed) is attached to it again."""
+    lost = [stage for stage in stages if stage.lost or not stage.alive()]
+    whole: list[AgentConnection] = []
+    for stage in lost:
+        owner = process_owner(stage.link)
+        if owner is not None and (owner is stage.link or not owner.alive() or stage.silent_for):
+            whole.append(owner)
+    return [
+        stage
+        for stage in stages
+        if stage in lost or any(process_owner(stage.link) is owner for owner in whole)
+    ]
+
+
+def _new_handles(pipeline: Rebuildable, lost: list[StageHandle]) -> list[StageHandle]:
+    """New handles, not started, for ``lost`` (restart_set's): each shared
+    process lost whole gets a new first stage and its others attached to it;
+    a stage lost alone from a live shared process attaches to that one."""
+    restarted_owners: dict[int, AgentConnection] = {}  # id of the old first link: the new one
+    fresh: list[StageHandle] = []
+    firsts = [stage for stage in lost if process_owner(stage.link) is stage.link]
+    for old in firsts + [stage for stage in lost if stage not in firsts]:
+        owner = process_owner(old.link)
+        if owner is None or owner is old.link:
+            fresh.append(pipeline.new_stage(old.index, old.host))
+            if owner is not None:
+                restarted_owners[id(owner)] = fresh[-1].link
+        else:
+            first = restarted_owners.get(id(owner), owner)
+            fresh.append(pipeline.new_stage(old.index, old.host, shares=first))
+    return sorted(fresh, key=lambda stage: stage.index)
+
+
+def _group(pipeline: Rebuildable, indexes: list[int], host: HostSpec) -> list[StageHandle]:
+    """Handles for the stages ``indexes`` on ``host``, not started: with
+    share_process, the first starts the process and the others attach."""
+    first = pipeline.new_stage(indexes[0], host)
+    if not host.share_process:
+        return [first, *(pipeline.new_stage(index, host) for index in indexes[1:])]
+    return [first, *(pipeline.new_stage(index, host, shares=first.link) for index in indexes[1:])]
+
+
+def _labels(stages: list[StageHandle]) -> str:
+    """The stages, a shared process started again whole named once."""
+    indexes = {stage.index for stage in stages}
+    named: list[str] = []
+    for stage in stages:
+        owner = process_owner(stage.link)
+        whole = owner is not None and set(owner.sharers) <= indexes
+        label = owner.process_label if whole and owner is not None else stage.label
+        if label not in named:
+            named.append(label)
+    return ", ".join(named)
 
 
 async def _move(
@@ -150,7 +216,7 @@ async def _move(
         raise PipelineError(f"{error}; no spare host (spare: true) to move {what} to")
     refused: list[str] = []
     for name in candidates:
-        trial = [pipeline.new_stage(index, pipeline.inventory.hosts[name]) for index in indexes]
+        trial = _group(pipeline, indexes, pipeline.inventory.hosts[name])
         try:
             problem, placement = await _try_spare(pipeline, trial, name, timeout)
         except BaseException:  # cancelled (recovery.deadline): no agent is left behind

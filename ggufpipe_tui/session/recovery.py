@@ -139,8 +139,10 @@ class Recovery:
         """``stage`` is lost (``symptom``): said once, with its root cause; the
         runs in flight fault, and the repair begins (or the session stops)."""
         reason = await stage.diagnose(symptom)
-        stage.lost = reason
         pipeline = self.pipeline
+        if stage.retired:  # a repair replaced it meanwhile (a shared process started again)
+            return
+        stage.lost = reason
         if pipeline.closing:
             return
         repeated = reason == pipeline.broken  # another stage of a shared process that died
@@ -150,6 +152,10 @@ class Recovery:
             pipeline.emit(Notice("error", reason))
         stage.fail_requests(reason)
         live = pipeline.live_drivers()
+        if repeated and self.state.phase is rec.Phase.RECOVERING:
+            for driver in live:  # one loss: the repair under way restarts the whole process
+                driver.feed(fsm.StageLost(stage.index, reason))
+            return
         running = bool(live)
         prompted = [driver for driver in live if driver.prompt]  # not a run prepared ahead
         at_token = len(prompted[0].tokens) if prompted else len(live[0].tokens) if live else -1
@@ -162,7 +168,9 @@ class Recovery:
             return
         self._step(rec.Loss(reason, now))
         if before.phase is rec.Phase.READY:
-            self._loss = (f"{stage.label}", now, at_token)
+            # A shared process that died: its stages, named once.
+            who = stage.label if stage.link.alive() else stage.link.process_label
+            self._loss = (who, now, at_token)
         self._step(rec.Begin(now))
         if self.state.phase is rec.Phase.BROKEN:
             failure = self.state.reason

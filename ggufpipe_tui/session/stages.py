@@ -92,6 +92,7 @@ class StageHandle:
         self.link = link
         self.data: DataStream | None = None
         self.lost = ""  # the reason, once the stage is lost
+        self.retired = False  # a repair replaced it (session/rebuild.py)
         self._on_message = on_message
         self._on_lost = on_lost
         self._requests: dict[int, asyncio.Future[Message]] = {}

@@ -10,8 +10,10 @@ and reads its own Hello. Its data stream goes to the same data socket with
 its own token, the way the first stage's does.
 
 The process is the first stage's: when it dies, every stage in it is lost,
-and each reports it with the same reason (:attr:`AgentConnection.process_label`),
-so the run ends with one.
+and each reports it with the same reason (:attr:`AgentConnection.process_label`):
+one loss, for which recovery starts the process again with all its stages
+(session/rebuild.py: restart_set; :func:`process_owner` says whose process a
+stage runs in).
 """
 
 from __future__ import annotations
@@ -133,6 +135,14 @@ class SharedAgent(AgentConnection):
         await self.first.close_socket(writer, grace)
         await self.tasks.settle(0.5)
         await self.tasks.close()
+
+
+def process_owner(link: AgentConnection) -> AgentConnection | None:
+    """The link of the stage whose agent process ``link``'s stage runs in,
+    when that process is shared (itself for the first stage); else None."""
+    if isinstance(link, SharedAgent):
+        return link.first
+    return link if link.share_process else None
 
 
 class ProcessSharing:

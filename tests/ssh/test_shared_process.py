@@ -32,12 +32,14 @@ pytestmark = pytest.mark.model
 RANGES = ((0, 7), (7, 23), (23, 30))
 
 
-def local_inventory(tmp_path: Path, model_path: Path, mode: str = "direct", max_tokens: int = 48) -> Path:
+def local_inventory(
+    tmp_path: Path, model_path: Path, mode: str = "direct", max_tokens: int = 48, extra: str = ""
+) -> Path:
     data, feedback = mode_yaml(mode)
     stages = "".join(f"- {{host: here, layers: [{a}, {b}]}}\n" for a, b in RANGES)
     run = f"max_tokens: {max_tokens}, ignore_eos: true, chat: false, {feedback}"
     return local.write_inventory(
-        tmp_path, model_path, stages, run, data, here="{local: true, share_process: true}"
+        tmp_path, model_path, stages, run, data, here="{local: true, share_process: true}", extra=extra
     )
 
 
@@ -94,14 +96,16 @@ async def test_a_shared_process_chains_its_stages_steps(
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_sigkilled_shared_process_is_one_fault(tmp_path, model_path, no_agent_left, mode):
-    """The process of all three stages dies mid-decode: one reason naming
-    the process, a full teardown, the output so far kept."""
+    """Recovery off: the process of all three stages dies mid-decode: one
+    reason naming the process, a full teardown, the output so far kept
+    (with recovery on it is started again: tests/e2e/test_shared_recovery.py)."""
 
     def kill(pipeline: Pipeline) -> None:
         os.kill(pids(pipeline)[0], signal.SIGKILL)
 
     saboteur = Saboteur(on_token(5), kill)
-    result = await run_with(saboteur, local_inventory(tmp_path, model_path, mode, max_tokens=40))
+    off = "recovery: {attempts: 0}\n"
+    result = await run_with(saboteur, local_inventory(tmp_path, model_path, mode, max_tokens=40, extra=off))
     assert saboteur.fired and result.outcome == "faulted"
     assert result.failure == (
         "stages 0, 1, 2 on here (local), one agent process: the agent exited (killed by signal 9)"
@@ -211,13 +215,20 @@ async def test_three_stages_over_ssh_in_one_process(tmp_path, sshd: Sshd, cache_
 
 @pytest.mark.ssh
 async def test_sigkilled_shared_process_over_ssh_is_one_fault(tmp_path, sshd: Sshd, cache_dir, model_path):
-    """Stages 0 and 2 share gpu-a's process, stage 1 runs on gpu-b (TLS links
-    both ways): killing the shared process mid-decode is one fault naming
-    both its stages; gpu-b's stage stops; nothing is left on the host."""
+    """Recovery off: stages 0 and 2 share gpu-a's process, stage 1 runs on
+    gpu-b (TLS links both ways): killing the shared process mid-decode is one
+    fault naming both its stages; gpu-b's stage stops; nothing is left on the host."""
     hosts = {"gpu-a": host_entry(sshd, cache_dir, share_process=True), "gpu-b": host_entry(sshd, cache_dir)}
     stages = [("gpu-a", list(RANGES[0])), ("gpu-b", list(RANGES[1])), ("gpu-a", list(RANGES[2]))]
     path = write_inventory(
-        tmp_path / "inv.yaml", model_path, hosts, stages, mode="direct", max_tokens=40, ignore_eos=True
+        tmp_path / "inv.yaml",
+        model_path,
+        hosts,
+        stages,
+        mode="direct",
+        recovery={"attempts": 0},
+        max_tokens=40,
+        ignore_eos=True,
     )
     saboteur = Saboteur(on_token(5), signal_agent(2, signal.SIGKILL))
     result = await run_with(saboteur, path)

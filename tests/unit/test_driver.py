@@ -71,14 +71,29 @@ async def test_a_stage_fault_faults_the_run_and_every_stage_is_stopped():
     rig = Rig(stages=3)
     await rig.prompted()
     await rig.tokens(9)
-    rig.agent_says(1, StageFault(rig.plan.run_id, 1, "a", "step 1: out of memory"))
+    rig.agent_says(1, StageFault(rig.plan.run_id, 1, "a", "inbound edge 4: reset"))
     await finish(rig)
     result = rig.driver.result
     assert result is not None and result.outcome == "faulted"
-    assert result.failure == "stage 1 on fake (local): step 1: out of memory"
+    assert result.failure == "stage 1 on fake (local): inbound edge 4: reset"
     assert result.tokens == (9,), "the output so far is kept"
     assert all(isinstance(s.sent[-1], StopRun) for s in rig.stages)
     assert any(isinstance(e, Notice) and "faulted" in e.text for e in rig.events)
+
+
+async def test_a_failed_engine_step_reports_the_stage_lost():
+    """A step that failed in the stage's engine (its agent lives): the stage is
+    lost, for recovery to start again (docs/recovery.md); the run faults when
+    the pipeline says so, not here."""
+    rig = Rig(stages=3)
+    await rig.prompted()
+    await rig.tokens(9)
+    rig.agent_says(1, StageFault(rig.plan.run_id, 1, "a", "step 1: out of memory"))
+    await settle()
+    assert rig.stages[1].lost == ["its engine failed (step 1: out of memory)"]
+    assert rig.driver.result is None
+    rig.driver.stop()
+    await finish(rig)
 
 
 async def test_a_broken_token_in_edge_reports_stage_0_lost():
@@ -255,7 +270,7 @@ async def test_what_a_run_leaves_for_the_next_one():
     assert torn.driver.next_source() == source, "a run that wrote nothing leaves the stages as they were"
     faulted = Rig(source=source)
     await faulted.prompted([5, 6, 7], [PrefixHeld(0x99, 2)] * 2)
-    faulted.agent_says(1, StageFault(faulted.plan.run_id, 1, "a", "step 0: out of memory"))
+    faulted.agent_says(1, StageFault(faulted.plan.run_id, 1, "a", "inbound edge 4: reset"))
     await finish(faulted)
     assert faulted.driver.next_source() is None
     offered_nothing = Rig()
