@@ -20,4 +20,5 @@ UNFIT_MARKER = "ggufpipe-agent cannot run here:"
 #: 8: Refused.run_id.
 #: 9: shared agent processes (Hello.share_endpoint, Hello.share_token, ShareAttach) and
 #:    ggufpipe-agent receive (a stage file over SSH on its own exec session).
-PROTOCOL_VERSION = 10
+#: 11: LinkDown.token (a link re-made after it broke: docs/recovery.md).
+PROTOCOL_VERSION = 11

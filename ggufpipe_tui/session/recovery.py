@@ -188,6 +188,45 @@ class Recovery:
         elif self.state.phase is rec.Phase.RECOVERING and self._repairing is None:
             self.tasks.spawn(self._recover_between_runs(), "recovery between runs")
 
+    async def report_link(self, link: str, reason: str) -> None:
+        """``link``, a direct link between two live stages, broke (``reason``):
+        a loss with no stage lost. The runs in flight fault (an edge fault:
+        every stage still stops its run) and are replayed once the repair
+        (:meth:`Recoverable.rebuild`: nothing to restart, a new data plane
+        that makes the link again) is done; bounded like any loss."""
+        pipeline = self.pipeline
+        if pipeline.closing:
+            return
+        if not pipeline.broken:
+            pipeline.broken = reason
+        live = pipeline.live_drivers()
+        prompted = [driver for driver in live if driver.prompt]
+        at_token = len(prompted[0].tokens) if prompted else len(live[0].tokens) if live else -1
+        if not pipeline.serving:
+            pipeline.stop_serving(reason)
+            return
+        now, before = time.perf_counter(), self.state
+        self._step(rec.Loss(reason, now))
+        if before.phase is rec.Phase.READY:
+            self._loss = (link, now, at_token)
+        self._step(rec.Begin(now))
+        broken = self.state.phase is rec.Phase.BROKEN
+        failure = self.state.reason if broken else reason
+        if broken and self.policy.attempts > 0:
+            pipeline.broken = failure
+        if broken:
+            pipeline.emit(Notice("error", failure))
+        else:
+            pipeline.emit(Notice("warning", f"{reason}; re-making it"))
+        for driver in live:
+            driver.feed(fsm.EdgeFault(failure))
+        if live and (pipeline.parallel == 1 or prompted):
+            return  # each run is repaired and replayed by its carry_on
+        if broken:
+            pipeline.stop_serving(failure)
+        elif self.state.phase is rec.Phase.RECOVERING and self._repairing is None:
+            self.tasks.spawn(self._recover_between_runs(), "recovery between runs")
+
     async def _recover_between_runs(self) -> None:
         # Let a faulting prepared run (a runner's) settle first.
         await asyncio.sleep(0)
