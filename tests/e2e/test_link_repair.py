@@ -18,21 +18,15 @@ from typing import Any
 import pytest
 
 from ggufpipe_tui.core.events import (
-    AgentConnected,
     DataPath,
     RunFinished,
-    RunInterrupted,
-    RunRecovered,
-    StageRecovery,
-    TokenStreamed,
 )
 from ggufpipe_tui.core.inventory import load_inventory
-from ggufpipe_tui.core.recovery import recovery_line
 from ggufpipe_tui.dataplane import direct
 from ggufpipe_tui.dataplane.direct import DirectPlane
 from ggufpipe_tui.session.pipeline import Pipeline
-from tests.support.common import LONG_PROMPT, whole_model_greedy
-from tests.support.link_proxy import LinkProxies
+from tests.support.common import LONG_PROMPT
+from tests.support.link_proxy import LinkProxies, assert_replayed, of
 from tests.support.local import UNEVEN, write_inventory
 from tests.support.sabotage import Saboteur, on_token
 
@@ -74,31 +68,10 @@ async def run_cut(tmp_path: Path, model_path: Path, seconds: float, data: str = 
     return result, saboteur.events, proxies
 
 
-def of(events: list[Any], kind: type) -> list[Any]:
-    return [e for e in events if isinstance(e, kind)]
-
-
-def assert_replayed(result: Any, events: list[Any], model_path: Path) -> RunRecovered:
-    """The reply is the unbroken one, each token streamed once; one recovery
-    of the link, no stage lost, no agent started again."""
-    assert result.outcome == "completed", result.failure
-    expected = whole_model_greedy(model_path, list(result.prompt_tokens), MAX_TOKENS, n_ctx=512, n_ubatch=32)
-    assert list(result.tokens) == expected, "the output differs from an unbroken run"
-    streamed = [e.token for e in of(events, TokenStreamed) if e.sequence >= 0]
-    assert streamed == list(result.tokens), "every token streamed once, in order"
-    (recovered,) = of(events, RunRecovered)
-    assert recovered.stages == LINK and recovered.how == "reopened the data plane"
-    assert recovered.at_token >= 9
-    assert recovery_line(recovered).startswith(f"{LINK} lost at token {recovered.at_token}; reopened")
-    assert len(of(events, RunInterrupted)) == 1 and len(of(events, RunFinished)) == 1
-    assert not of(events, StageRecovery), "no stage was lost"
-    assert len(of(events, AgentConnected)) == 3, "no agent was started again"
-    return recovered
-
-
 async def test_a_link_cut_for_two_seconds_is_made_again(tmp_path, model_path, no_agent_left):
     result, events, proxies = await run_cut(tmp_path, model_path, 2.0)
-    recovered = assert_replayed(result, events, model_path)
+    recovered = assert_replayed(result, events, model_path, LINK)
+    assert recovered.at_token >= 9
     paths = [e for e in of(events, DataPath) if e.producer == 0]
     assert [(p.data, p.transport) for p in paths] == [("direct", "tls")] * 2, paths
     assert proxies.routed >= 3, "the link was tried while the proxy refused, then made through it"
@@ -108,7 +81,7 @@ async def test_a_link_cut_for_two_seconds_is_made_again(tmp_path, model_path, no
 async def test_a_link_that_cannot_be_made_again_is_relayed(tmp_path, model_path, no_agent_left, monkeypatch):
     monkeypatch.setattr(direct, "RELINK_SECONDS", 1.0)
     result, events, _ = await run_cut(tmp_path, model_path, float("inf"), data="auto")
-    assert_replayed(result, events, model_path)
+    assert_replayed(result, events, model_path, LINK)
     first, again = [e for e in of(events, DataPath) if e.producer == 0]
     assert (first.data, first.transport) == ("direct", "tls")
     assert again.data == "relay" and "tries in 1 s" in again.reason, again

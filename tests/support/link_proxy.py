@@ -10,7 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
+from typing import Any
 
+from ggufpipe_tui.core.events import (
+    AgentConnected,
+    RunFinished,
+    RunInterrupted,
+    RunRecovered,
+    StageRecovery,
+    TokenStreamed,
+)
+from ggufpipe_tui.core.recovery import recovery_line
+from tests.support.common import whole_model_greedy
 from tests.support.tcp_proxy import CuttableProxy
 
 
@@ -83,3 +95,27 @@ class LinkProxies:
                 await task
         for proxy in self.proxies:
             await proxy.close()
+
+
+def of(events: list[Any], kind: type) -> list[Any]:
+    return [e for e in events if isinstance(e, kind)]
+
+
+def assert_replayed(
+    result: Any, events: list[Any], model_path: Path, link: str, tokens: int = 40
+) -> RunRecovered:
+    """The reply is the unbroken one (the whole model's greedy ``tokens``, at
+    context 512 and ubatch 32), each token streamed once; one recovery, of
+    ``link``, no stage lost, no agent started again."""
+    assert result.outcome == "completed", result.failure
+    expected = whole_model_greedy(model_path, list(result.prompt_tokens), tokens, n_ctx=512, n_ubatch=32)
+    assert list(result.tokens) == expected, "the output differs from an unbroken run"
+    streamed = [e.token for e in of(events, TokenStreamed) if e.sequence >= 0]
+    assert streamed == list(result.tokens), "every token streamed once, in order"
+    (recovered,) = of(events, RunRecovered)
+    assert recovered.stages == link and recovered.how == "reopened the data plane"
+    assert recovery_line(recovered).startswith(f"{link} lost at token {recovered.at_token}; reopened")
+    assert len(of(events, RunInterrupted)) == 1 and len(of(events, RunFinished)) == 1
+    assert not of(events, StageRecovery), "no stage was lost"
+    assert len(of(events, AgentConnected)) == 3, "no agent was started again"
+    return recovered
