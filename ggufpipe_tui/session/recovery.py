@@ -1,4 +1,5 @@
 """A pipeline's recovery of a lost stage (docs/recovery.md): a loss
+(or a direct link broken between two live stages: :meth:`Recovery.report_link`)
 reported and the recovery FSM (core/recovery.py) moved, the repair (the
 pipeline's :meth:`~Recoverable.rebuild`, session/rebuild.py) begun and
 bounded, and the replay of what was in flight: a run that a lost stage
