@@ -17,15 +17,12 @@ from typing import Any
 
 import pytest
 
-from ggufpipe_tui.core.events import (
-    DataPath,
-    RunFinished,
-)
+from ggufpipe_tui.core.events import AgentConnected, DataPath, RunFinished, StageRecovery
 from ggufpipe_tui.core.inventory import load_inventory
 from ggufpipe_tui.dataplane import direct
 from ggufpipe_tui.dataplane.direct import DirectPlane
 from ggufpipe_tui.session.pipeline import Pipeline
-from tests.support.common import LONG_PROMPT
+from tests.support.common import LONG_PROMPT, whole_model_greedy
 from tests.support.link_proxy import LinkProxies, assert_replayed, of
 from tests.support.local import UNEVEN, write_inventory
 from tests.support.sabotage import Saboteur, on_token
@@ -98,3 +95,27 @@ async def test_a_direct_only_link_that_cannot_be_made_again_names_it(
     assert "the direct link from stage 0 to stage 1 cannot be set up" in result.failure
     assert "data: direct" in result.failure
     assert len(of(events, RunFinished)) == 1
+
+
+async def test_a_link_cut_between_runs_is_made_again(tmp_path, model_path, no_agent_left):
+    """No run in flight: the link is made again at once, the next prompt
+    waits for it and its reply is the unbroken one."""
+    proxies = LinkProxies((0,))
+    events: list[Any] = []
+    plane = functools.partial(DirectPlane, route=proxies.route, transport="tls")
+    inventory = load_inventory(inventory_file(tmp_path, model_path, "direct"))
+    pipeline = Pipeline(inventory, events.append, data_plane=plane, prefix_reuse=False)
+    try:
+        await pipeline.start()
+        first = await pipeline.generate(LONG_PROMPT)
+        await proxies.blackout(2.0)
+        second = await pipeline.generate(LONG_PROMPT)
+    finally:
+        await pipeline.close()
+        await proxies.close()
+    assert first.outcome == second.outcome == "completed", second.failure
+    expected = whole_model_greedy(model_path, list(first.prompt_tokens), MAX_TOKENS, n_ctx=512, n_ubatch=32)
+    assert list(first.tokens) == list(second.tokens) == expected
+    paths = [e for e in of(events, DataPath) if e.producer == 0]
+    assert [(p.data, p.transport) for p in paths] == [("direct", "tls")] * 2, paths
+    assert len(of(events, AgentConnected)) == 3 and not of(events, StageRecovery)
