@@ -21,5 +21,6 @@ UNFIT_MARKER = "ggufpipe-agent cannot run here:"
 #: 9: shared agent processes (Hello.share_endpoint, Hello.share_token, ShareAttach) and
 #:    ggufpipe-agent receive (a stage file over SSH on its own exec session).
 #: 10: sampling fields, logprobs on the token-out edge, tools in Tokenize.
-#: 11: object header flags (a prompt in parts, MORE), EngineOptions.batching.
+#: 11: object header flags (a prompt in parts, MORE), EngineOptions.batching, LinkDown.token
+#:     (a link re-made after it broke: docs/recovery.md).
 PROTOCOL_VERSION = 11

@@ -141,15 +141,23 @@ class Link:
         peer: int,
         what: str,
         local: tuple[ConsumerRun, Forward] | None = None,
+        token: str = "",
     ) -> None:
         self.reader = FrameReader(reader, what)
         self.writer = FrameWriter(writer, what=what)
         self.peer = peer
+        self.token = token  # its LinkListen's: what its LinkDown names
+        self.replaced = False  # a newer link took its place: its end is not news
+        self._stream = writer
         # The consumer's run and delivery, when it is in this process.
         self.consumer: ConsumerRun | None = None
         self.forward: Forward | None = None
         if local is not None:
             self.consumer, self.forward = local
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._stream.close()
 
 
 class Links:
@@ -214,11 +222,13 @@ class Links:
             try:
                 await link.writer.send(LinkAttach(request.token))
             except (ConnectionError, OSError) as error:
-                self.post(LinkDown(request.peer, f"the link from stage {request.peer} broke ({error})"))
+                reason = f"the link from stage {request.peer} broke ({error})"
+                self.post(LinkDown(request.peer, reason, request.token))
                 return
             log.info("link from stage %d accepted (%s)", request.peer, request.transport)
             # Served by a task of the session (ended with it), not of the server.
-            self.spawn(self._serve(reader, writer, request.peer), f"link from stage {request.peer}")
+            serving = self._serve(reader, writer, request.peer, request.token)
+            self.spawn(serving, f"link from stage {request.peer}")
 
         if request.transport == "unix":
             path = self.directory / f"link-{secrets.token_hex(4)}.sock"
@@ -245,11 +255,11 @@ class Links:
         self.spawn(self._expire(server, accepted, request.timeout), "link listener timeout")
         return LinkListening(request.request_id, endpoint, _ssh_address())
 
-    async def _serve(self, reader: Any, writer: Any, peer: int) -> None:
+    async def _serve(self, reader: Any, writer: Any, peer: int, token: str) -> None:
         reason = await self.serve(reader, writer, peer)
         writer.close()
         if not self.closing:
-            self.post(LinkDown(peer, f"the link from stage {peer} ended: {reason}"))
+            self.post(LinkDown(peer, f"the link from stage {peer} ended: {reason}", token))
 
     async def _expire(self, server: asyncio.AbstractServer, accepted: asyncio.Event, timeout: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -281,6 +291,11 @@ class Links:
             except (OSError, ProtocolError, ssl.SSLError, ValueError) as error:
                 failures.append(f"{endpoint}: {error}")
                 continue
+            if self.outbound is not None:
+                # A new data plane (a repair) replaces the link: the old one
+                # is closed (its consumer's end ends too, named by its token).
+                self.outbound.replaced = True
+                self.outbound.close()
             self.outbound = link
             self.spawn(self._watch(link), f"link to stage {request.peer}")
             log.info("link to stage %d at %s (%.2f ms)", request.peer, endpoint, round_trip)
@@ -305,7 +320,7 @@ class Links:
                 limit=STREAM_LIMIT,
             )
         self._writers.append(writer)
-        link = Link(reader, writer, request.peer, f"link to stage {request.peer}", local)
+        link = Link(reader, writer, request.peer, f"link to stage {request.peer}", local, request.token)
         started = time.perf_counter()
         await link.writer.send(LinkAttach(request.token))
         answer = await link.reader.message(ATTACH_FRAME_LIMIT)
@@ -323,8 +338,8 @@ class Links:
                     break
         except (ProtocolError, ConnectionError, OSError):
             pass
-        if not self.closing:
-            self.post(LinkDown(link.peer, f"the link to stage {link.peer} ended"))
+        if not self.closing and not link.replaced:
+            self.post(LinkDown(link.peer, f"the link to stage {link.peer} ended", link.token))
 
     # ------------------------------------------------------------ each run
 

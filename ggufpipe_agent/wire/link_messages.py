@@ -99,7 +99,10 @@ class LinkEdge(Message):
 
 @dataclass(frozen=True, slots=True)
 class LinkDown(Message):
-    """a -> o: the link to or from stage ``peer`` ended (between runs too)."""
+    """a -> o: the link to or from stage ``peer`` ended (between runs too).
+    ``token`` is the link's (its LinkListen's): a link a repair replaced
+    says so late, and the orchestrator tells it from the new one."""
 
     peer: int
     reason: str
+    token: str = ""

@@ -15,7 +15,7 @@ other over direct links, the relay where a link cannot be set up).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,11 +73,15 @@ class DataPlaneEvents:
     fault: Callable[[str], None]  # a bad object: the run cannot go on
     log: Callable[[int, str], None]  # stage index, a line for that stage's log
     routed: Callable[[DataPath], None] = _ignore  # how one link's objects travel (once per session)
+    # A direct link between two live stages broke: its producer, why. The
+    # session repairs it (docs/recovery.md); None: the break is a fault.
+    broken: Callable[[int, str], None] | None = None
 
 
 class DataPlane(Protocol):
-    async def open(self, timeout: float) -> None:
-        """Open the data streams of every stage and start moving objects."""
+    async def open(self, timeout: float, again: Collection[int] = ()) -> None:
+        """Open the data streams of every stage and start moving objects.
+        ``again``: the producers whose direct link broke (a repair)."""
 
     def bind(self, plan: RunPlan, sink: TokenSink) -> None:
         """A run whose objects are checked and routed, beside the others bound

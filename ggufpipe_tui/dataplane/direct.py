@@ -19,21 +19,30 @@ taken its provision, like the relay's; the ends on a link are set up with
 then opens the consumer's end on the link itself, so nothing can overtake
 the consumer's provision).
 
-A link that goes down (``LinkDown`` from either end) breaks the session, but
-first its peers are given a moment: when a stage died, its loss (the root
-cause, with the exit status) is the reason, not the link it took with it.
+A link that goes down (``LinkDown`` from either end, or a producer's
+``StageFault`` with ``link_peer``) first gives its peers a moment: when a
+stage died, its loss (the root cause, with the exit status) is the reason,
+not the link it took with it. Between two live stages the break is reported
+as such (:attr:`DataPlaneEvents.broken`): the session repairs it with a new
+plane (docs/recovery.md, "A link that breaks"), whose :meth:`open` is told
+which links broke and tries each again for up to :data:`RELINK_SECONDS`
+(new credentials, a new token, a new listener) before it falls back to the
+relay, or, with ``data: direct``, fails naming the link. A LinkDown names its
+link's token: one of an older plane's links, closed by the repair, is not
+news. Without ``broken`` (no recovery) a broken link faults the session.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 from ggufpipe_agent.ids import RunId
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire import link_messages as links
-from ggufpipe_agent.wire.protocol import Message, OpenEdge, RequestFailed, encode_message
+from ggufpipe_agent.wire.protocol import Message, OpenEdge, RequestFailed, StageFault, encode_message
 from ggufpipe_tui.core.errors import PipelineError
 from ggufpipe_tui.core.events import DataPath
 from ggufpipe_tui.core.plan import RunPlan
@@ -45,6 +54,16 @@ from ggufpipe_tui.dataplane.relay import RelayPlane
 PROBE_SECONDS = 5.0
 #: How long a broken link waits for a dead peer's loss report (the root cause).
 LINK_GRACE_SECONDS = 1.5
+#: How long a repair tries again to make a link that broke (a network blip
+#: between two live stages) before its pair falls back to the relay.
+RELINK_SECONDS = 10.0
+#: The pause between two such tries.
+RELINK_PAUSE = 0.25
+
+#: A test hook (tests/e2e/test_link_repair.py): the producer ``producer`` is
+#: handed ``endpoints`` of its consumer; returns the ones it is handed
+#: instead (a proxy of the test's in between).
+Route = Callable[[int, tuple[str, ...]], Awaitable[tuple[str, ...]]]
 
 
 def _edge_mode(producer: DataStage, consumer: DataStage) -> str:
@@ -67,20 +86,36 @@ def _tcp(address: str, port: int) -> str:
 
 
 class DirectPlane(RelayPlane):
-    def __init__(self, stages: Sequence[DataStage], tasks: TaskOwner, events: DataPlaneEvents) -> None:
+    def __init__(
+        self,
+        stages: Sequence[DataStage],
+        tasks: TaskOwner,
+        events: DataPlaneEvents,
+        *,
+        route: Route | None = None,
+        transport: str = "",
+    ) -> None:
+        """``route`` and ``transport`` ("tls" between stages of one host) are
+        test hooks: a proxy between two local agents' TLS link."""
         super().__init__(stages, tasks, events)
         self.paths: dict[int, DataPath] = {}  # by producer: its link to (producer + 1) % n
         self._authority: object | None = None
         self._acked: dict[int, set[int]] = {}  # by run: stages that have taken its provision
         self._linked: dict[int, set[int]] = {}  # by run: producers whose LinkEdge has been sent
         self._down: set[int] = set()
+        self._tokens: dict[str, int] = {}  # this plane's links' tokens: their producer
+        self._route = route
+        self._transport = transport
 
     # ---------------------------------------------------------- the links
 
-    async def open(self, timeout: float) -> None:
+    async def open(self, timeout: float, again: Collection[int] = ()) -> None:
+        """``again``: producers whose link broke (a repair): each is tried
+        again for up to RELINK_SECONDS before its pair is relayed."""
         await super().open(timeout)
         n = len(self.stages)
-        paths = await asyncio.gather(*(self._link(p, (p + 1) % n, timeout) for p in range(n)))
+        linking = (self._link(p, (p + 1) % n, timeout, p in again) for p in range(n))
+        paths = await asyncio.gather(*linking)
         for path in paths:
             self.paths[path.producer] = path
             self.events.routed(path)
@@ -109,15 +144,38 @@ class DirectPlane(RelayPlane):
                 seen.append(address)
         return tuple(_tcp(address, port) for address in seen)
 
-    async def _link(self, producer: int, consumer: int, timeout: float) -> DataPath:
+    async def _link(self, producer: int, consumer: int, timeout: float, again: bool = False) -> DataPath:
         if producer == consumer:  # a one-stage ring: the stage feeds itself
             return DataPath(producer, consumer, "direct", "self")
         p, c = self.stages[producer], self.stages[consumer]
         mode = _edge_mode(p, c)
         if mode == "relay":
             return DataPath(producer, consumer, "relay", "relay", reason="data: relay in the inventory")
-        transport = "unix" if _same_host(p, c) else "tls"
+        until = time.monotonic() + (RELINK_SECONDS if again else 0.0)
+        tries = 0
+        while True:
+            tries += 1
+            path, failure = await self._try_link(producer, consumer, timeout)
+            if path is not None:
+                return path
+            if time.monotonic() + RELINK_PAUSE >= until:
+                break
+            await asyncio.sleep(RELINK_PAUSE)
+        if again:
+            failure += f" ({tries} tries in {RELINK_SECONDS:g} s)"
+        if mode == "direct":
+            raise PipelineError(
+                f"the direct link from stage {producer} to stage {consumer} cannot be set up: {failure} "
+                "(the inventory says data: direct, so there is no relay fallback)"
+            )
+        return DataPath(producer, consumer, "relay", "relay", reason=failure)
+
+    async def _try_link(self, producer: int, consumer: int, timeout: float) -> tuple[DataPath | None, str]:
+        """One try: the link up (its path), or why not."""
+        p, c = self.stages[producer], self.stages[consumer]
+        transport = self._transport or ("unix" if _same_host(p, c) else "tls")
         token = secrets.token_hex(16)
+        self._tokens[token] = producer
         blank = links.LinkCredentials()
         theirs = blank if transport == "unix" else self._credentials(consumer)
         ours = blank if transport == "unix" else self._credentials(producer)
@@ -130,25 +188,23 @@ class DirectPlane(RelayPlane):
             )
             if isinstance(listening, links.LinkListening):
                 endpoints = self._endpoints(c, listening)
+                if self._route is not None:
+                    endpoints = await self._route(producer, endpoints)
                 connected = await p.request(
                     lambda rid: links.LinkConnect(rid, transport, consumer, endpoints, token, ours, probe),
                     probe * len(endpoints) + timeout,
                 )
                 if isinstance(connected, links.LinkConnected):
-                    return DataPath(
+                    path = DataPath(
                         producer, consumer, "direct", transport, connected.endpoint, connected.round_trip_ms
                     )
+                    return path, ""
                 failure = connected.reason if isinstance(connected, RequestFailed) else repr(connected)
             else:
                 failure = listening.reason if isinstance(listening, RequestFailed) else repr(listening)
         except PipelineError as error:
             failure = str(error)
-        if mode == "direct":
-            raise PipelineError(
-                f"the direct link from stage {producer} to stage {consumer} cannot be set up: {failure} "
-                "(the inventory says data: direct, so there is no relay fallback)"
-            )
-        return DataPath(producer, consumer, "relay", "relay", reason=failure)
+        return None, failure
 
     def direct(self, producer: int) -> bool:
         path = self.paths.get(producer)
@@ -200,19 +256,33 @@ class DirectPlane(RelayPlane):
     # ------------------------------------------------------- a link down
 
     def on_message(self, stage: int, message: Message) -> bool:
-        if not isinstance(message, links.LinkDown):
-            return False
         n = len(self.stages)
-        producer = stage if (stage + 1) % n == message.peer else message.peer
+        if isinstance(message, links.LinkDown):
+            if message.token not in self._tokens:
+                return True  # a link of an older plane, which a repair closed
+            peer, reason = message.peer, message.reason
+        elif isinstance(message, StageFault) and 0 <= message.link_peer < n and self.events.broken:
+            # A write on a link failed: the same break as its LinkDown (the
+            # repair interrupts the run; without one the run's driver says so).
+            peer, reason = message.link_peer, message.reason
+        else:
+            return False
+        producer = stage if (stage + 1) % n == peer else peer
         if producer not in self._down:
             self._down.add(producer)
-            self.tasks.spawn(self._link_down(producer, stage, message), f"link {producer} down")
+            self.tasks.spawn(self._link_down(producer, stage, reason), f"link {producer} down")
         return True
 
-    async def _link_down(self, producer: int, reporter: int, message: links.LinkDown) -> None:
-        ends = (self.stages[producer], self.stages[(producer + 1) % len(self.stages)])
+    async def _link_down(self, producer: int, reporter: int, reason: str) -> None:
+        consumer = (producer + 1) % len(self.stages)
+        ends = (self.stages[producer], self.stages[consumer])
         for _ in range(int(LINK_GRACE_SECONDS / 0.05)):
             if not all(end.alive() for end in ends):
                 return  # the stage that died is reported lost, with its exit status
             await asyncio.sleep(0.05)
-        self.events.fault(f"{self.stages[reporter].label}: {message.reason}")
+        why = f"{self.stages[reporter].label}: {reason}"
+        if self.events.broken is None:
+            self.events.fault(why)
+        else:
+            link = f"the direct link from stage {producer} to stage {consumer}"
+            self.events.broken(producer, f"{link} broke ({why})")

@@ -17,7 +17,7 @@ run never lands inside one.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ggufpipe_agent.errors import ProtocolError
 from ggufpipe_agent.ids import RunId
@@ -47,7 +47,7 @@ class RelayPlane:
             raise ConnectionError(f"stage {index} has no data stream")
         return data
 
-    async def open(self, timeout: float) -> None:
+    async def open(self, timeout: float, again: Collection[int] = ()) -> None:
         await asyncio.gather(*(stage.open_data(timeout) for stage in self.stages))
         for index in range(len(self.stages) - 1):
             self.tasks.spawn(self._relay(index), f"relay {index}->{index + 1}")

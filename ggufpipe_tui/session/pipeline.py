@@ -139,6 +139,7 @@ class Pipeline:
         policy = rec.Policy(inventory.recovery.attempts, inventory.recovery.deadline)
         self.recovery = Recovery(self, policy, self.tasks)
         self._plane = 0  # the data plane's generation: a replaced one's reports are ignored
+        self._relink: set[int] = set()  # producers whose direct link broke: the repair tries them again
 
     @property
     def links(self) -> list[AgentConnection]:
@@ -246,9 +247,11 @@ class Pipeline:
             fault=current(self._edge_fault),
             log=self._log_at,
             routed=current(self.emit),
+            broken=current(self._link_broken),
         )
         self.data = self.data_plane_factory(self.stages, self.tasks, events)
-        await self.data.open(timeout)
+        again, self._relink = self._relink, set()
+        await self.data.open(timeout, again)
 
     def _log_sink(self, stage: int, host: str) -> Callable[[str], None]:
         return lambda line: self.emit(AgentLog(stage, host, line))
@@ -467,6 +470,15 @@ class Pipeline:
             return
         stage.lost = symptom
         self.tasks.spawn(self.recovery.report_lost(stage, symptom), f"loss report of stage {stage.index}")
+
+    def _link_broken(self, producer: int, reason: str) -> None:
+        """A direct link between two live stages broke: repaired as a loss
+        with no stage lost (a new data plane, the link tried again)."""
+        if self.closing:
+            return
+        self._relink.add(producer)
+        link = f"the direct link from stage {producer} to stage {(producer + 1) % len(self.stages)}"
+        self.tasks.spawn(self.recovery.report_link(link, reason), f"report of {link}")
 
     def _edge_fault(self, reason: str) -> None:
         if not self.broken:

@@ -1,4 +1,5 @@
 """A pipeline's recovery of a lost stage (docs/recovery.md): a loss
+(or a direct link broken between two live stages: :meth:`Recovery.report_link`)
 reported and the recovery FSM (core/recovery.py) moved, the repair (the
 pipeline's :meth:`~Recoverable.rebuild`, session/rebuild.py) begun and
 bounded, and the replay of what was in flight: a run that a lost stage
@@ -192,6 +193,45 @@ class Recovery:
                 return
         if self.state.phase is rec.Phase.BROKEN:
             # Between runs (no run to fault): the session can serve no more.
+            pipeline.stop_serving(failure)
+        elif self.state.phase is rec.Phase.RECOVERING and self._repairing is None:
+            self.tasks.spawn(self._recover_between_runs(), "recovery between runs")
+
+    async def report_link(self, link: str, reason: str) -> None:
+        """``link``, a direct link between two live stages, broke (``reason``):
+        a loss with no stage lost. The runs in flight fault (an edge fault:
+        every stage still stops its run) and are replayed once the repair
+        (:meth:`Recoverable.rebuild`: nothing to restart, a new data plane
+        that makes the link again) is done; bounded like any loss."""
+        pipeline = self.pipeline
+        if pipeline.closing:
+            return
+        if not pipeline.broken:
+            pipeline.broken = reason
+        live = pipeline.live_drivers()
+        prompted = [driver for driver in live if driver.prompt]
+        at_token = len(prompted[0].tokens) if prompted else len(live[0].tokens) if live else -1
+        if not pipeline.serving:
+            pipeline.stop_serving(reason)
+            return
+        now, before = time.perf_counter(), self.state
+        self._step(rec.Loss(reason, now))
+        if before.phase is rec.Phase.READY:
+            self._loss = (link, now, at_token)
+        self._step(rec.Begin(now))
+        broken = self.state.phase is rec.Phase.BROKEN
+        failure = self.state.reason if broken else reason
+        if broken and self.policy.attempts > 0:
+            pipeline.broken = failure
+        if broken:
+            pipeline.emit(Notice("error", failure))
+        else:
+            pipeline.emit(Notice("warning", f"{reason}; re-making it"))
+        for driver in live:
+            driver.feed(fsm.EdgeFault(failure))
+        if live and (pipeline.parallel == 1 or prompted):
+            return  # each run is repaired and replayed by its carry_on
+        if broken:
             pipeline.stop_serving(failure)
         elif self.state.phase is rec.Phase.RECOVERING and self._repairing is None:
             self.tasks.spawn(self._recover_between_runs(), "recovery between runs")
