@@ -200,7 +200,10 @@ def shown(results: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.Na
             )
     parts.append(
         "A largest gap near the long prompt's time to first token means the streams stood still for the "
-        "whole prefill: the prompt was computed in one piece on each stage while their steps waited."
+        "whole prefill: ggufpipe today computes a prompt in one piece on each stage while the other runs' "
+        "steps wait behind it, and llama-server puts a prompt of up to `-b` (2,048) tokens into one "
+        "`llama_decode` beside the streams' rows. The quiet column is the machine's own noise floor: a "
+        "target of 3x can only be told apart from noise where quiet is well below it."
     )
     return " ".join(parts)
 

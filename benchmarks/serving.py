@@ -54,8 +54,21 @@ AGENT = f"{sys.executable} -m ggufpipe_agent"  # sshd passes none of our environ
 def machine() -> str:
     return (
         f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform(terse=True)}, "
-        f"Python {platform.python_version()}, llama-cpp-python {llama_cpp.__version__}"
+        f"Python {platform.python_version()}, llama-cpp-python {llama_cpp.__version__}, ggufpipe at "
+        f"{revision()}"
     )
+
+
+def revision() -> str:
+    """The commit measured, and whether the product code differs from it."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "an unknown commit"
+    changed = git("status", "--porcelain", "--", "ggufpipe_agent", "ggufpipe_tui")
+    return commit + (" with uncommitted changes to the product code" if changed else "")
 
 
 @functools.cache
