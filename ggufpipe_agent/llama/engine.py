@@ -33,6 +33,7 @@ import numpy as np
 from ggufpipe_agent.errors import ContextOverflow, EngineError, GgufpipeError, ProtocolError
 from ggufpipe_agent.ids import EVERY_SLOT, SlotId
 from ggufpipe_agent.llama.batches import BatchBuffer
+from ggufpipe_agent.llama.capture import RowCapture
 from ggufpipe_agent.llama.plumbing import (
     MROPE_TYPES,
     BufferTypeOverride,
@@ -87,9 +88,9 @@ class StageEngine:
         self._aborting: set[int] = set()  # slots whose steps stop at the next graph node
         self._closed = False
         self._buffer: BatchBuffer | None = None
-        self._capture_name = f"l_out-{shape.block_count - 1}".encode()
-        self._capture: np.ndarray | None = None
-        self._capture_row = 0
+        from ggufpipe_agent.llama.devices import ggml
+
+        self._capture = RowCapture(ggml(), shape.block_count, shape.hidden)
 
         model_params = llama_cpp.llama_model_default_params()
         gpu = gpu_offload_supported()
@@ -130,7 +131,7 @@ class StageEngine:
         context_params = context_params_for(llama_cpp, options, self.parallel)
         self._eval_thunk = None
         if not shape.last:
-            self._eval_thunk = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
+            self._eval_thunk = llama_cpp.ggml_backend_sched_eval_callback(self._capture.on_eval)
             context_params.cb_eval = self._eval_thunk
             context_params.cb_eval_user_data = None
         self._abort_thunk = llama_cpp.ggml_abort_callback(lambda _data: self._running in self._aborting)
@@ -154,9 +155,6 @@ class StageEngine:
             self.close()  # llama.cpp would read 4 positions per embedding, past the buffer
             raise EngineError(f"{path}: llama.cpp reads 4 positions per token, the stage file says 1")
         self._buffer = BatchBuffer(llama_cpp, self.n_batch, 0 if shape.first else n_embd, per_token)
-        from ggufpipe_agent.llama.devices import ggml
-
-        self._ggml = ggml()
         # Whether a row comes out bit for bit alike in any batch: probed the
         # first time a run may keep a prefix (None: not yet), so a load and a
         # run that keeps nothing pay nothing for it.
@@ -315,8 +313,7 @@ class StageEngine:
             # Python call per graph node, too much for every decode step.
             lib.llama_set_abort_callback(self.context, self._abort_thunk, None)
         if not self.shape.last:
-            self._capture = np.empty((n, self.shape.hidden), dtype=np.float32)
-            self._capture_row = 0
+            self._capture.begin(n)
         start = self._state.n_past
         seq = self._seq
         batch.sequences(0, min(n, self.n_batch), seq)
@@ -356,7 +353,7 @@ class StageEngine:
             sampler = self._state.sampler
             assert sampler is not None  # reset() made it
             return sampler.sample(self.context)
-        return self._captured(n)
+        return self._capture.take(n)
 
     def step_batch(self, rows: list[tuple[SlotId, np.ndarray | list[int]]]) -> list[Any]:
         """One decode step of several slots in one ``llama_decode``: a row
@@ -386,13 +383,12 @@ class StageEngine:
         batch.positions(positions)
         batch.outputs[:n] = 1
         if not self.shape.last:
-            self._capture = np.empty((n, self.shape.hidden), dtype=np.float32)
-            self._capture_row = 0
+            self._capture.begin(n)
         self._check(batch.decode(self.context, n), n)
         for slot in slots:
             self._slot_states[slot].n_past += 1
         if not self.shape.last:
-            captured = self._captured(n)
+            captured = self._capture.take(n)
             return [captured[index : index + 1] for index in range(n)]
         results: list[Any] = []
         for index, slot in enumerate(slots):
@@ -445,35 +441,6 @@ class StageEngine:
                 f"{self._state.n_past} (context size {self.n_ctx})"
             )
         raise EngineError(f"llama_decode failed with status {status}")
-
-    def _captured(self, n: int) -> np.ndarray:
-        captured, self._capture = self._capture, None
-        assert captured is not None
-        if self._capture_row != n:
-            raise EngineError(
-                f"captured {self._capture_row} of {n} activation rows from {self._capture_name.decode()}"
-            )
-        return captured
-
-    def _on_eval(self, tensor: int, ask: bool, _user: int) -> bool:
-        lib = self._ggml
-        if ask:
-            return bool(lib.get_name(tensor) == self._capture_name)
-        if lib.get_name(tensor) != self._capture_name:
-            return True
-        assert self._capture is not None
-        nbytes = lib.nbytes(tensor)
-        rows = nbytes // (4 * self.shape.hidden)
-        end = self._capture_row + rows
-        if end > self._capture.shape[0]:
-            return False
-        target = self._capture[self._capture_row : end]
-        lib.tensor_get(tensor, target.ctypes.data, 0, nbytes)
-        self._capture_row = end
-        # Stop the graph here: the final norm and the vocabulary projection of a
-        # non-last stage are dead work. llama_decode still returns 0 and the KV
-        # cache of every block in the stage is written.
-        return False
 
     @property
     def vocab_size(self) -> int:

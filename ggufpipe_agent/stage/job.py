@@ -52,6 +52,7 @@ from ggufpipe_agent.stage.fsm import (
     transition,
 )
 from ggufpipe_agent.stage.handover import ConsumerRun, Precomputed, chain_next
+from ggufpipe_agent.stage.outputs import Counters, activation_records, ring_record, token_record
 from ggufpipe_agent.stage.preparation import load_engine, stage_file
 from ggufpipe_agent.stage.writers import RecordSink
 from ggufpipe_agent.tasks import TaskOwner
@@ -65,7 +66,6 @@ from ggufpipe_agent.wire.protocol import (
     StageProgress,
     StageReady,
     StageStopped,
-    StepCounters,
     StepStats,
 )
 
@@ -76,31 +76,6 @@ Post = Callable[[Message], None]
 #: Step statistics reach the orchestrator at most this often while running.
 STATS_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 0.1
-
-
-class Counters:
-    """A run's step counters as they grow (:class:`StepCounters`, the record
-    the orchestrator is sent, is frozen: each count makes the next one)."""
-
-    def __init__(self) -> None:
-        self._now = StepCounters()
-        self.sent_at = 0.0
-
-    def received(self, nbytes: int) -> None:
-        self._now = replace(self._now, bytes_in=self._now.bytes_in + nbytes)
-
-    def count(self, sequence: int, elapsed_ms: float, sent: int, rows: int, position: int) -> None:
-        now = replace(self._now, last_ms=elapsed_ms, bytes_out=self._now.bytes_out + sent)
-        if sequence == 0:  # the prompt, or one of its parts: the first says where it starts
-            kept = position if now.prefill_rows == 0 else now.kept
-            self._now = replace(
-                now, prefill_ms=now.prefill_ms + elapsed_ms, prefill_rows=now.prefill_rows + rows, kept=kept
-            )
-        else:
-            self._now = replace(now, steps=now.steps + 1, total_ms=now.total_ms + elapsed_ms)
-
-    def snapshot(self) -> StepCounters:
-        return self._now
 
 
 class _PartNotSent(GgufpipeError):
@@ -463,13 +438,7 @@ class StageJob:
             feed = self._feed
             if feed is not None:
                 # Stage 0's next input, at the position after the rows that made it.
-                record = objects.tokens_record(
-                    self.run_id,
-                    p.ring.edge_id,
-                    feed.sequence,
-                    [feed.token],
-                    position=header.position + header.rows,
-                )
+                record = ring_record(p, feed.sequence, feed.token, header.position + header.rows)
                 try:
                     if self.ring_out is None:
                         raise ConnectionError("the token ring is not connected")
@@ -483,29 +452,11 @@ class StageJob:
             if self.outbound is None:
                 raise ConnectionError("outbound edge is not connected")
             if self.last:
-                # The sampled token is fed back at the position after the rows that made it.
-                after = header.position + header.rows
-                words = result[1]
-                if words is not None:  # the run asked for logprobs: they travel with the token
-                    record = objects.sample_record(
-                        self.run_id, p.outbound.edge_id, header.sequence, words, position=after
-                    )
-                else:
-                    record = objects.tokens_record(
-                        self.run_id, p.outbound.edge_id, header.sequence, [int(result[0])], position=after
-                    )
+                record = token_record(p, header, result)
                 await self.outbound.write(record)
                 sent += len(record) - objects.HEADER_SIZE
             else:
-                head, body = objects.activation_record(
-                    self.run_id,
-                    p.outbound.edge_id,
-                    header.sequence,
-                    result,
-                    p.outbound.object_spec.dtype,
-                    position=position,
-                    more=header.more,
-                )
+                head, body = activation_records(p, header, result, position)
                 await self.outbound.write(head, body)
                 sent += len(body)
         except (ConnectionError, OSError) as error:

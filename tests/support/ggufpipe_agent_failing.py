@@ -22,13 +22,13 @@ from ggufpipe_agent.llama import engine  # noqa: E402
 def install(which: str, position: int, marker: Path) -> None:
     original = engine.StageEngine.step
 
-    def step(self: engine.StageEngine, inputs: Any, at: int | None = None) -> Any:
+    def step(self: engine.StageEngine, inputs: Any, at: int | None = None, sample: bool = True) -> Any:
         shape = self.shape
         where = "first" if shape.first else "last" if shape.last else "middle"
         if where == which and at == position and not marker.exists():
             marker.touch()
             raise RuntimeError(f"the engine failed at position {position} (injected by the test)")
-        return original(self, inputs, at)
+        return original(self, inputs, at, sample)
 
     engine.StageEngine.step = step  # type: ignore[method-assign]
 
