@@ -14,7 +14,10 @@ affinity). In each phase, every round samples in turn:
     governor (ggufpipe_agent/llama/threads.py, the default) and without it
     (``GGUFPIPE_ADAPT_THREADS=0``: every core for every step, as before);
   * ggufpipe, one stage: the whole model as a host's only stage, governor on
-    (what a host of its own runs).
+    (what a host of its own runs);
+  * the bundled example with an agent process per stage (``share_process``
+    off), governor on and off: the other stages' agents are the pipeline's
+    own work, which the governor must not take for a neighbour's.
 
 Each sample: prefill of a 512-token prompt (ms), then decode tokens/s over
 128 tokens (EOS ignored). Medians of --repeats rounds; ratios to the phase's
@@ -86,6 +89,12 @@ def example_inventory() -> Inventory:
     return dataclasses.replace(inventory, timeouts=timeouts)
 
 
+def per_stage_processes(inventory: Inventory) -> Inventory:
+    """The same without share_process: an agent process per stage."""
+    hosts = {name: dataclasses.replace(host, share_process=False) for name, host in inventory.hosts.items()}
+    return dataclasses.replace(inventory, hosts=hosts)
+
+
 def one_stage_inventory() -> Inventory:
     text = (
         f"model: {{path: {smollm_path()}}}\n"
@@ -106,6 +115,12 @@ PIPELINES: list[tuple[str, str, dict[str, str]]] = [
         {"GGUFPIPE_ADAPT_THREADS": "0"},
     ),
     ("ggufpipe, one stage, a host of its own (governor)", "one", {}),
+    ("ggufpipe, example with a process per stage (governor)", "procs", {}),
+    (
+        "ggufpipe, example with a process per stage, GGUFPIPE_ADAPT_THREADS=0",
+        "procs",
+        {"GGUFPIPE_ADAPT_THREADS": "0"},
+    ),
 ]
 
 
@@ -131,7 +146,9 @@ def start_busy(pinned: bool) -> subprocess.Popen[bytes]:
         if core is not None:
             os.sched_setaffinity(0, {core})
 
-    return subprocess.Popen(BUSY_LOOP, preexec_fn=pin)  # noqa: PLW1509 (only affinity, before exec)
+    # A process group of its own, as a program started from another shell or
+    # job: the agents count their own group's CPU as the pipeline's.
+    return subprocess.Popen(BUSY_LOOP, preexec_fn=pin, process_group=0)  # noqa: PLW1509 (only affinity)
 
 
 def med(samples: list[Sample], field: str) -> float:
@@ -173,7 +190,11 @@ async def main_async(args: argparse.Namespace) -> int:
     cores = len(os.sched_getaffinity(0))
     thread_counts = sorted({1, 2, cores} if cores > 1 else {1})
     references = {f"llama.cpp, {n} thread{'s' * (n > 1)}": Reference(model, n) for n in thread_counts}
-    inventories = {"example": example_inventory(), "one": one_stage_inventory()}
+    inventories = {
+        "example": example_inventory(),
+        "one": one_stage_inventory(),
+        "procs": per_stage_processes(example_inventory()),
+    }
     pipelines: dict[str, Pipeline] = {}
     phases = ["quiet", "busy loop, not pinned"] + ([] if args.no_pinned else ["busy loop pinned to one core"])
     results: dict[str, dict[str, list[Sample]]] = {

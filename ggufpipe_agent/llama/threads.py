@@ -11,8 +11,11 @@ tokens/s beside one busy loop, where one thread decodes ~53
 
 So a stage whose ``threads`` the inventory leaves at 0 decodes with the
 cores that are free: :class:`ThreadGovernor` samples, about twice a second,
-the CPU time the process's cores spent busy (``/proc/stat``) less this
-process's own (``os.times``) and gives every tracked context
+the CPU time the process's cores spent busy (``/proc/stat``) less that of
+the processes of its own process group (``/proc/PID/stat``: this agent,
+the orchestrator that started it and the other local stages' agents, whose
+turns are the pipeline's own work, not a neighbour's; a shell puts each job
+in a group of its own) and gives every tracked context
 ``cores - round(others)`` decode threads (at least 1, at most its
 configured count), through ``llama_set_n_threads``. A prompt's batches keep
 every core (``n_threads_batch``): their nodes are long enough that a slow
@@ -102,10 +105,10 @@ class ThreadGovernor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``set_threads(context, n_threads, n_threads_batch)``; the readers
-        default to /proc/stat and this process's CPU time (a test passes its own)."""
+        default to /proc/stat and the process group's CPU time (a test passes its own)."""
         self._set = set_threads
         self._read_stat = read_stat or _read_proc_stat
-        self._own = own_seconds or _own_cpu_seconds
+        self._own = own_seconds or GroupClock()
         self._cores = cores if cores is not None else usable_cores()
         self._clock = clock
         self._ticks_per_s = _ticks_per_second()
@@ -171,9 +174,63 @@ def _read_proc_stat() -> str:
         return stat.read()
 
 
-def _own_cpu_seconds() -> float:
-    times = os.times()
-    return times.user + times.system
+class GroupClock:
+    """The CPU seconds the processes of this process's group (``getpgrp``)
+    have used since they were first seen: the members are found in /proc
+    every ``rescan`` reads and read at each; one that ends takes its share
+    with it. Without /proc, this process's own (``os.times``)."""
+
+    def __init__(self, proc: str = "/proc", rescan: int = 10) -> None:
+        self.proc = proc
+        self.rescan = rescan
+        self.group = os.getpgrp()
+        self.members: set[int] = set()
+        self.last: dict[int, int] = {}  # pid -> its utime + stime (ticks) at the last read
+        self.total = 0  # ticks of the members since first seen
+        self.reads = 0
+        self.ticks_per_s = _ticks_per_second()
+
+    def __call__(self) -> float:
+        if self.reads % self.rescan == 0:
+            self.members = self._find_members()
+        self.reads += 1
+        if not self.members:
+            times = os.times()
+            return times.user + times.system
+        now: dict[int, int] = {}
+        for pid in self.members:
+            fields = _stat_fields(f"{self.proc}/{pid}/stat")
+            if fields is None or int(fields[2]) != self.group:
+                continue  # ended (or its pid reused)
+            ticks = int(fields[11]) + int(fields[12])
+            now[pid] = ticks
+            if pid in self.last:
+                self.total += max(0, ticks - self.last[pid])
+        self.last = now
+        return self.total / self.ticks_per_s
+
+    def _find_members(self) -> set[int]:
+        try:
+            pids = [int(name) for name in os.listdir(self.proc) if name.isdigit()]
+        except OSError:
+            return set()
+        members = set()
+        for pid in pids:
+            fields = _stat_fields(f"{self.proc}/{pid}/stat")
+            if fields is not None and int(fields[2]) == self.group:
+                members.add(pid)
+        return members
+
+
+def _stat_fields(path: str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command's name (state first), or None."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as stat:
+            text = stat.read()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()
+    return fields if len(fields) > 12 else None
 
 
 def _ticks_per_second() -> int:

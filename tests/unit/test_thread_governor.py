@@ -1,10 +1,17 @@
 """The decode-thread governor's arithmetic (ggufpipe_agent/llama/threads.py):
 /proc/stat parsed for the process's cores, other processes' load derived
-from it less the process's own CPU time, and the thread count it gives."""
+from it less the CPU time of the process's own group, and the thread count
+it gives."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import pytest
+
 from ggufpipe_agent.llama.threads import (
+    GroupClock,
     ThreadGovernor,
     _Tracked,
     adaptive_enabled,
@@ -104,3 +111,28 @@ def test_without_proc_stat_nothing_changes() -> None:
     governor = ThreadGovernor(lambda *call: None, read_stat=missing, cores=[0, 1])
     assert governor.sample() is None
     assert governor._last is None
+
+
+def write_stat(proc: Path, pid: int, group: int, utime: int, stime: int) -> None:
+    (proc / str(pid)).mkdir(exist_ok=True)
+    # state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime ...
+    fields = ["S", "1", str(group), "1", "0", "-1", "0", "0", "0", "0", "0", str(utime), str(stime), "0", "0"]
+    (proc / str(pid) / "stat").write_text(f"{pid} (python3 -m a b) " + " ".join(fields) + "\n")
+
+
+def test_group_clock_counts_the_process_group_not_its_neighbours(tmp_path: Path) -> None:
+    group = os.getpgrp()
+    write_stat(tmp_path, 10, group, 100, 0)  # this agent
+    write_stat(tmp_path, 11, group, 50, 50)  # another local stage's agent
+    write_stat(tmp_path, 12, group + 1, 500, 0)  # a neighbour: another group
+    clock = GroupClock(str(tmp_path), rescan=100)
+    clock.ticks_per_s = 100
+    assert clock() == 0.0  # first read: the members' baselines
+    assert clock.members == {10, 11}
+    write_stat(tmp_path, 10, group, 150, 10)
+    write_stat(tmp_path, 11, group, 70, 50)
+    write_stat(tmp_path, 12, group + 1, 900, 0)
+    assert clock() == pytest.approx((60 + 20) / 100)
+    (tmp_path / "11" / "stat").unlink()  # that agent ended
+    write_stat(tmp_path, 10, group, 250, 10)
+    assert clock() == pytest.approx((80 + 100) / 100)
