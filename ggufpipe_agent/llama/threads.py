@@ -4,8 +4,8 @@ llama.cpp's CPU backend runs each graph on a team of ``n_threads`` threads
 that meet at a barrier after every node (hundreds a token). When another
 process keeps one of the cores busy, the team member that shares its core
 is preempted for whole time slices and every barrier waits for it: the
-bundled example (3 stages, 2 threads each, 2 cores) fell from ~63 to ~22
-tokens/s beside one busy loop, where one thread decodes ~53
+bundled example (3 stages, 2 threads each, 2 cores) decoded 0.43 of one
+llama.cpp thread beside one busy loop, 1.01 with this governor
 (docs/bench-busy.md). How long idle threads spin (``GOMP_SPINCOUNT``, 1k to
 300k) does not change that; the team's size does.
 
