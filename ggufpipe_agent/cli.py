@@ -58,6 +58,10 @@ environment:
   GOMP_SPINCOUNT      how long llama.cpp's idle CPU threads spin before they sleep;
                       the agent sets 10000 unless given, so stages sharing a host
                       do not starve each other (docs/performance.md)
+  GGUFPIPE_ADAPT_THREADS
+                      0: a stage with threads 0 decodes on every core even while
+                      other processes hold some (by default it keeps the free
+                      ones, sampled twice a second; docs/bench-busy.md)
   GGUFPIPE_NO_CHAIN   1: in a shared process (--share-process), hand each token's
                       activation to the next stage through the event loop and the
                       link's socket instead of running that stage's step right after

@@ -9,6 +9,8 @@ from typing import Any
 from ggufpipe_agent.errors import EngineError
 from ggufpipe_agent.ids import EVERY_SLOT, FIRST_SLOT, NO_RUN, RunId, SlotId
 from ggufpipe_agent.llama.engine import StageEngine, StageShape
+from ggufpipe_agent.llama.plumbing import stage_threads
+from ggufpipe_agent.llama.threads import ThreadGovernor, governor
 from ggufpipe_agent.wire.protocol import PrefixHeld, PrefixOffer
 
 
@@ -33,6 +35,8 @@ class LoadedEngine:
         self.unheld: dict[int, str] = {}  # slot -> why it holds none
         self.users: dict[int, int] = {}  # slot -> the live run on it
         self.default_unheld = "its cache holds no earlier run"  # why a slot never written holds none
+        self._governed: ThreadGovernor | None = None  # adapts the engine's decode threads
+        self._governed_context = 0
 
     def claim(self, slot: SlotId, run_id: RunId) -> str:
         """Run ``run_id`` takes ``slot``; '' or why it cannot (another live run has it)."""
@@ -68,7 +72,19 @@ class LoadedEngine:
         self.close()
         self.engine = self.build(str(path), shape, options, progress)
         self.key = key
+        self._govern(self.engine, options)
         return self.engine, True
+
+    def _govern(self, engine: StageEngine, options: Any) -> None:
+        """A stage whose threads the inventory leaves to ggufpipe (0) decodes
+        with the cores other processes leave free (ggufpipe_agent/llama/threads.py)."""
+        context = getattr(engine, "context", None)
+        if getattr(options, "threads", 0) or not isinstance(context, int) or not context:
+            return  # threads given, or a test's stand-in engine
+        adapting = governor()
+        if adapting is not None:
+            adapting.track(context, stage_threads(options))
+            self._governed, self._governed_context = adapting, context
 
     def wrote(self, slot: SlotId, run_id: RunId) -> None:
         """``run_id``'s positions are what slot ``slot`` holds now (0: it is changing)."""
@@ -108,6 +124,9 @@ class LoadedEngine:
         return PrefixHeld(offer.run_id, positions, engine.keep_granularity, why)
 
     def close(self) -> None:
+        if self._governed is not None:
+            self._governed.untrack(self._governed_context)
+            self._governed = None
         if self.engine is not None:
             self.engine.close()
         self.engine = None

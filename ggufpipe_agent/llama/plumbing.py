@@ -111,9 +111,15 @@ def gpu_offload_supported() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
+def stage_threads(options: EngineOptions) -> int:
+    """A stage's llama.cpp threads: ``threads``, or one per core when 0 (its
+    decode then keeps only the cores other processes leave free: llama/threads.py)."""
+    return options.threads or os.cpu_count() or 1
+
+
 def context_params_for(lib: Any, options: EngineOptions, parallel: int) -> Any:
     """llama.cpp's context parameters for a stage of ``parallel`` slots."""
-    threads = options.threads or os.cpu_count() or 1
+    threads = stage_threads(options)
     params = lib.llama_context_default_params()
     # Each slot its own KV stream of n_ctx positions (not one cache shared
     # by all): a sequence's cells are laid out as when it is alone.
