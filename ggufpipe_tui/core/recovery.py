@@ -131,6 +131,22 @@ def transition(state: Recovery, event: RecoveryEvent, policy: Policy) -> Recover
     raise TypeError(f"not a recovery event: {event!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """A session's recoveries so far, counted apart (``GET /health``,
+    ``/metrics``): ``stages_lost``, each stage reported lost; ``repairs``,
+    each repair that worked (one restarts every stage lost meanwhile);
+    ``runs_replayed``, each run in flight at a loss that was replayed and
+    went on (one loss with three runs in flight: three)."""
+
+    stages_lost: int = 0
+    repairs: int = 0
+    runs_replayed: int = 0
+
+    def as_json(self) -> dict[str, int]:
+        return {"stages_lost": self.stages_lost, "repairs": self.repairs, "runs_replayed": self.runs_replayed}
+
+
 def time_left(state: Recovery, policy: Policy, now: float) -> float:
     """Seconds a repair may still take."""
     return max(0.0, policy.deadline - (now - state.first_at)) if state.first_loss else policy.deadline

@@ -1,6 +1,10 @@
 """One request's answer: its choices' runs followed to the client, streamed
 or whole, through the API's renderer (ggufpipe_tui/server/renderers.py);
-and the record of the exchange for its log line."""
+and the record of the exchange for its log line.
+
+A reply the server's shutdown stopped (``cut``) is not passed off as whole:
+streamed, the text already sent stays and the stream ends with the API's
+error event naming the shutdown (no finish); not streamed, it is a 503."""
 
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ class Exchange:
 async def answer(
     pipeline: Pipeline,
     closing: Callable[[], bool],
+    cut: Callable[[RunHandle], bool],
     request: web.Request,
     c: Completion,
     handles: list[RunHandle],
@@ -75,13 +80,19 @@ async def answer(
             await response.prepare(request)
             await _write(response, renderer.start())
         return await _follow(
-            c, choices, [events for _, events, _ in streams], exchange, renderer, response, run
+            c, choices, [events for _, events, _ in streams], exchange, renderer, response, run, cut
         )
     except ConnectionError:  # a write to a client that went away
         for handle in handles:
             handle.stop("the client went away")
         exchange.status, exchange.detail = 499, "the client went away: run stopped"
         return response if response is not None else web.Response(status=499)
+    finally:
+        # What it was sent, however it ended (a client gone mid-reply included).
+        exchange.completion_tokens = max(exchange.completion_tokens, sum(ch.counted for ch in choices))
+        if not exchange.prompt_tokens:
+            driver = handles[0].driver
+            exchange.prompt_tokens = len(driver.prompt) if driver is not None else 0
 
 
 async def _follow(
@@ -92,8 +103,10 @@ async def _follow(
     renderer: Renderer,
     response: web.StreamResponse | None,
     run: dict[str, str],
+    cut: Callable[[RunHandle], bool],
 ) -> web.StreamResponse:
-    """The runs' pieces to the client (as they stream, or whole at the end)."""
+    """The runs' pieces to the client (as they stream, or whole at the end);
+    a choice the shutdown stopped gets no finish (:func:`_cut_short`)."""
     out: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int) -> None:
@@ -107,6 +120,7 @@ async def _follow(
     tasks = [asyncio.ensure_future(pump(index)) for index in range(len(choices))]
     collected: list[list[Piece]] = [[] for _ in choices]
     fault: BaseException | None = None
+    shut = False  # a choice was cut short by the shutdown
     try:
         running = len(tasks)
         while running:
@@ -117,6 +131,8 @@ async def _follow(
                 fault = fault or item
                 for choice in choices:
                     choice.handle.stop("another choice of the request faulted")
+            elif isinstance(item, Finish) and _cut_short(choices[index], item, cut):
+                shut = True
             else:
                 collected[index].append(item)
                 if response is not None:
@@ -146,11 +162,32 @@ async def _follow(
         await _write(response, renderer.failed(500, message))
         await response.write_eof()
         return response
+    if shut:
+        message = f"the server is shutting down: the reply was stopped after {completion_tokens} tokens"
+        exchange.status, exchange.detail = 503, f"cut short by the shutdown after {completion_tokens} tokens"
+        if response is None:
+            raise fields.ApiError(503, message, "unavailable_error")
+        await _write(response, renderer.failed(503, message))
+        await response.write_eof()
+        return response
     if response is None:
         return web.json_response(renderer.whole(collected, usage), headers=run)
     await _write(response, renderer.end(usage))
     await response.write_eof()
     return response
+
+
+def _cut_short(choice: replies.ChoiceRun, finish: Finish, cut: Callable[[RunHandle], bool]) -> bool:
+    """Whether ``finish`` ends a reply the shutdown stopped (not one that
+    came to its end, or to a stop string, meanwhile)."""
+    result = choice.result
+    return (
+        cut(choice.handle)
+        and finish.reason == "length"
+        and not finish.stop
+        and result is not None
+        and result.stop_reason == "stopped"
+    )
 
 
 async def _not_run(handle: RunHandle, c: Completion, closing: Callable[[], bool]) -> fields.ApiError:

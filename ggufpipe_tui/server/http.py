@@ -30,9 +30,12 @@ nothing more: every field is checked to exactly what the stages accept (the
 sampling ranges of :mod:`ggufpipe_agent.wire.records`, text that UTF-8 can
 carry), a prompt too long for any context is refused by the stage that
 tokenizes it, and a bug in a handler is a 500 for that request alone; ``stop`` strings are applied here as
-the text streams, and the run is stopped at the first one. SIGTERM or SIGINT:
-stop listening, answer what waits with a 503, give the running requests
-:data:`SHUTDOWN_GRACE` seconds to finish, stop them, tear every stage down,
+the text streams, and the run is stopped at the first one. Each request has
+one log line, with the tokens it was sent. SIGTERM or SIGINT: answer what
+waits with a 503, give the running requests :data:`SHUTDOWN_GRACE` seconds to
+finish, stop them (a reply so cut short ends with its API's error event
+naming the shutdown, the text sent so far kept, or is a 503 if it was not
+streamed; its log line says 503), stop listening, tear every stage down,
 exit 0. A lost stage is recovered (docs/recovery.md): the running requests are
 replayed and go on, the requests that arrive meanwhile wait (past the queue
 a 503 with Retry-After) and ``/health`` says "recovering"; only a pipeline
@@ -80,6 +83,10 @@ from ggufpipe_tui.session.stages import PipelineError
 
 #: Seconds the running requests may take to finish once SIGTERM came.
 SHUTDOWN_GRACE = 10.0
+#: Why a run the shutdown stopped was stopped.
+SHUTDOWN = "the server is shutting down"
+#: The request's key saying its log line is written (by its exchange).
+LOGGED = web.RequestKey("ggufpipe.logged", bool)
 #: The largest request body (a long conversation is a few hundred KiB).
 MAX_BODY = 8 * 1024 * 1024
 #: A connection that has not sent a whole request head within this many
@@ -114,6 +121,9 @@ class Server:
         self.created = int(time.time())
         self.admitted = 0  # requests submitted and not answered (the running ones included)
         self.handles: set[RunHandle] = set()
+        self.cut: set[RunHandle] = set()  # runs the shutdown stopped before their end
+        self.answered = asyncio.Event()  # set while no request is being answered
+        self.answered.set()
         self.chat_template = chat_template  # --chat-template-file: instead of the model's
         self.store = ResponseStore()  # /v1/responses' previous_response_id
         self.closing = False
@@ -161,7 +171,8 @@ class Server:
                     raise fields.ApiError(401, message, code="invalid_api_key")
             return await handler(request)
         except fields.ApiError as error:
-            self._log_refusal(request, error.status, error.message)
+            if not request.get(LOGGED, False):
+                self._log_refusal(request, error.status, error.message)
             body = anthropic_api.error_body(error.status, error.message) if anthropic else error.body()
             return web.json_response(body, status=error.status, headers=error.headers)
         except web.HTTPException as error:  # the router's 404 and 405, a body over the size limit
@@ -174,14 +185,19 @@ class Server:
             self._log_refusal(request, error.status, error.reason)
             return web.json_response(fields.error_body(message, kind), status=error.status)
         except Exception as error:  # a bug of ours: this request fails, the server goes on
-            self.log(f"internal error on {request.method} {request.path}: {type(error).__name__}: {error}")
+            if not request.get(LOGGED, False):
+                self.log(
+                    f"internal error on {request.method} {request.path}: {type(error).__name__}: {error}"
+                )
             body = fields.error_body(f"internal error: {type(error).__name__}", "server_error")
             return web.json_response(body, status=500)
 
     def _log_refusal(self, request: web.Request, status: int, why: str) -> None:
         self.log(f"{request.remote} {request.method} {request.path} {status}: {why}")
 
-    def _log_exchange(self, exchange: Exchange) -> None:
+    def _log_exchange(self, request: web.Request, exchange: Exchange) -> None:
+        """The request's one log line (the error middleware writes no other)."""
+        request[LOGGED] = True
         self.metrics.exchange(exchange)
         took = time.perf_counter() - exchange.arrived
         line = (
@@ -212,10 +228,14 @@ class Server:
             # of how busy this pipeline is); past queue + slots the next is a 503.
             # "recovering": a stage was lost and is being started again; the
             # requests wait (docs/recovery.md).
+            # stages_lost, repairs, runs_replayed: counted apart (core/recovery.py
+            # Counts); "recoveries" is the old name of runs_replayed, kept.
             status = "recovering" if self.pipeline.recovering else "ok"
-            body = {"status": status, "requests": self.admitted, "queue": self.queue}
+            body: dict[str, object] = {"status": status, "requests": self.admitted, "queue": self.queue}
             body |= {"slots": self.pipeline.parallel}
-            return web.json_response(body | {"recoveries": len(self.pipeline.recoveries)})
+            counts = self.pipeline.recovery.counts
+            body |= counts.as_json() | {"recoveries": counts.runs_replayed}
+            return web.json_response(body)
         status = "loading" if not self.ready else "unavailable"
         return web.json_response(
             fields.error_body(f"the pipeline is {status}", "unavailable_error"), status=503
@@ -298,7 +318,7 @@ class Server:
 
     def _admit(self, count: int) -> None:
         if self.closing or self.pipeline.queue.stopped:
-            raise fields.ApiError(503, "the server is shutting down", "unavailable_error")
+            raise fields.ApiError(503, SHUTDOWN, "unavailable_error")
         if self.admitted + count > self.queue + self.pipeline.parallel:
             if self.pipeline.recovering:
                 # The pipeline is rebuilding a lost stage: come back when it may be done.
@@ -327,9 +347,18 @@ class Server:
         handles = [self.pipeline.submit(prompt, stream=True) for prompt in prompts]
         self.admitted += len(handles)
         self.handles.update(handles)
+        self.answered.clear()
         try:
             return await answering.answer(
-                self.pipeline, self._closed, request, c, handles, family, exchange, renderer
+                self.pipeline,
+                self._closed,
+                self.cut.__contains__,
+                request,
+                c,
+                handles,
+                family,
+                exchange,
+                renderer,
             )
         except asyncio.CancelledError:  # aiohttp cancels the handler of a client that went away
             exchange.status, exchange.detail = 499, "the client went away: run stopped"
@@ -337,13 +366,20 @@ class Server:
         except fields.ApiError as error:
             exchange.status, exchange.detail = error.status, error.message
             raise
+        except Exception as error:  # a bug of ours: the middleware answers 500
+            exchange.status = 500
+            exchange.detail = f"internal error: {type(error).__name__}: {error}"
+            raise
         finally:
             for handle in handles:
                 if not handle.done:
                     handle.stop("the client went away")
                 self.handles.discard(handle)
+                self.cut.discard(handle)
             self.admitted -= len(handles)
-            self._log_exchange(exchange)
+            if not self.admitted:
+                self.answered.set()
+            self._log_exchange(request, exchange)
 
     def _closed(self) -> bool:
         return self.closing or bool(self.pipeline.queue.stopped)
@@ -351,11 +387,13 @@ class Server:
     # ------------------------------------------------------------- shutdown
 
     async def drain(self) -> None:
-        """Answer what waits with a 503; give the running requests their grace, then stop them."""
+        """Answer what waits with a 503; give the running requests their grace,
+        then stop them (each reply so cut short says so: server/answering.py)
+        and let their answers end."""
         self.closing = True
         for handle in list(self.handles):
             if not handle.started:
-                handle.stop("the server is shutting down")
+                handle.stop(SHUTDOWN)
         running = [handle for handle in self.handles if handle.started and not handle.done]
         if running:
             what = "request" if len(running) == 1 else f"{len(running)} requests"
@@ -364,8 +402,12 @@ class Server:
             _, late = await asyncio.wait(waits, timeout=SHUTDOWN_GRACE)
             for handle in running:
                 if not handle.done:
-                    handle.stop("the server is shutting down")
+                    self.cut.add(handle)
+                    handle.stop(SHUTDOWN)
             if late:  # stopped: wait for it to end, then give up on it
                 await asyncio.wait(late, timeout=SHUTDOWN_GRACE)
             for wait in waits:
                 wait.cancel()
+        # The answers' last events written and their lines logged.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.answered.wait(), SHUTDOWN_GRACE)

@@ -5,9 +5,10 @@ One :class:`Metrics` per server, fed three ways: :meth:`Metrics.middleware`
 counts every answer by endpoint and status (refusals and router 404s too);
 :meth:`Metrics.exchange` takes each completion's log line record (tokens,
 timings); :meth:`Metrics.on_event` takes the pipeline's events (the step
-statistics each stage reports, stage losses). What is a state rather than a
-count (slots busy, requests waiting, recoveries) is read from the server and
-the pipeline when the page is scraped.
+statistics each stage reports, faulted runs). What is a state rather than a
+count (slots busy, requests waiting) and the recovery counts (stages lost,
+repairs, runs replayed: the pipeline's, as ``GET /health`` gives them) are
+read from the server and the pipeline when the page is scraped.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Protocol
 from aiohttp import web
 
 from ggufpipe_agent.wire.records import StepCounters
-from ggufpipe_tui.core.events import Event, RunFinished, RunResult, StageRecovery, StageStats
+from ggufpipe_tui.core.events import Event, RunFinished, RunResult, StageStats
 
 #: The weight of the newest run in the moving tokens/s figure.
 SMOOTHING = 0.3
@@ -80,7 +81,6 @@ class Metrics:
         self.moving_tokens_per_s = 0.0
         self.largest_sequence = 0
         self.stages: dict[int, StageSteps] = {}
-        self.stage_losses = 0
         self.runs_faulted = 0
         # The counters each stage last reported for a run in flight: a report
         # holds the run's totals so far, so each adds what it adds to the last.
@@ -143,8 +143,6 @@ class Metrics:
                 del self._reported[key]
             if event.result.outcome == "faulted":
                 self.runs_faulted += 1
-        elif isinstance(event, StageRecovery) and event.state == "Lost":
-            self.stage_losses += 1
 
     def _stage_stats(self, run_id: int, stage: int, counters: StepCounters) -> None:
         before = self._reported.get((run_id, stage), StepCounters())

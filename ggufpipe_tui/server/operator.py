@@ -440,13 +440,20 @@ def metrics_text(server: Server) -> str:
     out.header("ggufpipe_stage_prefill_seconds_total", "counter", "Time each stage spent on prompts")
     for stage, steps in stages:
         out.sample("ggufpipe_stage_prefill_seconds_total", steps.prefill_seconds, stage=str(stage))
+    lost = pipeline.recovery.counts  # as GET /health counts them
     out.counter(
         "ggufpipe_stage_losses_total",
         "Stages lost (a process or a host gone, a stream broken)",
-        counts.stage_losses,
+        lost.stages_lost,
+    )
+    out.counter("ggufpipe_repairs_total", "Repairs of lost stages that worked", lost.repairs)
+    out.counter(
+        "ggufpipe_runs_replayed_total", "Runs replayed after a lost stage was repaired", lost.runs_replayed
     )
     out.counter(
-        "ggufpipe_recoveries_total", "Runs replayed after a lost stage was repaired", len(pipeline.recoveries)
+        "ggufpipe_recoveries_total",
+        "Runs replayed after a lost stage was repaired (the old name of ggufpipe_runs_replayed_total)",
+        lost.runs_replayed,
     )
     out.gauge("ggufpipe_recovering", "1 while a lost stage is being repaired", int(pipeline.recovering))
     out.counter("ggufpipe_runs_faulted_total", "Runs that faulted", counts.runs_faulted)

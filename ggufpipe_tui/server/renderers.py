@@ -103,7 +103,11 @@ class OpenAIRenderer(Renderer):
         return [*out, b"data: [DONE]\n\n"]
 
     def failed(self, status: int, message: str) -> list[bytes]:
-        kind = "server_error" if status >= 500 else "invalid_request_error"
+        """An error object mid-stream, as llama-server and OpenAI send one
+        (the SDK raises it), then the end; no choice gets a finish."""
+        kind = {503: "unavailable_error"}.get(
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
         return [sse(self.error_body(status, message, kind)), b"data: [DONE]\n\n"]
 
     def whole(self, choices: Sequence[Sequence[Piece]], usage: Usage) -> dict[str, Any]:

@@ -100,6 +100,11 @@ class Recovery:
         self.policy = policy
         self.tasks = tasks
         self.state = rec.Recovery()
+        # Counted apart (GET /health, /metrics): stages lost, repairs done
+        # (a repair restarts every stage lost meanwhile), and the runs that
+        # were replayed after one (each run in flight at the loss: RunRecovered).
+        self.stages_lost = 0
+        self.repairs = 0
         self.recoveries: list[RunRecovered] = []
         self._repairing: asyncio.Task[None] | None = None
         self._interrupted: dict[int, RunResult] = {}  # faulted runs to be replayed
@@ -113,6 +118,11 @@ class Recovery:
     def active(self) -> bool:
         """A stage is lost and recovery has not given up or repaired it yet."""
         return self.state.active
+
+    @property
+    def counts(self) -> rec.Counts:
+        """Stages lost, repairs and runs replayed so far."""
+        return rec.Counts(self.stages_lost, self.repairs, len(self.recoveries))
 
     def _step(self, event: rec.RecoveryEvent) -> None:
         self.state = rec.transition(self.state, event, self.policy)
@@ -167,6 +177,7 @@ class Recovery:
             # (a recovery would race the teardown of what was started).
             pipeline.stop_serving(reason)
             return
+        self.stages_lost += 1
         self._step(rec.Loss(reason, now))
         if before.phase is rec.Phase.READY:
             # A shared process that died: its stages, named once.
@@ -344,6 +355,7 @@ class Recovery:
                 self.pipeline.emit(Notice("error", self.state.reason))
             return
         self._step(rec.Repaired(how))
+        self.repairs += 1
         self.pipeline.broken = ""
         self._repair_times = (started, time.perf_counter(), self._repair_times[2], self._how)
 

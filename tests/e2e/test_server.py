@@ -67,7 +67,8 @@ def test_models_and_health(server: Served) -> None:
     models = server.client().models.list()
     assert [model.id for model in models.data] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
     assert models.data[0].owned_by == "ggufpipe"
-    health = (200, {"status": "ok", "requests": 0, "queue": 2, "slots": 3, "recoveries": 0})
+    counts = {"stages_lost": 0, "repairs": 0, "runs_replayed": 0, "recoveries": 0}
+    health = (200, {"status": "ok", "requests": 0, "queue": 2, "slots": 3, **counts})
     assert raw(server, "GET", "/health", key=None) == health, "health needs no key"
     assert any(line.startswith("  curl -s http://127.0.0.1:") for line in server.lines), (
         "a curl example at start"

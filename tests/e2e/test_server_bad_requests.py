@@ -248,3 +248,68 @@ def test_the_key_still_guards_the_api(server) -> None:
     served, _, _ = server
     assert raw(served, "POST", "/v1/completions", key="wrong", json=NORMAL)[0] == 401
     assert raw(served, "POST", "/v1/completions", key=KEY, json=NORMAL)[0] == 200
+
+
+LONG_PROMPT = "word " * 600  # past the 512-token context with its max_tokens: refused by the run
+REFUSALS: list[tuple[str, str, bytes, dict[str, str], int]] = [
+    ("POST", "/v1/chat/completions", b"{not json", {}, 400),
+    ("POST", "/v1/chat/completions", b'{"messages": [], "bogus": 1}', {}, 400),
+    ("POST", "/v1/completions", json.dumps({"prompt": LONG_PROMPT, "max_tokens": 8}).encode(), {}, 400),
+    (
+        "POST",
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+            }
+        ).encode(),
+        {},
+        400,
+    ),
+    ("POST", "/v1/messages", b'{"max_tokens": 4}', {}, 400),
+    ("POST", "/v1/responses", b'{"input": 5}', {}, 400),
+    ("POST", "/v1/chat/completions", b"{}", {"Authorization": "Bearer wrong"}, 401),
+    ("POST", "/tokenize", b'{"content": "a"}', {"Authorization": "Bearer wrong"}, 401),
+    ("GET", "/v1/nowhere", b"", {}, 404),
+    ("GET", "/v1/chat/completions", b"", {}, 405),
+    ("POST", "/v1/completions", b"x" * (9 * 1024 * 1024), {}, 413),
+]
+
+
+def test_each_refusal_is_logged_once(server) -> None:
+    """A refused request has one log line with its status, whoever refused
+    it (the key check, a parser, the router, the run that cannot fit)."""
+    served, text, agents = server
+    for method, path, body, headers, expected in REFUSALS:
+        before = len(served.lines)
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **headers}
+        status, answer = raw(served, method, path, key=None, data=body, headers=headers)
+        assert status == expected, (path, answer)
+        time.sleep(0.5)  # the reader thread has the line
+        lines = served.lines[before:]
+        assert len(lines) == 1, (path, lines)
+        assert f" {method} {path} {expected}" in lines[0], lines
+    still_serving(served, text, agents)
+
+
+def test_a_client_gone_mid_reply_is_logged_with_what_it_was_sent(server) -> None:
+    served, text, agents = server
+    before = len(served.lines)
+    stream = served.client().chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Repeat the word hello 5000 times."}],
+        max_tokens=200,
+        stream=True,
+    )
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received == 6:
+            break
+    stream.close()  # goes away mid-reply
+    line = served.wait_line(lambda line: " 499 " in line, 30, "the line of the request gone")
+    assert len([line for line in served.lines[before:] if "POST /v1/chat/completions" in line]) == 1
+    completion = int(line.split("completion ")[1].split()[0])
+    assert completion >= 6 and "prompt 0 tokens" not in line, line
+    still_serving(served, text, agents)

@@ -103,6 +103,60 @@ def test_four_requests_survive_a_killed_stage(tmp_path: Path, model_path: Path) 
         assert again.choices[0].text == answers[1]
         status, body = raw(served, "GET", "/health")
         assert status == 200 and body["recoveries"] == 1
+        assert (body["stages_lost"], body["repairs"], body["runs_replayed"]) == (1, 1, 1)
+    finally:
+        code = served.stop()
+    assert code == 0, "".join(served.lines)
+    assert not wait_no_new_agents(before), "no agent left"
+
+
+def test_health_counts_a_loss_apart_from_the_runs_it_replayed(tmp_path: Path, model_path: Path) -> None:
+    """Two runs in flight (``--parallel 2``) when a stage is killed: one
+    stage lost, one repair, two runs replayed (``recoveries``, the old name
+    of ``runs_replayed``, says 2 too); both replies are the unbroken ones."""
+    before = agent_pids()
+    served = start_server(tmp_path, model_path, "--parallel", "2")
+    try:
+        agents = sorted(agent_pids() - before)
+        assert len(agents) == 3
+        client = served.client()
+        answers: dict[int, str] = {}
+        errors: list[BaseException] = []
+        streaming = [threading.Event(), threading.Event()]
+
+        def ask(index: int) -> None:
+            try:
+                parts = []
+                stream = client.completions.create(
+                    model="m", prompt=PROMPTS[index], max_tokens=MAX_TOKENS, temperature=0, stream=True
+                )
+                for number, chunk in enumerate(stream):
+                    if number == 4:
+                        streaming[index].set()
+                    if chunk.choices:
+                        parts.append(chunk.choices[0].text)
+                answers[index] = "".join(parts)
+            except BaseException as error:  # noqa: BLE001 - said by the assertion below
+                errors.append(error)
+            finally:
+                streaming[index].set()
+
+        threads = [threading.Thread(target=ask, args=(index,)) for index in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for event in streaming:
+            assert event.wait(120)
+        assert not errors and not answers, "both in flight at the kill"
+        os.kill(agents[1], signal.SIGKILL)
+        for thread in threads:
+            thread.join(300)
+        assert not errors, errors
+        for index in (0, 1):
+            assert answers[index] == expected_text(model_path, PROMPTS[index]), f"request {index}"
+        status, body = raw(served, "GET", "/health")
+        assert status == 200 and body["status"] == "ok", body
+        counts = (body["stages_lost"], body["repairs"], body["runs_replayed"], body["recoveries"])
+        assert counts == (1, 1, 2, 2), body
     finally:
         code = served.stop()
     assert code == 0, "".join(served.lines)

@@ -16,8 +16,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from ggufpipe_agent.ids import SlotId
 from ggufpipe_agent.wire.protocol import ChatMessage, StepCounters
-from ggufpipe_tui.core.events import Event, RunFinished, RunResult, StageRecovery, StageStats, Timings
+from ggufpipe_tui.core.events import Event, RunFinished, RunResult, StageStats, Timings
 from ggufpipe_tui.core.inventory import RunOptions
+from ggufpipe_tui.core.recovery import Counts
 from ggufpipe_tui.server.http import Server
 from ggufpipe_tui.server.metrics import Metrics
 from ggufpipe_tui.session.driver import RunDriver
@@ -32,6 +33,13 @@ KEY = "sk-operator"
 ORIGIN = "http://localhost:5173"
 
 
+class Counted:
+    """The recovery counts a real pipeline's Recovery keeps."""
+
+    def __init__(self) -> None:
+        self.counts = Counts()
+
+
 class Pipeline(FakePipeline):
     """The fake pipeline with what the server reads of a real one."""
 
@@ -41,7 +49,7 @@ class Pipeline(FakePipeline):
         self.pieces = TABLE
         self.parallel = max(1, slots)
         self.on_slot: list[Any] = [None] * self.parallel
-        self.recoveries: list[object] = []
+        self.recovery = Counted()
         self.recovering = False
         self.subscribers: list[Callable[[Event], None]] = []
 
@@ -202,7 +210,6 @@ def test_stage_step_times_add_up_over_runs_from_their_reports():
     metrics.on_event(StageStats(0x11, 1, StepCounters(steps=5, total_ms=100.0)))
     metrics.on_event(RunFinished(result(0x11)))
     metrics.on_event(StageStats(0x12, 0, StepCounters(steps=1, total_ms=8.0)))
-    metrics.on_event(StageRecovery(1, "b", "Lost", "gone"))
     stage0, stage1 = metrics.stages[0], metrics.stages[1]
     assert (stage0.steps, stage0.seconds, stage0.last_mean_ms, stage0.prefill_seconds) == (
         6,
@@ -211,7 +218,6 @@ def test_stage_step_times_add_up_over_runs_from_their_reports():
         0.05,
     )
     assert (stage1.steps, stage1.seconds, stage1.last_mean_ms) == (5, 0.1, 20.0)
-    assert metrics.stage_losses == 1
 
 
 def result(run_id: int, **fields: Any) -> RunResult:
@@ -227,12 +233,15 @@ async def test_the_metrics_page_shows_stage_steps_and_recoveries(
     pipeline = server.pipeline
     (feed,) = pipeline.subscribers  # type: ignore[attr-defined]
     feed(StageStats(0x11, 1, StepCounters(steps=4, total_ms=10.0)))
-    pipeline.recoveries.append(object())  # type: ignore[attr-defined]
+    pipeline.recovery.counts = Counts(stages_lost=1, repairs=1, runs_replayed=2)  # type: ignore[attr-defined]
     samples = parse(await (await client.get("/metrics")).text())
     assert samples[("ggufpipe_stage_step_seconds_count", (("stage", "1"),))] == 4
     assert samples[("ggufpipe_stage_step_seconds_sum", (("stage", "1"),))] == 0.01
     assert samples[("ggufpipe_stage_step_ms", (("stage", "1"),))] == 2.5
-    assert samples[("ggufpipe_recoveries_total", ())] == 1
+    assert samples[("ggufpipe_stage_losses_total", ())] == 1
+    assert samples[("ggufpipe_repairs_total", ())] == 1
+    assert samples[("ggufpipe_runs_replayed_total", ())] == 2
+    assert samples[("ggufpipe_recoveries_total", ())] == 2, "the old name of runs replayed"
 
 
 # -------------------------------------------------------------------- CORS
