@@ -136,7 +136,7 @@ class StageJob:
         # or one slot).
         self.batcher = batcher if batcher is not None and provision.engine.parallel > 1 else None
         self._prompt_open = False  # a part of the prompt came that another follows
-        self._row_ms = 0.0  # a prompt row's ms on this stage, as the last chunk took
+        self._row_ms = 0.0  # a prompt row's ms on this stage, as the last chunk took (the worker sets it)
 
     def edge_ids(self, from_link: bool) -> dict[str, EdgeId]:
         """The edge id each role may set up; a link sets up only the
@@ -405,14 +405,12 @@ class StageJob:
             final = not chunks
             chunk = inputs[begin : begin + count]
             sample = final and not header.more
-            started = time.perf_counter()
             computing = loop.run_in_executor(
                 self._worker, self._step, engine, opens and begin == 0, position, chunk, sample
             )
             if sending is not None and await sending is None:
                 raise _PartNotSent()
             result = await computing
-            self._row_ms = (time.perf_counter() - started) * 1000.0 / count
             if not final and not self.last:
                 part = replace(header, rows=count, position=position, more=True)
                 sending = asyncio.ensure_future(self._send(engine, part, result, position))
@@ -504,7 +502,10 @@ class StageJob:
                 log.info(
                     "run %016x stage %d: prompt after %d kept positions", self.run_id, self.index, position
                 )
+            started = time.perf_counter()
             result: Any = engine.step(inputs, position, sample)
+            if len(inputs) > 1:  # a prompt row's ms here, for the next chunk's size
+                self._row_ms = (time.perf_counter() - started) * 1000.0 / len(inputs)
             if self.last and result is not None:  # its logprobs, read before another slot's step
                 result = (result, engine.sampled_logprobs())
         except BaseException:

@@ -59,8 +59,13 @@ LINK_GRACE_SECONDS = 1.5
 LOSS_REPORT_SECONDS = 3.0
 
 #: A stage's StageFault for a step that failed in its engine (stage/job.py:
-#: StepFailed's "step N: ..."), not for its links or its setup.
-ENGINE_FAILURE = re.compile(r"step \d+: ")
+#: StepFailed's "step N: ..."), not for its links or its setup, nor for what a
+#: replay would meet again: a full context, positions or shapes the stages
+#: disagree on (ggufpipe_agent/llama/engine.py's refusals) are the run's fault.
+ENGINE_FAILURE = re.compile(
+    r"step \d+: (?!context full|llama\.cpp found no KV slot|an object at position|activation of shape"
+    r"|the prompt starts at position|a batched step takes|a step needs)"
+)
 
 
 def engine_failed(reason: str) -> bool:

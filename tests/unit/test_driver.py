@@ -96,6 +96,19 @@ async def test_a_failed_engine_step_reports_the_stage_lost():
     await finish(rig)
 
 
+async def test_a_full_context_is_the_runs_fault_not_a_lost_stage():
+    """A replay would meet the same full context: the run faults, naming it."""
+    rig = Rig(stages=3)
+    await rig.prompted()
+    await rig.tokens(9)
+    reason = "step 9: context full: 96 positions used + 1 new > context size 96"
+    rig.agent_says(1, StageFault(rig.plan.run_id, 1, "a", reason))
+    await finish(rig)
+    assert rig.stages[1].lost == []
+    result = rig.driver.result
+    assert result is not None and result.outcome == "faulted" and "context full" in result.failure
+
+
 async def test_a_broken_token_in_edge_reports_stage_0_lost():
     rig = Rig()
     rig.edges.fail_writes = True
