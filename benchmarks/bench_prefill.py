@@ -66,7 +66,8 @@ from tests.support.common import smollm_path  # noqa: E402
 from tests.support.local import long_prompt  # noqa: E402
 
 CONTEXT = 8192  # SmolLM2's trained context: the server caps run.context there
-UBATCH = 512
+#: The ubatch of both sides (--ubatch): a stage's prompt chunk, llama.cpp's n_batch = n_ubatch.
+UBATCH = [512]
 LOCAL = "ggufpipe, 2 local stages"
 SSH = "ggufpipe, 3 stages over SSH"
 LLAMA = "llama.cpp, 1 thread"
@@ -79,7 +80,7 @@ class OneThread:
 
     def __init__(self) -> None:
         self.llm = llama_cpp.Llama(
-            str(smollm_path()), n_ctx=CONTEXT, n_batch=UBATCH, n_ubatch=UBATCH, n_threads=1,
+            str(smollm_path()), n_ctx=CONTEXT, n_batch=UBATCH[0], n_ubatch=UBATCH[0], n_threads=1,
             n_threads_batch=1, flash_attn=True, verbose=False,
         )  # fmt: skip
         self.vocab = self.llm.n_vocab()
@@ -176,12 +177,12 @@ def report(results: dict[str, dict[int, list[dict[str, Any]]]], args: argparse.N
         "row, the rows' order rotated from round to round, so the machine's load drifts over all of them alike.",
         "",
         f"- **{LLAMA}**: llama-cpp-python's `Llama` on the whole model in the benchmark's process, "
-        f"`n_threads = 1`, n_ctx {CONTEXT}, n_batch = n_ubatch = {UBATCH}, flash attention on (what "
+        f"`n_threads = 1`, n_ctx {CONTEXT}, n_batch = n_ubatch = {UBATCH[0]}, flash attention on (what "
         "llama.cpp's `auto` picks on a CPU, as the stages get), its cache cleared before every prompt. Time to "
         "first token: the prompt's `eval` and the argmax of the last row's logits.",
         f"- **{LOCAL}**: `ggufpipe-tui INVENTORY --serve --parallel 1`, layers [0, 15) and [15, 30) on 2 "
         f"local hosts with `threads: 1` each (each stage its own core here), context {CONTEXT}, ubatch "
-        f"{UBATCH}; `cache_prompt: false` on every request (the stages keep nothing of it: prefix reuse off). "
+        f"{UBATCH[0]}; `cache_prompt: false` on every request (the stages keep nothing of it: prefix reuse off). "
         "Time to first token client side (the request's send to its first streamed chunk); the server's own "
         "`timings.prompt_ms` beside it.",
     ]
@@ -289,9 +290,16 @@ def main() -> None:
         nargs="+",
         help="prompt lengths of the SSH rows (default: those up to 1800)",
     )
+    parser.add_argument(
+        "--ubatch",
+        type=int,
+        default=512,
+        help="the stages' run.ubatch and llama.cpp's n_batch = n_ubatch (512)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 512 and 1024 tokens, 1 round")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench-prefill.md")
     args = parser.parse_args()
+    UBATCH[0] = args.ubatch
     if args.quick:
         args.lengths, args.rounds = [512, 1024], 1
     args.lengths = sorted(set(args.lengths))
@@ -313,7 +321,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-prefill-") as folder:
         workdir = Path(folder)
         try:
-            inventory = local_inventory([(0, 15), (15, 30)], CONTEXT, args.tokens)
+            inventory = local_inventory([(0, 15), (15, 30)], CONTEXT, args.tokens, ubatch=UBATCH[0])
             servers[LOCAL] = Ggufpipe(LOCAL, inventory, workdir, "--parallel", "1")
             print(f"started {LOCAL}", file=sys.stderr, flush=True)
             if args.no_ssh:
@@ -323,7 +331,7 @@ def main() -> None:
                 if ssh.why_not:
                     args.ssh_note = f"3 stages over SSH: not measured, no sshd here ({ssh.why_not})."
                 else:
-                    inventory = ssh.inventory([(0, 10), (10, 20), (20, 30)], CONTEXT, args.tokens)
+                    inventory = ssh.inventory([(0, 10), (10, 20), (20, 30)], CONTEXT, args.tokens, UBATCH[0])
                     servers[SSH] = Ggufpipe(SSH, inventory, workdir, "--parallel", "1")
                     print(f"started {SSH}", file=sys.stderr, flush=True)
             results = measure(servers, args.ssh_lengths, args)

@@ -93,13 +93,15 @@ def run_block(context: int, max_tokens: int, ubatch: int = 512) -> str:
     )
 
 
-def local_inventory(ranges: list[tuple[int, int]], context: int, max_tokens: int, threads: int = 1) -> str:
+def local_inventory(
+    ranges: list[tuple[int, int]], context: int, max_tokens: int, threads: int = 1, ubatch: int = 512
+) -> str:
     """Each stage on a local host of its own with ``threads`` threads (0: the host's default)."""
     thread = f", threads: {threads}" if threads else ""
     hosts = "".join(f"  h{i}: {{local: true{thread}}}\n" for i in range(len(ranges)))
     stages = "".join(f"  - {{host: h{i}, layers: [{a}, {b}]}}\n" for i, (a, b) in enumerate(ranges))
     return f"model: {{path: '{smollm_path()}'}}\nhosts:\n{hosts}stages:\n{stages}" + run_block(
-        context, max_tokens
+        context, max_tokens, ubatch
     )
 
 
@@ -115,7 +117,9 @@ class SshHosts:
             self.sshd = Sshd(Path(tempfile.mkdtemp(prefix="ggufpipe-bench-sshd-")), max_sessions=64).start()
         self.cache = Path(tempfile.mkdtemp(prefix="ggufpipe-bench-ssh-cache-"))
 
-    def inventory(self, ranges: list[tuple[int, int]], context: int, max_tokens: int) -> str:
+    def inventory(
+        self, ranges: list[tuple[int, int]], context: int, max_tokens: int, ubatch: int = 512
+    ) -> str:
         assert self.sshd is not None
         s = self.sshd
         hosts = "".join(
@@ -125,7 +129,7 @@ class SshHosts:
         )
         stages = "".join(f"  - {{host: s{i}, layers: [{a}, {b}]}}\n" for i, (a, b) in enumerate(ranges))
         return f"model: {{path: '{smollm_path()}'}}\nhosts:\n{hosts}stages:\n{stages}" + run_block(
-            context, max_tokens
+            context, max_tokens, ubatch
         )
 
     def close(self) -> None:

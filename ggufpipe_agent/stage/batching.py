@@ -168,12 +168,13 @@ _trace_lock = threading.Lock()
 
 def trace(stage: int, rows: list[tuple[int, int, int, int, int]], inputs: list[Any]) -> None:
     """One ``llama_decode``'s composition (per run: run, slot, position, rows,
-    1 where it samples nothing: a prompt's part that another follows), and
-    stage 0's token ids, to ``$GGUFPIPE_BATCH_TRACE/stage-N.jsonl``."""
+    1 where it samples nothing: a prompt's part that another follows), when it
+    ended (monotonic s) and stage 0's token ids, to
+    ``$GGUFPIPE_BATCH_TRACE/stage-N.jsonl``."""
     where = os.environ.get("GGUFPIPE_BATCH_TRACE", "")
     if not where:
         return
-    record: dict[str, Any] = {"rows": [list(row) for row in rows]}
+    record: dict[str, Any] = {"t": round(time.monotonic(), 4), "rows": [list(row) for row in rows]}
     if stage == 0:
         record["tokens"] = [[int(token) for token in values] for values in inputs]
     with _trace_lock, (Path(where) / f"stage-{stage}.jsonl").open("a") as out:

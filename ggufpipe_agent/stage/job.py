@@ -103,8 +103,13 @@ class StageJob:
         self._engines = engines
         self._cache_dir = cache_dir
         self.fsm = Stage()
+        # A full ring stops the reader of the whole data stream (backpressure),
+        # and with it the other runs' objects on that stream: so it holds a
+        # prompt's every part (one row each at most: the context's rows, what
+        # one prompt object may carry anyway) besides the ring's slots, and a
+        # prompt arriving never holds up the decode rows of the runs streaming.
         self.ring: asyncio.Queue[tuple[objects.ObjectHeader, bytes]] = asyncio.Queue(
-            maxsize=max(1, provision.inbound.ring_spec.slots)
+            maxsize=max(1, provision.inbound.ring_spec.slots) + provision.engine.n_ctx
         )
         self.outbound: RecordSink | None = None
         self.ring_out: RecordSink | None = None  # the token ring's writer (the last stage of a ring run)
