@@ -200,9 +200,12 @@ def shown(results: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.Na
             )
     parts.append(
         "A largest gap near the long prompt's time to first token means the streams stood still for the "
-        "whole prefill: ggufpipe today computes a prompt in one piece on each stage while the other runs' "
-        "steps wait behind it, and llama-server puts a prompt of up to `-b` (2,048) tokens into one "
-        "`llama_decode` beside the streams' rows. The quiet column is the machine's own noise floor: a "
+        "whole prefill, as llama-server's do: it puts a prompt of up to `-b` (2,048) tokens into one "
+        "`llama_decode` beside the streams' rows. ggufpipe's stage 0 cuts a prompt that arrives beside "
+        "streaming runs into chunks of about one decode batch's time (at least 4 rows; docs/worker.md, "
+        '"A new prompt beside the streams"), so the streams\' steps go between the chunks, at the cost of '
+        "the long prompt's own time to first token (4-row chunks compute far fewer rows per second than "
+        "512-row ones). The quiet column is the machine's own noise floor: a "
         "target of 3x can only be told apart from noise where quiet is well below it."
     )
     return " ".join(parts)

@@ -244,6 +244,12 @@ def shown(results: dict[str, dict[int, list[dict[str, Any]]]], args: argparse.Na
     parts.append(
         "By length: " + ", ".join(f"{n:,}: {r:.2f}" for n, r in zip(args.lengths, ratios, strict=True)) + "."
     )
+    parts.append(
+        f"The stages compute a prompt in chunks of the ubatch ({UBATCH[0]}), each stage starting on a chunk "
+        "while the one before computes the next: the last stage ends one chunk after the first, and the "
+        "chunks late in a prompt cost more (attention over more positions), so a prompt of a few chunks "
+        "stays above the ideal and smaller chunks (`--ubatch`, the inventory's `run.ubatch`) come closer."
+    )
     if ratio > 0.8:
         parts.append(
             "Near 1 means the stages work one after the other: stage 0 computes the whole prompt, then "
