@@ -375,6 +375,7 @@ class ControlChannel:
         batcher = None
         if message.engine.batching:  # one per engine: the runs in flight on its slots
             self.batcher.stage = message.stage_index
+            self.batcher.stages = message.stage_count
             batcher = self.batcher
         run = StageJob(message, self.post, self.agent.worker, self.engines, self.agent.cache_dir, batcher)
         for old in slots.replaced(held, message.slot):

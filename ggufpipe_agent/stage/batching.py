@@ -7,7 +7,8 @@ which costs little more than one row alone (the weights are read once per
 batch, not once per row). Batches form of themselves: a step that arrives
 while the worker computes a batch waits for the next one, and everything
 waiting then goes together (continuous batching: a run joins or leaves at
-the next step). With N stages the runs fall into micro-batches that keep
+the next step). With N stages a batch takes at most 1/N of the runs
+decoding, the first to arrive, so the runs fall into N groups that keep
 every stage at work: while stage 1 computes the rows stage 0 sent, stage 0
 computes the next group's.
 
@@ -43,6 +44,8 @@ from ggufpipe_agent.ids import RunId, SlotId
 MAX_ROWS = 256
 #: A decode batch this recent means runs are streaming through the stage.
 STREAMING_S = 0.5
+#: A run that stepped here this recently is one of the runs decoding.
+RECENT_S = 1.0
 #: A prompt's chunk beside streaming runs: at least this many rows, and about
 #: a decode batch's time (at least this many ms).
 INTERLEAVE_MIN_ROWS = 4
@@ -69,7 +72,11 @@ class StepBatcher:
 
     worker: Executor
     stage: int = 0
+    #: The pipeline's stages: the runs in flight are split into this many groups.
+    stages: int = 1
     waiting: list[Row] = field(default_factory=list)
+    #: The runs that stepped here lately: run -> when (monotonic s).
+    recent: dict[int, float] = field(default_factory=dict)
     running: bool = False
     #: The batches computed so far, and their rows.
     batches: int = 0
@@ -96,8 +103,21 @@ class StepBatcher:
         wanted = int(max(self.batch_ms, INTERLEAVE_MIN_MS) / row_ms)
         return max(1, min(rows, max(INTERLEAVE_MIN_ROWS, wanted)))
 
+    def group_rows(self) -> int:
+        """The rows of the next batch at most: the runs decoding here split
+        into one group per stage, so that while stage k computes one group
+        stage k+1 computes another (one group of every run would leave all
+        stages but one idle at every moment)."""
+        now = time.monotonic()
+        for run, when in list(self.recent.items()):
+            if now - when > RECENT_S:
+                del self.recent[run]
+        live = max(len(self.recent), len(self.waiting))
+        return max(1, min(MAX_ROWS, -(-live // max(1, self.stages))))
+
     async def step(self, engine: Any, row: Row) -> tuple[Any, float]:
         """Compute ``row`` in the next batch; its result and the batch's ms."""
+        self.recent[row.run_id] = time.monotonic()
         self.waiting.append(row)
         if not self.running:
             self.running = True
@@ -109,8 +129,10 @@ class StepBatcher:
         loop = asyncio.get_running_loop()
         try:
             while self.waiting:
-                rows = sorted(self.waiting[:MAX_ROWS], key=lambda row: row.slot)
-                del self.waiting[:MAX_ROWS]
+                # The first to arrive: a group that came together goes on together.
+                take = self.group_rows()
+                rows = sorted(self.waiting[:take], key=lambda row: row.slot)
+                del self.waiting[:take]
                 rows = [row for row in rows if not row.done.done()]  # a stopped run's row
                 if not rows:
                     continue

@@ -75,3 +75,23 @@ def test_a_prompt_beside_streaming_runs_is_cut_finer():
     assert batcher.prompt_rows(512, 3.0) == 10, "about one decode batch's time"
     assert batcher.prompt_rows(512, 100.0) == INTERLEAVE_MIN_ROWS
     assert batcher.prompt_rows(3, 0.5) == 3
+
+
+def test_with_two_stages_the_runs_in_flight_form_two_groups():
+    """A batch takes half the runs decoding, the first to arrive: while one
+    stage computes a group, the other stage computes the other group."""
+
+    class Roomy(Engine):
+        def row_problem(self, slot: int, inputs: Any) -> Exception | None:
+            return None
+
+    async def scenario() -> list[list[int]]:
+        engine = Roomy()
+        batcher = StepBatcher(ThreadPoolExecutor(1), stages=2)
+        loop = asyncio.get_running_loop()
+        rows = [Row(slot, slot, 5, [slot], loop.create_future(), lambda done: None) for slot in (3, 1, 0, 2)]
+        await asyncio.gather(*(batcher.step(engine, row) for row in rows))
+        assert batcher.group_rows() == 2
+        return engine.batches
+
+    assert asyncio.run(scenario()) == [[1, 3], [0, 2]]
