@@ -41,7 +41,7 @@ REQUIRED = {
     "gguf": "ggufpipe_agent.gguf.facts",
     "llama_cpp": "ggufpipe_agent.llama.devices",
     "msgpack": "ggufpipe_agent.wire.protocol",
-    "numpy": "ggufpipe_agent.llama.engine",
+    "numpy": "ggufpipe_agent.llama.batches",
 }
 
 
