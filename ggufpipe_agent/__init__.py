@@ -23,4 +23,6 @@ UNFIT_MARKER = "ggufpipe-agent cannot run here:"
 #: 10: sampling fields, logprobs on the token-out edge, tools in Tokenize.
 #: 11: object header flags (a prompt in parts, MORE), EngineOptions.batching, LinkDown.token
 #:     (a link re-made after it broke: docs/recovery.md).
-PROTOCOL_VERSION = 11
+#: 12: replay in proportion (object flag REBUILD, PrefixOffer.resume/resend,
+#:     PrefixHeld.sent, SamplingParams.skip_draws: docs/recovery.md).
+PROTOCOL_VERSION = 12

@@ -10,6 +10,7 @@ from ggufpipe_agent.errors import EngineError
 from ggufpipe_agent.ids import EVERY_SLOT, FIRST_SLOT, NO_RUN, RunId, SlotId
 from ggufpipe_agent.llama.engine import StageEngine, StageShape
 from ggufpipe_agent.llama.plumbing import stage_threads
+from ggufpipe_agent.llama.sent import SentRows
 from ggufpipe_agent.llama.threads import ThreadGovernor, governor
 from ggufpipe_agent.wire.protocol import PrefixHeld, PrefixOffer
 
@@ -37,6 +38,9 @@ class LoadedEngine:
         self.default_unheld = "its cache holds no earlier run"  # why a slot never written holds none
         self._governed: ThreadGovernor | None = None  # adapts the engine's decode threads
         self._governed_context = 0
+        # The rows this stage sent of each slot's cache, to rebuild a next
+        # stage that is started again (llama/sent.py).
+        self.sent = SentRows()
 
     def claim(self, slot: SlotId, run_id: RunId) -> str:
         """Run ``run_id`` takes ``slot``; '' or why it cannot (another live run has it)."""
@@ -96,9 +100,11 @@ class LoadedEngine:
             self.written.clear()
             self.unheld.clear()
             self.default_unheld = why
+            self.sent = SentRows(self.sent.limit)
         else:
             self.written.pop(slot, None)
             self.unheld[slot] = why
+            self.sent.forget(slot, why)
 
     def held(
         self, engine: StageEngine, offer: PrefixOffer, loaded: bool, slot: SlotId = FIRST_SLOT
@@ -121,7 +127,8 @@ class LoadedEngine:
                     offer.run_id, reason="its recurrent state holds more positions than the run fed"
                 )
             positions = offer.positions
-        return PrefixHeld(offer.run_id, positions, engine.keep_granularity, why)
+        sent = min(self.sent.covered(slot), positions)
+        return PrefixHeld(offer.run_id, positions, engine.keep_granularity, why, sent)
 
     def close(self) -> None:
         if self._governed is not None:

@@ -49,6 +49,16 @@ class Sampler:
             self.grammar = grammar
         for token in sampling.history:  # llama-server's init_sampler: the prompt, not to the grammar
             lib.llama_sampler_accept(self.chain, token)
+        if sampling.skip_draws and not _is_plain_greedy(sampling):
+            # A resumed run (its history holds the tokens it streamed): the
+            # seeded draw it made for each, so the next pick is the one it
+            # would have made. The dist sampler draws once per pick, even of
+            # a single candidate (SamplingParams.resumable says when that is all).
+            single = np.zeros(1, dtype=_TOKEN_DATA)
+            for _ in range(sampling.skip_draws):
+                single[0] = (0, 0.0, 0.0)
+                one = _array(lib, single)
+                lib.llama_sampler_apply(self.chain, ctypes.byref(one))
         self._keep.clear()
         self._cur = np.zeros(self.n_vocab, dtype=_TOKEN_DATA) if self.grammar is not None else None
         self._ids = np.arange(self.n_vocab, dtype=np.int32) if self.grammar is not None else None

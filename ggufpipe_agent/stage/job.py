@@ -52,7 +52,7 @@ from ggufpipe_agent.stage.fsm import (
     transition,
 )
 from ggufpipe_agent.stage.handover import ConsumerRun, Precomputed, chain_next
-from ggufpipe_agent.stage.outputs import Counters, activation_records, ring_record, token_record
+from ggufpipe_agent.stage.outputs import Counters, activation_records, ring_record, sent_part, token_record
 from ggufpipe_agent.stage.preparation import load_engine, stage_file
 from ggufpipe_agent.stage.writers import RecordSink
 from ggufpipe_agent.tasks import TaskOwner
@@ -396,11 +396,16 @@ class StageJob:
         )
         opens = not self._prompt_open  # the prompt's first part: it says where the run starts
         self._prompt_open = header.more
+        rebuild = header.rebuild  # computed into the cache only: the stages after hold it
+        if opens:
+            self._engines.sent.opened(self.slot, header.position)
+            if p.reuse.resend and header.position:
+                await self._resend(header.position)
         sending: asyncio.Task[int | None] | None = None
         begin, position, result, count = 0, header.position, None, 0
         while chunks:
             count = chunks.popleft()
-            if self.first and self.batcher is not None:
+            if self.first and self.batcher is not None and not rebuild:
                 # Beside runs streaming, stage 0 cuts the chunk finer (the
                 # stages after it compute the parts as they come).
                 rows = self.batcher.prompt_rows(count, self._row_ms)
@@ -416,13 +421,59 @@ class StageJob:
             if sending is not None and await sending is None:
                 raise _PartNotSent()
             result = await computing
-            if not final and not self.last:
+            if rebuild:
+                if not self.last:  # kept as if sent, for the next stage's own loss
+                    self._keep_sent(replace(header, rows=count, position=position), result, position)
+                result = None
+            elif not final and not self.last:
                 part = replace(header, rows=count, position=position, more=True)
                 sending = asyncio.ensure_future(self._send(engine, part, result, position))
             begin, position = begin + count, position + count
         if sending is not None and await sending is None:
             raise _PartNotSent()
         return result, position - count
+
+    async def _resend(self, before: int) -> None:
+        """The next stage was started again (the offer says resend): the
+        rows this stage sent of the offered run, positions before ``before``,
+        go to it first, in the parts they went in, flagged REBUILD."""
+        p = self.provision
+        parts = list(self._engines.sent.parts(self.slot, before))
+        log.info(
+            "run %016x stage %d: sending the rebuilt next stage %d parts (%d positions)",
+            self.run_id,
+            self.index,
+            len(parts),
+            before,
+        )
+        try:
+            if self.outbound is None:
+                raise ConnectionError("outbound edge is not connected")
+            for part in parts:
+                head = objects.ObjectHeader(
+                    objects.KIND_ACTIVATION,
+                    part.dtype,
+                    self.run_id,
+                    p.outbound.edge_id,
+                    0,
+                    part.rows,
+                    part.cols,
+                    len(part.payload),
+                    part.position,
+                    more=True,
+                    rebuild=True,
+                )
+                await self.outbound.write(head.pack(), memoryview(part.payload))
+        except (ConnectionError, OSError) as error:
+            self.fault_peer = self.outbound_peer
+            self._apply_if_alive(OutputFault(f"outbound edge {p.outbound.edge_id}: {error}"))
+            raise _PartNotSent() from error
+
+    def _keep_sent(self, header: objects.ObjectHeader, result: Any, position: int) -> None:
+        """The next stage's rows of ``header``'s step kept, as if sent, for a
+        rebuild of that stage (llama/sent.py)."""
+        head, body = activation_records(self.provision, header, result, position)
+        self._engines.sent.add(self.slot, sent_part(head, body))
 
     async def _send(
         self, engine: StageEngine, header: objects.ObjectHeader, result: Any, position: int
@@ -462,6 +513,7 @@ class StageJob:
                 head, body = activation_records(p, header, result, position)
                 await self.outbound.write(head, body)
                 sent += len(body)
+                self._engines.sent.add(self.slot, sent_part(head, body))
         except (ConnectionError, OSError) as error:
             self.fault_peer = self.outbound_peer
             self._apply_if_alive(OutputFault(f"outbound edge {p.outbound.edge_id}: {error}"))
@@ -496,8 +548,9 @@ class StageJob:
         try:
             if opens:
                 slots.wrote(self.slot, NO_RUN)  # the cache changes now
-                held = self.held
-                if position and (position > held.positions or position % held.granularity):
+                held, offer = self.held, self.provision.reuse
+                resumed = offer.resume and position == held.positions  # its next step, in its shape
+                if position and (position > held.positions or (position % held.granularity and not resumed)):
                     raise ProtocolError(
                         f"the prompt starts at position {position}, but this stage holds "
                         f"{held.positions} positions of run {held.run_id:016x} (in steps of "

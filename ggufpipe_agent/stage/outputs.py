@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from ggufpipe_agent.llama.sent import SentPart
 from ggufpipe_agent.wire import objects
 from ggufpipe_agent.wire.protocol import ProvisionStage, StepCounters
 
@@ -47,6 +48,12 @@ def activation_records(
         position=position,
         more=header.more,
     )
+
+
+def sent_part(head: bytes, body: memoryview) -> SentPart:
+    """An activation record as the sender keeps it (llama/sent.py)."""
+    header = objects.unpack_header(head, objects.ABSOLUTE_MAX_PAYLOAD)
+    return SentPart(header.position, header.rows, header.cols, header.dtype, bytes(body))
 
 
 class Counters:

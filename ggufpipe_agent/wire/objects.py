@@ -4,7 +4,8 @@ A record is a fixed 44-byte little-endian header followed by raw payload bytes::
 
     magic  b"GPOB"     4s
     version            u8
-    flags              u8   bit 0 (MORE): another part of this object's sequence follows
+    flags              u8   bit 0 (MORE): another part of this object's sequence follows;
+                            bit 1 (REBUILD): rows a rebuilt stage computes and sends no further
     kind               u8   1 tokens, 2 activation
     dtype              u8   1 int32, 2 float32, 3 float16
     run_id             u64
@@ -24,7 +25,11 @@ while this one computes the second and the last stage samples only after
 the last (docs/protocol.md, "Prompt parts"). Positions travel in-band because a
 run may start after a prefix its stages kept from the previous run: the
 prompt object says where it starts, and every object after it says where it
-is, so a stage never guesses (docs/protocol.md, docs/worker.md).
+is, so a stage never guesses (docs/protocol.md, docs/worker.md). A part
+flagged REBUILD (with MORE) is a step of an interrupted run that a restarted
+stage computes again into its cache, in the shape it first had, and sends no
+further: the stages after it still hold it (docs/recovery.md, "Replay in
+proportion").
 
 This is the only module that turns payload bytes into arrays. The relay in the
 orchestrator reads headers only and forwards payloads untouched.
@@ -46,6 +51,8 @@ OBJECT_VERSION = 3
 _HEADER = struct.Struct("<4sBBBBQIIIIIQ")
 #: The flag of a part of a sequence that another part follows.
 FLAG_MORE = 1
+#: The flag of a part a rebuilt stage computes and does not send on.
+FLAG_REBUILD = 2
 HEADER_SIZE = _HEADER.size
 
 #: Bound on any payload before an edge's own max_extent is known.
@@ -80,12 +87,14 @@ class ObjectHeader:
     position: int = 0
     #: Another part of this sequence follows (a prompt's chunk but its last).
     more: bool = False
+    #: A step of an interrupted run computed again by a rebuilt stage, not sent on.
+    rebuild: bool = False
 
     def pack(self) -> bytes:
         return _HEADER.pack(
             OBJECT_MAGIC,
             OBJECT_VERSION,
-            FLAG_MORE if self.more else 0,
+            (FLAG_MORE if self.more else 0) | (FLAG_REBUILD if self.rebuild else 0),
             self.kind,
             self.dtype,
             self.run_id,
@@ -107,6 +116,8 @@ class ObjectHeader:
 
     def describe(self) -> str:
         part = " (a part, more follow)" if self.more else ""
+        if self.rebuild:
+            part += " (to rebuild a cache)"
         return (
             f"{self.kind_name} object seq {self.sequence}{part} at position {self.position} "
             f"on edge {self.edge_id} "
@@ -129,7 +140,7 @@ def unpack_header(data: bytes, max_payload: int) -> ObjectHeader:
         raise ProtocolError(f"bad object magic {magic!r}")
     if version != OBJECT_VERSION:
         raise ProtocolError(f"object record version {version}, this side speaks {OBJECT_VERSION}")
-    if flags & ~FLAG_MORE:
+    if flags & ~(FLAG_MORE | FLAG_REBUILD):
         raise ProtocolError(f"unknown object flags {flags:#x}")
     if kind not in KIND_NAMES:
         raise ProtocolError(f"unknown object kind {kind}")
@@ -139,8 +150,8 @@ def unpack_header(data: bytes, max_payload: int) -> ObjectHeader:
         raise ProtocolError(f"object of {nbytes} bytes exceeds the limit of {max_payload}")
     if nbytes != rows * cols * DTYPES[dtype].itemsize:
         raise ProtocolError(f"object says {rows}x{cols} {DTYPE_NAMES[dtype]} but {nbytes} payload bytes")
-    more = bool(flags & FLAG_MORE)
-    return ObjectHeader(kind, dtype, run_id, edge_id, sequence, rows, cols, nbytes, position, more)
+    more, rebuild = bool(flags & FLAG_MORE), bool(flags & FLAG_REBUILD)
+    return ObjectHeader(kind, dtype, run_id, edge_id, sequence, rows, cols, nbytes, position, more, rebuild)
 
 
 def check_spec(header: ObjectHeader, spec: ObjectSpec) -> None:
@@ -185,11 +196,28 @@ def read_logprobs(words: list[int]) -> tuple[int, float, tuple[tuple[int, float]
 
 
 def tokens_record(
-    run_id: RunId, edge_id: EdgeId, sequence: int, tokens: list[int], *, position: int = 0
+    run_id: RunId,
+    edge_id: EdgeId,
+    sequence: int,
+    tokens: list[int],
+    *,
+    position: int = 0,
+    more: bool = False,
+    rebuild: bool = False,
 ) -> bytes:
     payload = np.asarray(tokens, dtype="<i4").tobytes()
     header = ObjectHeader(
-        KIND_TOKENS, DTYPE_CODES["int32"], run_id, edge_id, sequence, len(tokens), 1, len(payload), position
+        KIND_TOKENS,
+        DTYPE_CODES["int32"],
+        run_id,
+        edge_id,
+        sequence,
+        len(tokens),
+        1,
+        len(payload),
+        position,
+        more,
+        rebuild,
     )
     return header.pack() + payload
 

@@ -138,7 +138,10 @@ class SamplingParams:
     alternatives each sampled token's record carries back (-1: no logprobs;
     0: only the token's own). ``history``: the prompt's last tokens, which
     llama-server feeds its sampler before the reply (the penalties and DRY
-    look back over them); empty unless one of those is on."""
+    look back over them); empty unless one of those is on. ``skip_draws``:
+    the seeded draws a resumed run's sampler makes before its first pick (an
+    interrupted run carried on after the tokens it streamed: one per token,
+    so its next pick is the one it would have made; docs/recovery.md)."""
 
     temperature: float = 0.0
     top_k: int = 40
@@ -169,6 +172,15 @@ class SamplingParams:
     grammar: str = ""
     logprobs: int = -1
     history: tuple[int, ...] = ()
+    skip_draws: int = 0
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a sampler of these settings can be carried on after N
+        tokens from the tokens alone (the history and N draws): not with a
+        grammar (a refused pick draws twice), mirostat (its state follows the
+        logits) or XTC (it draws only where two candidates are left)."""
+        return not self.grammar and self.mirostat == 0 and self.xtc_probability <= 0.0
 
     @property
     def history_window(self) -> int:
@@ -379,10 +391,18 @@ class PrefixOffer:
     """In a provision: the stage may keep up to ``positions`` positions of
     its KV cache written by run ``run_id`` (the previous run on this chain;
     0: none, start empty). What it keeps is decided when the prompt comes,
-    by the prompt object's position (docs/worker.md, "Prefix reuse")."""
+    by the prompt object's position (docs/worker.md, "Prefix reuse").
+
+    ``resume``: the run carries on the offered one (interrupted by a lost
+    stage) at exactly ``positions``, its next step in the shape it had: no
+    granularity applies. ``resend``: the next stage was started again; before
+    the prompt, this stage sends it the rows it sent of the offered run, as
+    parts flagged REBUILD (docs/recovery.md, "Replay in proportion")."""
 
     run_id: RunId = NO_RUN
     positions: int = 0
+    resume: bool = False
+    resend: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,12 +411,15 @@ class PrefixHeld:
     may start at position K only if K is 0, or K <= ``positions`` and K is a
     multiple of ``granularity`` (1 where the stage's kernels are exact at
     any batch size, else the ubatch: see docs/worker.md). ``reason`` says
-    why it holds less than it was offered ("" when it holds all of it)."""
+    why it holds less than it was offered ("" when it holds all of it).
+    ``sent``: of the offered positions, how many (from 0) this stage still
+    holds the outbound rows of, to send a rebuilt next stage."""
 
     run_id: RunId = NO_RUN
     positions: int = 0
     granularity: int = 1
     reason: str = ""
+    sent: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,6 +141,17 @@ class RunPlan:
     reuse: PrefixOffer = PrefixOffer()  # what the stages may keep of the slot's previous run
     slot: SlotId = FIRST_SLOT  # each stage's slot (0 .. engine.parallel - 1) the run's KV cache is in
     ignore_eos: bool = False  # the model's end-of-generation tokens do not stop it
+    # The stage started again that this run rebuilds (a resumed run's reuse:
+    # it is offered nothing, the stage before it resends its rows; -1: none).
+    rebuild: int = -1
+
+    def stage_offer(self, index: int) -> PrefixOffer:
+        """What stage ``index`` is offered of the slot's previous run."""
+        if self.rebuild < 0 or not self.reuse.run_id:
+            return self.reuse
+        if index == self.rebuild:
+            return PrefixOffer()
+        return replace(self.reuse, resend=index == self.rebuild - 1)
 
     def edge(self, edge_id: EdgeId) -> EdgePlan:
         for edge in self.edges:  # the ring has its own field, looked up there
@@ -418,7 +429,7 @@ def provision_message(plan: RunPlan, index: int) -> ProvisionStage:
         sampling=plan.sampling,
         ring=_ring_provision(plan, index),
         stage_file=stage.stage_file,
-        reuse=plan.reuse,
+        reuse=plan.stage_offer(index),
         slot=plan.slot,
     )
 

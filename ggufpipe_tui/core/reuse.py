@@ -81,3 +81,57 @@ def choose_kept(source: ReuseSource | None, prompt: Sequence[int], holds: Sequen
     if kept <= 0:
         return Reuse(0, reason)
     return Reuse(kept, reason)
+
+
+#: The start of the failure of a resumed run whose stages did not hold what
+#: it needed: recovery replays it whole instead (session/recovery.py).
+RESUME_REFUSED = "cannot carry the run on in proportion: "
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """An interrupted run carried on in proportion (docs/recovery.md,
+    "Replay in proportion"): the stages that lived keep their caches, the
+    one started again (``rebuild``; -1: none, a link was re-made) is fed its
+    positions again in the parts it first had, and the run goes on from its
+    next step with a sampler brought to where it was. ``tokens``: what the
+    interrupted run ``run_id`` streamed; ``positions``: what its stages
+    hold (its prompt and every token but the last); ``kept``: what it had
+    kept itself of the run before it (its prompt_reused)."""
+
+    run_id: RunId
+    tokens: tuple[int, ...]
+    positions: int
+    rebuild: int = -1
+    kept: int = 0
+
+    def offer(self) -> PrefixOffer:
+        return PrefixOffer(self.run_id, self.positions, resume=True)
+
+
+def resume_problem(resume: Resume, holds: Sequence[PrefixHeld]) -> str:
+    """Why the stages cannot carry ``resume`` on ("" when they can): every
+    stage but the rebuilt one holds its positions, and the one before the
+    rebuilt stage still holds the rows it sent it."""
+    wanted = resume.positions
+    for index, held in enumerate(holds):
+        if index == resume.rebuild:
+            continue
+        if held.run_id != resume.run_id or held.positions < wanted:
+            why = f" ({held.reason})" if held.reason else ""
+            return f"stage {index} holds {held.positions} of its {wanted} positions{why}"
+    if resume.rebuild > 0 and holds[resume.rebuild - 1].sent < wanted:
+        sent = holds[resume.rebuild - 1].sent
+        return f"stage {resume.rebuild - 1} holds the rows it sent of {sent} of {wanted} positions"
+    return ""
+
+
+def rebuild_parts(resume: Resume, prompt: Sequence[int]) -> list[tuple[list[int], int]]:
+    """What the orchestrator feeds a rebuilt stage 0 before the run goes
+    on, as (tokens, position) parts: the prompt as it was fed (stage 0 cuts
+    it into the same chunks), then each token fed back, one a step."""
+    if resume.rebuild != 0:
+        return []
+    parts = [(list(prompt), 0)]
+    parts += [([token], len(prompt) + i) for i, token in enumerate(resume.tokens[:-1])]
+    return parts

@@ -94,9 +94,13 @@ class DataPlane(Protocol):
         """Set up stage ``stage``'s edge ends for ``plan`` (it has taken its
         provision). Raises ConnectionError when its stream is broken."""
 
-    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None:
+    async def write_tokens(
+        self, plan: RunPlan, sequence: int, tokens: list[int], position: int, rebuild: bool = False
+    ) -> None:
         """Write a token object on the token-in edge, its first token at
-        sequence position ``position``. Raises ConnectionError."""
+        sequence position ``position`` (``rebuild``: a part of the prompt
+        stage 0 computes into its cache and sends no further, flagged MORE
+        and REBUILD). Raises ConnectionError."""
 
     def on_message(self, stage: int, message: Message) -> bool:
         """A control message from stage ``stage`` that may be the data plane's

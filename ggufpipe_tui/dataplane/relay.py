@@ -87,9 +87,17 @@ class RelayPlane:
             ends.append(OpenEdge(plan.run_id, plan.ring.edge_id, "ring-out"))
         return ends
 
-    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None:
+    async def write_tokens(
+        self, plan: RunPlan, sequence: int, tokens: list[int], position: int, rebuild: bool = False
+    ) -> None:
         record = objects.tokens_record(
-            plan.run_id, plan.stages[0].inbound_edge, sequence, tokens, position=position
+            plan.run_id,
+            plan.stages[0].inbound_edge,
+            sequence,
+            tokens,
+            position=position,
+            more=rebuild,
+            rebuild=rebuild,
         )
         await self._stream(0).writer.write(record)
 

@@ -48,7 +48,14 @@ from ggufpipe_tui.core.events import (
 )
 from ggufpipe_tui.core.inventory import Timeouts
 from ggufpipe_tui.core.plan import RunPlan, provision_message
-from ggufpipe_tui.core.reuse import ReuseSource, choose_kept
+from ggufpipe_tui.core.reuse import (
+    RESUME_REFUSED,
+    Resume,
+    ReuseSource,
+    choose_kept,
+    rebuild_parts,
+    resume_problem,
+)
 from ggufpipe_tui.session.stages import StagePort
 
 #: How long a StopRun may take to be written to a stage.
@@ -129,7 +136,9 @@ class RunEdges(Protocol):
 
     async def open_edges(self, plan: RunPlan, stage: int) -> None: ...
 
-    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None: ...
+    async def write_tokens(
+        self, plan: RunPlan, sequence: int, tokens: list[int], position: int, rebuild: bool = False
+    ) -> None: ...
 
 
 class Detokenizer:
@@ -167,6 +176,7 @@ class RunDriver:
         pieces: tuple[bytes, ...] = (),
         log_path: Callable[[], str] = lambda: "",
         source: ReuseSource | None = None,
+        resume: Resume | None = None,
     ) -> None:
         self.plan = plan
         self.stages = stages
@@ -208,6 +218,14 @@ class RunDriver:
         self._replayed = 0.0
         self._first_token = 0.0
         self._last_token = 0.0
+        # Recovery in proportion: the interrupted run this one carries on
+        # (its streamed tokens are given, not sampled again), and the length
+        # of the prompt without them.
+        self.resume = resume
+        self._prompt_length = 0
+        for token in resume.tokens if resume is not None else ():
+            if token not in self.run.eog:
+                self.text.append(self.detokenizer.feed(token))
 
     # --------------------------------------------------------------- input
 
@@ -217,6 +235,9 @@ class RunDriver:
     def give_prompt(self, tokens: list[int], submitted: float | None = None, max_tokens: int = 0) -> None:
         """The run's prompt; ``max_tokens`` > 0 overrides the plan's limit."""
         self.prompt = list(tokens)
+        self._prompt_length = len(tokens)
+        if self.resume is not None:  # the tokens it streamed are fed as the prompt's end
+            self.prompt += self.resume.tokens
         self._submitted = submitted or time.perf_counter()
         self.feed(fsm.PromptGiven(max_tokens))
 
@@ -417,6 +438,9 @@ class RunDriver:
         """The prompt object: what the stages do not keep of the last run, at
         the position where the kept prefix ends (every stage keeps as much)."""
         holds = [self.holds.get(index, PrefixHeld()) for index in range(len(self.plan.stages))]
+        if self.resume is not None:
+            self._inject_resumed(self.resume, holds)
+            return
         source = self.source if self.plan.reuse.run_id else None
         reuse = choose_kept(source, self.prompt, holds)
         self.kept, self.fed, self.injected = reuse.kept, list(self.prompt), True
@@ -430,6 +454,26 @@ class RunDriver:
                 )
             )
         self._write_tokens(0, self.prompt[reuse.kept :], reuse.kept)
+
+    def _inject_resumed(self, resume: Resume, holds: list[PrefixHeld]) -> None:
+        """A resumed run's prompt: a rebuilt stage 0's parts first, then the
+        interrupted run's last token at the position its stages hold."""
+        problem = resume_problem(resume, holds)
+        if problem:
+            self.feed(fsm.EdgeFault(RESUME_REFUSED + problem))
+            return
+        self.kept, self.fed, self.injected = resume.kept, list(self.prompt), True
+        for tokens, position in rebuild_parts(resume, self.prompt[: self._prompt_length]):
+            self._write_tokens(0, tokens, position, rebuild=True)
+        rebuilt = f"stage {resume.rebuild} rebuilt" if resume.rebuild >= 0 else "no stage rebuilt"
+        self.emit(
+            Notice(
+                "info",
+                f"run {self.plan.run_id:016x} carries run {resume.run_id:016x} on after "
+                f"{len(resume.tokens)} tokens: {rebuilt}, {resume.positions} positions kept by the others",
+            )
+        )
+        self._write_tokens(0, self.prompt[resume.positions :], resume.positions)
 
     def next_source(self) -> ReuseSource | None:
         """What the stages hold once this run is done, for the next run's
@@ -449,13 +493,16 @@ class RunDriver:
             return ReuseSource(self.plan.run_id, (*self.fed, *self.tokens[:-1]))
         return ReuseSource(self.plan.run_id, tuple(self.fed))
 
-    def _write_tokens(self, sequence: int, tokens: list[int], position: int) -> None:
+    def _write_tokens(self, sequence: int, tokens: list[int], position: int, rebuild: bool = False) -> None:
         def failed(error: BaseException) -> None:
             self.stages[0].report_lost(f"token-in edge: {error}")
 
-        self._lane("token-in edge").post(
-            lambda: self.edges.write_tokens(self.plan, sequence, tokens, position), failed
-        )
+        def send() -> Awaitable[None]:
+            if rebuild:
+                return self.edges.write_tokens(self.plan, sequence, tokens, position, rebuild=True)
+            return self.edges.write_tokens(self.plan, sequence, tokens, position)
+
+        self._lane("token-in edge").post(send, failed)
 
     def _accept(self, sequence: int, token: int) -> fsm.RunEvent | None:
         now = time.perf_counter()
@@ -479,7 +526,9 @@ class RunDriver:
         if replaying:
             self._replayed = now  # streamed before the loss: the client has it
             return None
-        self.emit(TokenStreamed(self.plan.run_id, sequence, token, text, self.logprobs.pop(sequence, None)))
+        logprobs = self.logprobs.pop(sequence, None)
+        given = len(self.resume.tokens) if self.resume is not None else 0  # streamed by the run carried on
+        self.emit(TokenStreamed(self.plan.run_id, given + sequence, token, text, logprobs))
         return None
 
     def _finish(self) -> None:
@@ -501,8 +550,8 @@ class RunDriver:
             outcome=run.outcome or "completed",
             stop_reason=run.stop_reason,
             failure=run.failure,
-            prompt_tokens=tuple(self.prompt),
-            tokens=tuple(self.tokens),
+            prompt_tokens=tuple(self.prompt[: self._prompt_length]),
+            tokens=(*(self.resume.tokens if self.resume is not None else ()), *self.tokens),
             text="".join(self.text),
             timings=timings,
             architecture=self.plan.model.architecture,

@@ -122,9 +122,14 @@ class HostCopies:
             lambda rid: Tokenize(rid, path, text, chat, messages, tools, template), 60.0
         )
         if isinstance(reply, RequestFailed):
-            raise PipelineError(f"tokenizing on {stage.host.name}: {reply.reason}")
+            raise TokenizeRefused(f"tokenizing on {stage.host.name}: {reply.reason}")
         assert isinstance(reply, Tokenized)
         return list(reply.tokens), reply.rendered
+
+
+class TokenizeRefused(PipelineError):
+    """The text could not be tokenized (its template failed, say): the
+    request's fault, not a lost stage's."""
 
 
 def _read_local(path: str) -> tuple[ModelRead, ModelFiles]:
@@ -186,7 +191,7 @@ class LocalModel:
                 _tokenize_local, facts.path, template or facts.chat_template, text, chat, messages, tools
             )
         except GgufpipeError as error:  # a template that fails, a conversation without one
-            raise PipelineError(f"tokenizing on this machine: {error}") from None
+            raise TokenizeRefused(f"tokenizing on this machine: {error}") from None
 
 
 ModelSource = HostCopies | LocalModel

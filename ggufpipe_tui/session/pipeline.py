@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -54,13 +55,14 @@ from ggufpipe_tui.core.inventory import HostSpec, Inventory, RunOptions
 from ggufpipe_tui.core.placement import Placement
 from ggufpipe_tui.core.plan import GgufModelPlan, PlanError, RunPlan, build_plan, new_run_id, validate_plan
 from ggufpipe_tui.core.refusal import place_stages
+from ggufpipe_tui.core.reuse import Resume
 from ggufpipe_tui.dataplane import DataPlane, DataPlaneEvents
 from ggufpipe_tui.dataplane.direct import DirectPlane
 from ggufpipe_tui.session.control import to_run
 from ggufpipe_tui.session.delivery import Delivered, deliver_stages, with_stage_files
-from ggufpipe_tui.session.driver import RunDriver
+from ggufpipe_tui.session.driver import LOSS_REPORT_SECONDS, RunDriver
 from ggufpipe_tui.session.fanout import Fanout
-from ggufpipe_tui.session.modelsource import LocalModel, ModelSource, model_source
+from ggufpipe_tui.session.modelsource import LocalModel, ModelSource, TokenizeRefused, model_source
 from ggufpipe_tui.session.parallel import ParallelRunner
 from ggufpipe_tui.session.rebuild import rebuild
 from ggufpipe_tui.session.recovery import Recovery
@@ -293,9 +295,30 @@ class Pipeline:
         chat template when ``chat``) or a whole conversation (``messages``,
         through the chat template); by stage 0's agent, or here with
         ``send: true`` (session/modelsource.py)."""
-        if self.model is None:
-            raise PipelineError("the pipeline is not running")
-        return await self.model.tokenize(text, chat, tuple(messages), tools, template)
+        for attempt in (1, 2):
+            if self.recovery.active and not self.closing:
+                await self.recovery.recover()  # stage 0 lost: repaired first (raises when it cannot be)
+            if self.model is None or self.closing:
+                raise PipelineError("the pipeline is not running")
+            try:
+                return await self.model.tokenize(text, chat, tuple(messages), tools, template)
+            except TokenizeRefused:
+                raise  # the text's fault
+            except PipelineError:
+                # Stage 0 lost while it tokenized (its agent, or the stream to
+                # it): once its loss is reported and repaired, once more.
+                if attempt == 2 or not await self._loss_reported():
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _loss_reported(self, within: float = LOSS_REPORT_SECONDS) -> bool:
+        """Whether stage 0's loss is (or, within ``within`` s, comes to be) reported."""
+        deadline = time.monotonic() + within
+        while not (self.recovery.active or self.stages[0].lost):
+            if time.monotonic() > deadline or self.closing:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     # --------------------------------------------------------------- runs
 
@@ -338,12 +361,15 @@ class Pipeline:
         *,
         slot: SlotId = FIRST_SLOT,
         reuse: bool = True,
+        resume: Resume | None = None,
     ) -> RunDriver:
         """Plan, provision and load a run that waits for its prompt, on
         ``slot`` of every stage (it offers what the slot's last run left
         there, unless ``reuse`` is False: llama-server's cache_prompt).
         ``quiet``: its events go nowhere (a run of the history replayed by
-        recovery, :meth:`Recovery.replay_history <.recovery.Recovery.replay_history>`)."""
+        recovery, :meth:`Recovery.replay_history <.recovery.Recovery.replay_history>`).
+        ``resume``: the run carries an interrupted one on in proportion
+        (session/recovery.py): offered its positions, one stage rebuilt."""
         if self.recovery.active and not self.closing:
             await self.recovery.recover()  # a stage lost between runs: repaired first
         if self.closing or self.data is None:
@@ -356,7 +382,10 @@ class Pipeline:
         use = previous is not None and self.prefix_reuse and reuse
         source = previous.next_source() if use and previous is not None else None
         plan = replace(self.make_plan(options), slot=slot)
-        if source is not None:
+        if resume is not None:
+            source = None
+            plan = replace(plan, reuse=resume.offer(), rebuild=resume.rebuild)
+        elif source is not None:
             plan = replace(plan, reuse=source.offer())
         driver = RunDriver(
             plan,
@@ -368,6 +397,7 @@ class Pipeline:
             self.pieces,
             log_path=lambda: self.events.log_path(plan.run_id),
             source=source,
+            resume=resume,
         )
         self.on_slot[slot] = self.drivers[plan.run_id] = driver
         if not quiet:

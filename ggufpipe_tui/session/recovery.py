@@ -32,8 +32,10 @@ from ggufpipe_tui.core.events import (
     StageRecovery,
 )
 from ggufpipe_tui.core.inventory import RunOptions
+from ggufpipe_tui.core.plan import sampling_params
+from ggufpipe_tui.core.reuse import RESUME_REFUSED, Resume
 from ggufpipe_tui.session.driver import RunDriver
-from ggufpipe_tui.session.runs import RunHandle, Turn
+from ggufpipe_tui.session.runs import RunHandle, Turn, with_history
 from ggufpipe_tui.session.stages import PipelineError, StageHandle
 
 #: Runs of a conversation recovery replays at most (beyond: a cold replay).
@@ -78,6 +80,7 @@ class Recoverable(Protocol):
         *,
         slot: SlotId = FIRST_SLOT,
         reuse: bool = True,
+        resume: Resume | None = None,
     ) -> RunDriver: ...
 
     async def run_prompt(
@@ -113,6 +116,9 @@ class Recovery:
         self._loss: tuple[str, float, int] = ("", 0.0, -1)  # who was lost first, when, at which token
         self._repair_times = (0.0, 0.0, 0.0, "")  # repair start, end, teardown done, how
         self._how = ""  # the last repair in a few words: "restarted", "moved to gpu-c"
+        # The stages lost since the pipeline was last whole (none: a link
+        # re-made): one lost alone is rebuilt in proportion (docs/recovery.md).
+        self._lost: set[int] = set()
 
     @property
     def active(self) -> bool:
@@ -133,10 +139,11 @@ class Recovery:
         be replayed (its replay's RunFinished ends it) and this is what to say
         instead; else None, and a completed run gives the next loss
         recovery's whole budget."""
+        refused = result.failure.startswith(RESUME_REFUSED)  # replayed whole instead
         if (
             not final
             and result.outcome == "faulted"
-            and self.state.phase is rec.Phase.RECOVERING
+            and (self.state.phase is rec.Phase.RECOVERING or refused)
             and not self.pipeline.closing
         ):
             self._interrupted[result.run_id] = result
@@ -164,6 +171,7 @@ class Recovery:
         stage.fail_requests(reason)
         live = pipeline.live_drivers()
         if repeated and self.state.phase is rec.Phase.RECOVERING:
+            self._lost.add(stage.index)
             for driver in live:  # one loss: the repair under way restarts the whole process
                 driver.feed(fsm.StageLost(stage.index, reason))
             return
@@ -178,6 +186,7 @@ class Recovery:
             pipeline.stop_serving(reason)
             return
         self.stages_lost += 1
+        self._lost = {stage.index} if before.phase is rec.Phase.READY else {*self._lost, stage.index}
         self._step(rec.Loss(reason, now))
         if before.phase is rec.Phase.READY:
             # A shared process that died: its stages, named once.
@@ -226,6 +235,8 @@ class Recovery:
             pipeline.stop_serving(reason)
             return
         now, before = time.perf_counter(), self.state
+        if before.phase is rec.Phase.READY:
+            self._lost = set()
         self._step(rec.Loss(reason, now))
         if before.phase is rec.Phase.READY:
             self._loss = (link, now, at_token)
@@ -311,14 +322,44 @@ class Recovery:
                 if handle.done:
                     raise PipelineError("the prompt was withdrawn")
                 await self.recover()
-                await self.replay_history(old)
-                driver = await self.pipeline.prepare_run(turn.options, slot=turn.slot)
+                resume = self.resume_of(old, turn)
+                options, limit = turn.options, turn.limit
+                if resume is None:
+                    await self.replay_history(old)
+                else:
+                    limit = (turn.limit or turn.options.max_tokens) - len(old.tokens)
+                    options = replace(
+                        with_history(turn.options, (*turn.tokens, *old.tokens)), max_tokens=limit
+                    )
+                    options = replace(options, extra=(*options.extra, ("skip_draws", len(old.tokens))))
+                driver = await self.pipeline.prepare_run(options, slot=turn.slot, resume=resume)
             except GgufpipeError as error:
                 return self.give_up(old, str(error))
             self.replaying(driver, old)
             self.pipeline.assign(handle, driver, replaces=old.run_id)
-            result = await self.pipeline.run_prompt(driver, turn.tokens, handle.prompt.submitted, turn.limit)
+            result = await self.pipeline.run_prompt(driver, turn.tokens, handle.prompt.submitted, limit)
         return result
+
+    def resume_of(self, old: RunResult, turn: Turn) -> Resume | None:
+        """How ``old`` (interrupted) is carried on in proportion, or None
+        where it is replayed whole: more than one stage lost (a shared
+        process), nothing streamed yet, a sampler that cannot be brought
+        forward from the tokens (SamplingParams.resumable), a stage 0 to
+        rebuild after a kept prefix (its earlier runs' parts are not kept),
+        no token left to make, or a resume that its stages refused."""
+        lost = sorted(self._lost)
+        limit = turn.limit or turn.options.max_tokens
+        if (
+            len(lost) > 1
+            or not old.tokens
+            or old.failure.startswith(RESUME_REFUSED)
+            or not sampling_params(turn.options).resumable
+            or (lost == [0] and old.prompt_reused)
+            or limit - len(old.tokens) <= 0
+        ):
+            return None
+        positions = len(old.prompt_tokens) + len(old.tokens) - 1
+        return Resume(old.run_id, old.tokens, positions, lost[0] if lost else -1, old.prompt_reused)
 
     def take_interrupted(self, run_id: RunId) -> RunResult | None:
         """Run ``run_id``'s result when it faulted by a lost stage that
@@ -363,7 +404,9 @@ class Recovery:
         """``replay`` carries the interrupted run's prompt on (``old``: its
         result): it regenerates the tokens already streamed (checked, not
         streamed again) and goes on."""
-        replay.replay = old.tokens
+        resume = replay.resume
+        # Carried on in proportion: the tokens are given, not made again.
+        replay.replay = old.tokens if resume is None else ()
         prepared = time.perf_counter()
         who, lost_at, at_token = self._loss
         start, end, torn_down, how = self._repair_times
@@ -376,7 +419,7 @@ class Recovery:
                 stages=who,
                 how=how or "restarted",
                 at_token=len(old.tokens),
-                replayed=prompt_tokens + len(old.tokens),
+                replayed=prompt_tokens + len(old.tokens) if resume is None else rebuilt(resume),
                 lost_at=lost_at,
                 teardown_s=max(0.0, (torn_down or start) - lost_at),
                 restart_s=max(0.0, end - start),
@@ -395,3 +438,9 @@ class Recovery:
         result = replace(old, failure=reason)
         self.pipeline.end_run(result)
         return result
+
+
+def rebuilt(resume: Resume) -> int:
+    """The positions a resumed run computed again: the rebuilt stage's, and
+    the one step every stage takes to go on."""
+    return (resume.positions if resume.rebuild >= 0 else 0) + 1

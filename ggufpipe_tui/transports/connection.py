@@ -330,7 +330,8 @@ class AgentConnection:
             )
 
     async def send(self, message: Message) -> None:
-        assert self.control is not None, "the link has not started"
+        if self.control is None:  # its agent is (being) started again
+            raise ConnectionError("the link has not started")
         await self.control.send(message)
 
     async def receive(self) -> Message | None:

@@ -17,6 +17,7 @@ import pytest
 
 from ggufpipe_tui.core.events import (
     AgentConnected,
+    Notice,
     RunFinished,
     RunInterrupted,
     RunPhaseChanged,
@@ -38,7 +39,12 @@ MAX_TOKENS = 40
 
 
 def inventory_file(
-    tmp_path: Path, model_path: Path, mode: str = "direct", attempts: int = 2, **timeouts: float
+    tmp_path: Path,
+    model_path: Path,
+    mode: str = "direct",
+    attempts: int = 2,
+    run: str = "",
+    **timeouts: float,
 ) -> Path:
     limits = {"connect": 30, "ready": 60, "step": 30, "teardown": 5, **timeouts}
     data, feedback = mode_yaml(mode)
@@ -48,7 +54,7 @@ def inventory_file(
         tmp_path,
         model_path,
         stages,
-        f"max_tokens: {MAX_TOKENS}, ignore_eos: true, chat: false, {feedback}",
+        f"max_tokens: {MAX_TOKENS}, ignore_eos: true, chat: false, {feedback}{run}",
         data,
         timeouts=", ".join(f"{k}: {v}" for k, v in limits.items()),
         extra=f"recovery: {{attempts: {attempts}, deadline: 120}}\n",
@@ -101,6 +107,24 @@ async def test_agent_killed_mid_decode_is_restarted(tmp_path, model_path, no_age
     )
     pids = {e.hello.pid for e in of(saboteur, AgentConnected) if e.stage == stage}
     assert len(pids) == 2, "a new agent process for the stage"
+    # In proportion: the other stages kept their caches, only this one was rebuilt.
+    carried = [e.text for e in of(saboteur, Notice) if " carries run " in e.text]
+    assert carried and f"stage {stage} rebuilt" in carried[0], carried
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+async def test_a_seeded_run_carries_on_as_it_would_have_gone(tmp_path, model_path, no_agent_left, stage):
+    """Sampled (temperature 1, a seed), the run carried on in proportion
+    after a loss samples what the unbroken run samples: its new sampler
+    makes the seeded draws the old one made for the tokens streamed."""
+    path = inventory_file(tmp_path, model_path, run=", temperature: 1.0, seed: 7, top_k: 0, top_p: 1.0")
+    plain = await run_with(Saboteur(lambda e: False, lambda p: None), path)
+    saboteur = Saboteur(on_token(12), signal_agent(stage, signal.SIGKILL))
+    result = await run_with(saboteur, path)
+    assert saboteur.fired and result.outcome == "completed", result.failure
+    assert [e.text for e in of(saboteur, Notice) if " carries run " in e.text]
+    assert list(result.tokens) == list(plain.tokens), "the seeded reply differs from the unbroken one"
+    assert streamed(saboteur)[0] == list(result.tokens)
 
 
 async def test_agent_killed_during_prefill(tmp_path, model_path, no_agent_left):
@@ -162,6 +186,29 @@ async def test_recovery_off_faults_as_before(tmp_path, model_path, no_agent_left
     assert result.outcome == "faulted"
     assert result.failure == "stage 1 on here (local): the agent exited (killed by signal 9)"
     assert not of(saboteur, StageRecovery)
+
+
+async def test_a_prompt_tokenized_while_stage_0_is_lost_waits_for_the_repair(
+    tmp_path, model_path, no_agent_left
+):
+    """Stage 0's agent tokenizes: a prompt sent to it as it dies, or while it
+    is started again, is tokenized once it is back (not refused, and not an
+    error that ends the server, as the chaos benchmark once found)."""
+    events: list[Any] = []
+    pipeline = Pipeline(load_inventory(inventory_file(tmp_path, model_path)), events.append)
+    try:
+        await pipeline.start()
+        expected, _ = await pipeline.tokenize("Once upon a time", False)
+        signal_agent(0, signal.SIGKILL)(pipeline)
+        during = [asyncio.create_task(pipeline.tokenize("Once upon a time", False)) for _ in range(3)]
+        await asyncio.sleep(0.2)  # the loss reported, the repair under way
+        during.append(asyncio.create_task(pipeline.tokenize("Once upon a time", False)))
+        for task in during:
+            tokens, _ = await task
+            assert tokens == expected
+        assert not pipeline.broken
+    finally:
+        await pipeline.close()
 
 
 async def test_a_stage_lost_between_runs_is_restarted_before_the_next(tmp_path, model_path, no_agent_left):

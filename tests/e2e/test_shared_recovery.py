@@ -141,7 +141,8 @@ async def test_a_stage_whose_engine_fails_is_started_again(
         assert len(set(pids)) == 4, "a new process for stage 1"
     elif stage == 1:
         assert ready == [1], "only stage 1 started again"
-        assert [e.stage for e in connected] == [0, 1, 2, 1]
+        stages = [e.stage for e in connected]  # the first three in the order their hellos came
+        assert sorted(stages[:3]) == [0, 1, 2] and stages[3:] == [1]
         assert len(set(pids)) == 1, "the same process throughout"
     else:
         assert ready == [0, 1, 2], "the process started again with its stages"

@@ -120,7 +120,9 @@ class FakeEdges:
     async def open_edges(self, plan: RunPlan, stage: int) -> None:
         self.opened.append(stage)
 
-    async def write_tokens(self, plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None:
+    async def write_tokens(
+        self, plan: RunPlan, sequence: int, tokens: list[int], position: int, rebuild: bool = False
+    ) -> None:
         if self.fail_writes:
             raise BrokenPipeError("token-in gone")
         if self.stalled:
@@ -246,8 +248,10 @@ class Autopilot:
             stage.send = send  # type: ignore[method-assign]
         write = rig.edges.write_tokens
 
-        async def write_tokens(plan: RunPlan, sequence: int, tokens: list[int], position: int) -> None:
-            await write(plan, sequence, tokens, position)
+        async def write_tokens(
+            plan: RunPlan, sequence: int, tokens: list[int], position: int, rebuild: bool = False
+        ) -> None:
+            await write(plan, sequence, tokens, position, rebuild)
             loop.call_soon(self._token, sequence)
 
         rig.edges.write_tokens = write_tokens  # type: ignore[method-assign]
