@@ -13,7 +13,8 @@ reference (greedy, a fixed ``max_tokens``). Then, for --duration seconds:
   each reply is checked against the same request's reply alone;
 * a client sends bad_input's refused requests (benchmarks/bench_bad_input.py's
   KINDS: malformed JSON, unknown and mistyped fields, 2 MB bodies, unknown
-  routes, ...), each of which must get its 4xx;
+  routes, ...; its prompt past the context longer, for this context), each of
+  which must get its 4xx;
 * the schedule: a stage agent SIGKILLed at 20, 40 and 60 s (stages 1, 2, 0),
   one SIGSTOPped at 80 s for 35 s then SIGCONTed (recovery has killed it by
   then: the heartbeat), and at the end long streamed replies are started and
@@ -55,9 +56,11 @@ from benchmarks.serving import Ggufpipe, machine  # noqa: E402
 from tests.support.common import smollm_path  # noqa: E402
 
 STAGES = ((0, 10), (10, 20), (20, 30))
-CONTEXT = 512  # bad_input's "prompt past the context" is past 512
+CONTEXT = 1024  # positions per slot: room for the long replies
 HEARTBEAT = 8.0
-LONG_TOKENS = 440  # the shutdown's replies: far longer than the drain's 10 s
+LONG_TOKENS = 1000  # the shutdown's replies: far longer than the drain's 10 s
+PAST = "word " * 1200  # past the context (bad_input's prompt is past its 512)
+SHOWN = 20  # findings listed in the page
 CLIENTS = 5  # good clients: the 3 slots and 2 waiting
 QUESTIONS = [
     "Why is the sky blue?",
@@ -70,6 +73,14 @@ QUESTIONS = [
     "Describe a rainbow in one sentence.",
 ]
 STORY = "Once upon a time, in a village by the sea, there lived"
+
+
+def past_context(i: int) -> bytes:
+    return json.dumps({"prompt": f"{i} {PAST}", "max_tokens": 8}).encode()
+
+
+#: bad_input's refused requests, its prompt past the context made longer for this context
+BAD = [(k[0], k[1], k[2], past_context if k[0] == "prompt past the context" else k[3], k[4]) for k in KINDS]
 
 
 @dataclass(frozen=True)
@@ -155,6 +166,7 @@ class Tally:
     outcomes: Counter[str] = field(default_factory=Counter)
     by_mode: Counter[tuple[str, str]] = field(default_factory=Counter)
     findings: list[str] = field(default_factory=list)
+    lost_why: Counter[str] = field(default_factory=Counter)  # lost replies by status and error
     bad: Counter[tuple[str, str]] = field(default_factory=Counter)
     chaos: list[str] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)  # kills and stops: when, what
@@ -162,6 +174,7 @@ class Tally:
     health: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
     shutdown: list[str] = field(default_factory=list)
     sigterm_at: float = 0.0
+    died: tuple[float, int | None] | None = None  # when the server exited before the SIGTERM, its status
 
 
 async def ask(
@@ -233,6 +246,7 @@ def judge(
         tally.findings.append(f"changed before the shutdown cut it: {where}: {out['text']!r}")
     else:
         tally.outcomes["lost"] += 1
+        tally.lost_why[f"{out['status']}: {out['error']}"[:160]] += 1
         tally.findings.append(
             f"lost: {where}: status {out['status']}, finish {out['finish']}, [DONE] {out['done']}, "
             f"error {out['error']}, {len(out['text'])} characters"
@@ -258,13 +272,15 @@ async def client(
             started = time.monotonic() - t0
             out = await ask(http, url, request, stream)
             judge(tally, request, stream, out, started, time.monotonic() - t0)
+            if not whole(out):
+                await asyncio.sleep(0.5)  # as a client would before it tries again
 
 
 async def bad_client(url: str, tally: Tally, until: asyncio.Event) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
         i = 0
         while not until.is_set():
-            name, method, path, body, wrong = KINDS[i % len(KINDS)]
+            name, method, path, body, wrong = BAD[i % len(BAD)]
             headers = {
                 "Authorization": f"Bearer {'wrong' if wrong else KEY}",
                 "Content-Type": "application/json",
@@ -279,6 +295,19 @@ async def bad_client(url: str, tally: Tally, until: asyncio.Event) -> None:
                 tally.findings.append(f"bad request {name}: no answer: {type(error).__name__}: {error}")
             i += 1
             await asyncio.sleep(0.1)
+
+
+async def watch(server: Ggufpipe, tally: Tally, t0: float, died: asyncio.Event, stop: asyncio.Event) -> None:
+    """The server exiting before the SIGTERM: said, and the clients stopped."""
+    while server.process.poll() is None or tally.sigterm_at:
+        await asyncio.sleep(0.2)
+    tally.died = (time.monotonic() - t0, server.process.returncode)
+    tally.chaos.append(
+        f"{tally.died[0]:6.1f} s: THE SERVER EXITED (status {tally.died[1]}) before the SIGTERM"
+    )
+    print("chaos:", tally.chaos[-1], file=sys.stderr, flush=True)
+    stop.set()
+    died.set()
 
 
 async def sampler(server: Ggufpipe, tally: Tally, t0: float, stop: asyncio.Event) -> None:
@@ -401,10 +430,22 @@ async def run(work: Path, server: Ggufpipe, args: argparse.Namespace, plan: dict
     asks = pool(args.pool)
     clients = [asyncio.create_task(client(url, asks, i, tally, stop_clients, t0)) for i in range(CLIENTS)]
     clients.append(asyncio.create_task(bad_client(url, tally, stop_clients)))
-    await chaos(work, server, tally, plan, t0)
-    await asyncio.sleep(max(0.0, plan["end"] - (time.monotonic() - t0)))
-    tally.rss.append((time.monotonic() - t0, rss_kib(server.process.pid)))  # just before the shutdown
-    await shutdown(server, url, tally, t0, stop_clients)
+    died = asyncio.Event()
+    watching = asyncio.create_task(watch(server, tally, t0, died, stop_clients))
+
+    async def chaos_then_end() -> None:
+        await chaos(work, server, tally, plan, t0)
+        await asyncio.sleep(max(0.0, plan["end"] - (time.monotonic() - t0)))
+
+    schedule_task = asyncio.create_task(chaos_then_end())
+    dying = asyncio.create_task(died.wait())
+    await asyncio.wait([schedule_task, dying], return_when=asyncio.FIRST_COMPLETED)
+    if not died.is_set():
+        tally.rss.append((time.monotonic() - t0, rss_kib(server.process.pid)))  # just before the shutdown
+        await shutdown(server, url, tally, t0, stop_clients)
+    schedule_task.cancel()
+    dying.cancel()
+    watching.cancel()
     await asyncio.gather(*clients)
     stop_sampler.set()
     await sampling
@@ -415,7 +456,7 @@ async def run(work: Path, server: Ggufpipe, args: argparse.Namespace, plan: dict
 def report(tally: Tally, args: argparse.Namespace, plan: dict[str, Any], extra: dict[str, Any]) -> str:
     outcomes = tally.outcomes
     total = sum(outcomes[k] for k in ("equal", "changed", "lost", "cut by the shutdown, marked"))
-    rss = [kib for _, kib in tally.rss]
+    rss = [kib for _, kib in tally.rss if kib]  # 0: read after the server exited
     before_chaos = tally.rss[1][1] if len(tally.rss) > 1 else rss[0]
     last = [health for _, health in tally.health if "stages_lost" in health]
     final = last[-1] if last else {}
@@ -436,7 +477,8 @@ def report(tally: Tally, args: argparse.Namespace, plan: dict[str, Any], extra: 
         "and completions, greedy, 24 to 56 tokens) and the long one were first answered alone, one at a "
         f"time ({outcomes['reference_s']} s): the reference. Then for {plan['end']:g} s {CLIENTS} clients "
         "sent them over and over, streamed and not (3 slots: 2 requests waiting), and one client sent "
-        f"benchmarks/bench_bad_input.py's {len(KINDS)} kinds of refused request in turn, while:",
+        f"benchmarks/bench_bad_input.py's {len(KINDS)} kinds of refused request in turn (its prompt past "
+        f"the context made {len(PAST.split())} words for this context), while:",
         "",
         *(f"- {line}" for line in tally.chaos),
         "",
@@ -458,10 +500,11 @@ def report(tally: Tally, args: argparse.Namespace, plan: dict[str, Any], extra: 
         f"The shutdown: 4 long completions ({LONG_TOKENS} tokens, `ignore_eos`; 3 streamed, 1 not) were "
         "sent, and the server got SIGTERM once two streams had text (the good clients stopped sending then):",
         "",
-        *(f"- {line}" for line in tally.shutdown),
+        *(f"- {line}" for line in tally.shutdown or ["none: the server had exited before it."]),
         "",
         f'The server\'s exit status: {extra["exit"]}; its log lines saying "cut short by the shutdown": '
-        f"{extra['cut_lines']}; processes left after it: {extra['left']}.",
+        f"{extra['cut_lines']}, its 503 lines naming the shutdown: {extra['shutdown_503']}; processes "
+        f"left after it: {extra['left']}.",
         "",
         "## Recoveries (`GET /health` at the end)",
         "",
@@ -484,18 +527,21 @@ def report(tally: Tally, args: argparse.Namespace, plan: dict[str, Any], extra: 
         lines.append(f"| {name} | {cells} |")
     lines += [
         "",
-        *repairs(tally),
-        "",
         "## The server's memory (VmRSS, MiB)",
         "",
         f"at ready {rss[0] / 1024:.1f}; after the references {before_chaos / 1024:.1f}; peak "
-        f"{max(rss) / 1024:.1f}; before the SIGTERM {tally.rss[-1][1] / 1024:.1f} "
+        f"{max(rss) / 1024:.1f}; at the end {rss[-1] / 1024:.1f} "
         f"({len(tally.rss)} samples). Its agents are not counted (each restart is a new process).",
         "",
         "## Findings",
         "",
-        *(f"- {line}" for line in tally.findings or ["none: no reply lost or changed."]),
+        *(f"- {line}" for line in tally.findings[:SHOWN] or ["none: no reply lost or changed."]),
     ]
+    if len(tally.findings) > SHOWN:
+        lines.append(f"- ... and {len(tally.findings) - SHOWN} more")
+    if tally.lost_why:
+        lines += ["", "The lost replies by status and error:", "", "| count | status: error |", "|---:|---|"]
+        lines += [f"| {n} | {why.replace('|', '/')} |" for why, n in tally.lost_why.most_common()]
     return "\n".join(lines) + "\n"
 
 
@@ -515,10 +561,22 @@ def repairs(tally: Tally) -> list[str]:
 
 
 def schedule(args: argparse.Namespace) -> dict[str, Any]:
+    """When each stage is killed (20 s apart) and stopped; when the shutdown comes."""
     if args.quick:
-        return {"kills": [(12.0, 1)], "stall": (25.0, 2, 14.0), "end": args.duration or 55.0}
+        kills = [int(k) for k in (args.kills or "1").split(",")]
+        return {
+            "kills": [(12.0 + 10.0 * i, stage) for i, stage in enumerate(kills)],
+            "stall": (12.0 + 10.0 * len(kills) + 3.0, 2, 14.0),
+            "end": args.duration or 55.0,
+        }
+    kills = [int(k) for k in (args.kills or "1,2,0").split(",")]
+    stall = 20.0 * len(kills) + 20.0
     end = args.duration or 150.0
-    return {"kills": [(20.0, 1), (40.0, 2), (60.0, 0)], "stall": (80.0, 1, 35.0), "end": end}
+    return {
+        "kills": [(20.0 * (i + 1), stage) for i, stage in enumerate(kills)],
+        "stall": (stall, 1, 35.0),
+        "end": end,
+    }
 
 
 def main() -> None:
@@ -537,6 +595,9 @@ def main() -> None:
     )
     parser.add_argument("--out", default=str(REPO / "docs" / "bench-chaos.md"))
     parser.add_argument("--server-log", help="write the server's stderr here")
+    parser.add_argument(
+        "--kills", help="the stages SIGKILLed, in order, 20 s apart (1,2,0; --quick: 1, 10 s apart)"
+    )
     args = parser.parse_args()
     args.pool = args.pool or (4 if args.quick else 8)
     plan = schedule(args)
@@ -553,6 +614,7 @@ def main() -> None:
             time.sleep(2)
             left = leftovers(work)
             cut_lines = sum("cut short by the shutdown" in line for line in server.lines)
+            shutdown_503 = sum(" 503 " in line and "shutting down" in line for line in server.lines)
             if args.server_log:
                 Path(args.server_log).write_text("".join(server.lines))
         finally:
@@ -561,7 +623,12 @@ def main() -> None:
             for pid in leftovers(work):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-    text = report(tally, args, plan, {"exit": code, "left": len(left), "cut_lines": cut_lines})
+    text = report(
+        tally,
+        args,
+        plan,
+        {"exit": code, "left": len(left), "cut_lines": cut_lines, "shutdown_503": shutdown_503},
+    )
     print(text)
     Path(args.out).write_text(text)
 
