@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ggufpipe_tui.core.events import AgentConnected, DataPath, RunFinished, StageRecovery
+from ggufpipe_tui.core.events import AgentConnected, DataPath, Notice, RunFinished, StageRecovery
 from ggufpipe_tui.core.inventory import load_inventory
 from ggufpipe_tui.dataplane import direct
 from ggufpipe_tui.dataplane.direct import DirectPlane
@@ -68,6 +68,9 @@ async def run_cut(tmp_path: Path, model_path: Path, seconds: float, data: str = 
 async def test_a_link_cut_for_two_seconds_is_made_again(tmp_path, model_path, no_agent_left):
     result, events, proxies = await run_cut(tmp_path, model_path, 2.0)
     recovered = assert_replayed(result, events, model_path, LINK)
+    # Both ends kept their caches: the run was carried on with no stage rebuilt.
+    carried = [e.text for e in of(events, Notice) if " carries run " in e.text]
+    assert carried and "no stage rebuilt" in carried[0], carried
     assert recovered.at_token >= 9
     paths = [e for e in of(events, DataPath) if e.producer == 0]
     assert [(p.data, p.transport) for p in paths] == [("direct", "tls")] * 2, paths
