@@ -29,7 +29,7 @@ from ggufpipe_tui.core.inventory import load_inventory
 from ggufpipe_tui.core.recovery import recovery_line
 from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.session.runs import Prompt
-from tests.support.common import MODES, mode_yaml, whole_model_greedy
+from tests.support.common import LONG_PROMPT, MODES, mode_yaml, whole_model_greedy
 from tests.support.local import write_inventory
 from tests.support.sabotage import Saboteur, on_token, run_with, signal_agent
 
@@ -108,6 +108,23 @@ async def test_agent_killed_mid_decode_is_restarted(tmp_path, model_path, no_age
     pids = {e.hello.pid for e in of(saboteur, AgentConnected) if e.stage == stage}
     assert len(pids) == 2, "a new agent process for the stage"
     # In proportion: the other stages kept their caches, only this one was rebuilt.
+    carried = [e.text for e in of(saboteur, Notice) if " carries run " in e.text]
+    assert carried and f"stage {stage} rebuilt" in carried[0], carried
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+async def test_a_late_loss_after_a_long_prompt_is_rebuilt_exactly(tmp_path, model_path, no_agent_left, stage):
+    """A ~400-token prompt (13 ubatch chunks) and a loss at token 30 of 40:
+    the restarted stage's cache is computed again from its neighbour's kept
+    parts (or, for stage 0, the prompt and the fed-back tokens), and the reply
+    is the whole model's token for token."""
+    saboteur = Saboteur(on_token(30), signal_agent(stage, signal.SIGKILL))
+    result = await run_with(
+        saboteur, inventory_file(tmp_path, model_path), prompt=" ".join([LONG_PROMPT] * 5)
+    )
+    assert saboteur.fired
+    assert len(result.prompt_tokens) > 400
+    assert_recovered(saboteur, result, model_path, stage)
     carried = [e.text for e in of(saboteur, Notice) if " carries run " in e.text]
     assert carried and f"stage {stage} rebuilt" in carried[0], carried
 
