@@ -88,8 +88,10 @@ async def answer(
         exchange.status, exchange.detail = 499, "the client went away: run stopped"
         return response if response is not None else web.Response(status=499)
     finally:
-        # What it was sent, however it ended (a client gone mid-reply included).
-        exchange.completion_tokens = max(exchange.completion_tokens, sum(ch.counted for ch in choices))
+        # What it was sent, however it ended (a client gone mid-reply
+        # included); a reply not streamed sends nothing but a whole one.
+        if response is not None or exchange.status < 400:
+            exchange.completion_tokens = max(exchange.completion_tokens, sum(ch.counted for ch in choices))
         if not exchange.prompt_tokens:
             driver = handles[0].driver
             exchange.prompt_tokens = len(driver.prompt) if driver is not None else 0
@@ -165,7 +167,11 @@ async def _follow(
     if shut:
         message = f"the server is shutting down: the reply was stopped after {completion_tokens} tokens"
         exchange.status, exchange.detail = 503, f"cut short by the shutdown after {completion_tokens} tokens"
-        if response is None:
+        if response is None:  # not streamed: the client gets none of them
+            exchange.completion_tokens = 0
+            exchange.detail = (
+                f"cut short by the shutdown after {completion_tokens} tokens, none sent (not streamed)"
+            )
             raise fields.ApiError(503, message, "unavailable_error")
         await _write(response, renderer.failed(503, message))
         await response.write_eof()

@@ -364,7 +364,7 @@ class Server:
             exchange.status, exchange.detail = 499, "the client went away: run stopped"
             raise
         except fields.ApiError as error:
-            exchange.status, exchange.detail = error.status, error.message
+            exchange.status, exchange.detail = error.status, exchange.detail or error.message
             raise
         except Exception as error:  # a bug of ours: the middleware answers 500
             exchange.status = 500

@@ -160,5 +160,7 @@ def test_a_shutdown_cuts_replies_short_and_says_so(tmp_path: Path, model_path: P
     for line in logged:
         assert " 503 " in line and ("shutting down" in line or "cut short by the shutdown" in line), line
         assert " 200 " not in line, line
-    streamed = [line for line in logged if "cut short by the shutdown" in line]
+    streamed = [line for line in logged if "cut short by the shutdown" in line and "none sent" not in line]
     assert len(streamed) == 3 and all("completion 0 tokens" not in line for line in streamed), lines
+    (unstreamed,) = [line for line in logged if line not in streamed]
+    assert "completion 0 tokens" in unstreamed and "none sent (not streamed)" in unstreamed, unstreamed
