@@ -56,12 +56,15 @@ the generation (it keeps what it has), ctrl+n starts a new conversation, ctrl+f
 filters the log by stage, ctrl+r starts the pipeline again, ctrl+q stops every
 stage and quits.
 
---serve: POST /v1/chat/completions, POST /v1/completions, GET /v1/models and
-GET /health on HOST:PORT (127.0.0.1 unless told otherwise; port 0 picks one),
-and llama-server's POST /tokenize, POST /detokenize, GET /props, GET /slots
-and GET /metrics (Prometheus' text format); requests run one at a time in
-order. SIGTERM finishes or stops the running request, tears every stage down
-and exits 0; a fault of the pipeline exits 1.
+--serve: OpenAI's POST /v1/chat/completions, /v1/completions, /v1/responses
+and GET /v1/models, Anthropic's POST /v1/messages (and /count_tokens), GET
+/health on HOST:PORT (127.0.0.1 unless told otherwise; port 0 picks one), and
+llama-server's POST /tokenize, POST /detokenize, GET /props, GET /slots and
+GET /metrics (Prometheus' text format); --parallel requests run at once, each
+in its slot, the others wait in order. SIGTERM lets the running requests
+finish for a while, then stops them (a reply cut short ends with an error
+naming the shutdown, or a 503), tears every stage down and exits 0; a fault
+of the pipeline exits 1.
 
 exit status (headless): 0 the run completed, 1 the run faulted (the output so
 far is printed, the reason is the last line on stderr), 2 the pipeline could
