@@ -8,8 +8,8 @@ non-last stage sent on (its first position, its payload in the edge's dtype)
 as long as the slot's cache holds it: a run that keeps a prefix of the one
 before drops what lies past it, as the cache does.
 
-The memory is bounded: ``GGUFPIPE_KEEP_SENT_MIB`` (default 512) in all, per
-process. A slot whose rows would pass it keeps none (its next loss is
+The memory is bounded: ``GGUFPIPE_KEEP_SENT_MIB`` (default 512) over all a
+stage's slots (the stage's loaded engine holds it). A slot whose rows would pass it keeps none (its next loss is
 replayed whole, as without this), so the bound holds whatever the runs.
 """
 
@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-#: Bytes of sent rows a process keeps at most, over all its slots.
+#: Bytes of sent rows a stage keeps at most, over all its slots.
 DEFAULT_LIMIT = int(float(os.environ.get("GGUFPIPE_KEEP_SENT_MIB", "512")) * (1 << 20))
 
 
