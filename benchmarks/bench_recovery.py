@@ -313,7 +313,9 @@ tests/support/common.py `LONG_PROMPT`, cut), context {CONTEXT}, ubatch {args.uba
 {args.max_tokens} tokens a reply (the unbroken runs decoded at a median {rate} tokens/s);
 the lost stage's agent SIGKILLed when token {args.kill_at} streams. Each case is a new
 pipeline in a child process (started, a 4-token warm-up run, then the measured run), so
-no run reuses another's cache. Medians of the repeats.
+no run reuses another's cache. Medians of the repeats. The machine is shared with other
+work and noisy (to token K of one length varies by a third between cases): read the
+ratios, each measured within its own case.
 
 {text}
 
