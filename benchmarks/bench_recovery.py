@@ -58,7 +58,10 @@ BLOCKS = RANGES[-1][1]
 CONTEXT = 8192  # SmolLM2's n_ctx_train
 PARTS = ("detect", "teardown", "restart", "load", "replay", "next")
 TARGET = 0.6  # issue 39: stage 1's share of the work (13 of 30 blocks), at most
-TODAY = "0.95 (issue 39: a loss at token 287 after a 716-token prompt, 10.5 s against 11.0 s)"
+TODAY = (
+    "0.91-1.44 before the replay in proportion (the cold replay made every token again "
+    "through every stage: this page's previous version, `git log -p docs/bench-recovery.md`)"
+)
 
 
 def write_inventory(directory: Path, args: argparse.Namespace) -> Path:
@@ -327,13 +330,15 @@ Columns:
   time the run took to get where it was lost (the unbroken row: the same, no kill).
 * **recovery**: seconds from the SIGKILL to the next new token streamed.
 * **ratio**: recovery / to token K. Issue 39's target: about the lost stage's share of
-  the work, **at most {TARGET} for stage 1** (13 of 30 blocks); **today: {TODAY}**.
+  the work, **at most {TARGET} for stage 1** (13 of 30 blocks); **{TODAY}**.
 * The parts of the recovery (docs/recovery.md, `RunRecovered`): **detect** (kill to the
   loss report: the agent's exit read), **teardown** (the interrupted run's survivors
   stopped), **restart** (the agent started again, its model checked, a new data plane),
-  **load** (the replay run provisioned, stage files loaded), **replay** (what the replay
-  computed again, to its last replayed token), **next** (the rest: the next token's step
-  and the moments between parts).
+  **load** (the replay run provisioned, stage files loaded), **replay** (a cold replay's
+  tokens made again, to the last one streamed: 0 where the run is carried on in proportion,
+  which makes none again), **next** (the rest: carried on in proportion, the restarted
+  stage computing its positions again from its neighbour's kept rows, then the next
+  token's step; and the moments between parts).
 * **identical**: the whole reply of the run with the loss is token for token the unbroken
   run's of the same prompt (greedy).
 * **cold start**: `Pipeline.start()` to the warm-up run's first token, the same pipeline.
