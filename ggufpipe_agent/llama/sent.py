@@ -9,8 +9,9 @@ as long as the slot's cache holds it: a run that keeps a prefix of the one
 before drops what lies past it, as the cache does.
 
 The memory is bounded: ``GGUFPIPE_KEEP_SENT_MIB`` (default 512) over all a
-stage's slots (the stage's loaded engine holds it). A slot whose rows would pass it keeps none (its next loss is
-replayed whole, as without this), so the bound holds whatever the runs.
+stage's slots (the stage's loaded engine holds it). A slot whose rows would
+pass it keeps none (its next loss is replayed whole, as without this), so the
+bound holds whatever the runs.
 """
 
 from __future__ import annotations

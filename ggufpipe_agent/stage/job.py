@@ -52,7 +52,14 @@ from ggufpipe_agent.stage.fsm import (
     transition,
 )
 from ggufpipe_agent.stage.handover import ConsumerRun, Precomputed, chain_next
-from ggufpipe_agent.stage.outputs import Counters, activation_records, ring_record, sent_part, token_record
+from ggufpipe_agent.stage.outputs import (
+    Counters,
+    activation_records,
+    rebuild_records,
+    ring_record,
+    sent_part,
+    token_record,
+)
 from ggufpipe_agent.stage.preparation import load_engine, stage_file
 from ggufpipe_agent.stage.writers import RecordSink
 from ggufpipe_agent.tasks import TaskOwner
@@ -449,21 +456,8 @@ class StageJob:
         try:
             if self.outbound is None:
                 raise ConnectionError("outbound edge is not connected")
-            for part in parts:
-                head = objects.ObjectHeader(
-                    objects.KIND_ACTIVATION,
-                    part.dtype,
-                    self.run_id,
-                    p.outbound.edge_id,
-                    0,
-                    part.rows,
-                    part.cols,
-                    len(part.payload),
-                    part.position,
-                    more=True,
-                    rebuild=True,
-                )
-                await self.outbound.write(head.pack(), memoryview(part.payload))
+            for head, payload in rebuild_records(p, parts):
+                await self.outbound.write(head, payload)
         except (ConnectionError, OSError) as error:
             self.fault_peer = self.outbound_peer
             self._apply_if_alive(OutputFault(f"outbound edge {p.outbound.edge_id}: {error}"))

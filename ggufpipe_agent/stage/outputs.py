@@ -8,6 +8,7 @@ are built here from the provision; the stage run (stage/job.py) writes them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -54,6 +55,27 @@ def sent_part(head: bytes, body: memoryview) -> SentPart:
     """An activation record as the sender keeps it (llama/sent.py)."""
     header = objects.unpack_header(head, objects.ABSOLUTE_MAX_PAYLOAD)
     return SentPart(header.position, header.rows, header.cols, header.dtype, bytes(body))
+
+
+def rebuild_records(p: ProvisionStage, parts: Iterable[SentPart]) -> Iterator[tuple[bytes, memoryview]]:
+    """The parts a stage sent of an interrupted run, again, for the rebuilt
+    next stage: header and payload of each, sequence 0, flagged MORE and
+    REBUILD, at its position, in its first shape (docs/recovery.md)."""
+    for part in parts:
+        head = objects.ObjectHeader(
+            objects.KIND_ACTIVATION,
+            part.dtype,
+            p.run_id,
+            p.outbound.edge_id,
+            0,
+            part.rows,
+            part.cols,
+            len(part.payload),
+            part.position,
+            more=True,
+            rebuild=True,
+        )
+        yield head.pack(), memoryview(part.payload)
 
 
 class Counters:
