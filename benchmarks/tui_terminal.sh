@@ -80,5 +80,5 @@ if ratios:
           f"TUI {statistics.median(int(t) for _, t in cpu)} ms")' "$LOGS/ratios"
 tmux send-keys -t $S C-q
 for _ in $(seq 1 60); do tmux has-session -t $S 2>/dev/null || break; sleep 0.5; done
-tmux kill-session -t $S 2>/dev/null && echo "(tmux session killed)"
+if tmux kill-session -t $S 2>/dev/null; then echo "(tmux session killed)"; fi
 } >> "$OUT" 2>&1
