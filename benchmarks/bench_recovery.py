@@ -334,11 +334,11 @@ Columns:
 * The parts of the recovery (docs/recovery.md, `RunRecovered`): **detect** (kill to the
   loss report: the agent's exit read), **teardown** (the interrupted run's survivors
   stopped), **restart** (the agent started again, its model checked, a new data plane),
-  **load** (the replay run provisioned, stage files loaded), **replay** (a cold replay's
-  tokens made again, to the last one streamed: 0 where the run is carried on in proportion,
-  which makes none again), **next** (the rest: carried on in proportion, the restarted
-  stage computing its positions again from its neighbour's kept rows, then the next
-  token's step; and the moments between parts).
+  **load** (the replay run provisioned, stage files loaded), **replay** (carried on in
+  proportion: the restarted stage computing its positions again from its neighbour's kept
+  rows, then the step that makes the next token; a cold replay: to the last token made
+  again), **next** (the rest: the moments between parts, and after a cold replay the
+  next token's step).
 * **identical**: the whole reply of the run with the loss is token for token the unbroken
   run's of the same prompt (greedy).
 * **cold start**: `Pipeline.start()` to the warm-up run's first token, the same pipeline.

@@ -239,12 +239,13 @@ class RunRecovered:
     stages: str  # who was lost: "stage 1 on gpu-b"
     how: str  # what the repair did: "restarted"
     at_token: int  # tokens streamed before the loss
-    replayed: int  # tokens computed again: the prompt and the tokens streamed
+    replayed: int  # positions computed again: the prompt and the tokens streamed (carried on in
+    # proportion: the rebuilt stage's, and the step that goes on)
     lost_at: float
     teardown_s: float  # the interrupted run's teardown
     restart_s: float  # agents started again, model checked, data plane open
     load_s: float  # the replay run provisioned and its stages loaded
-    replay_s: float  # the prompt injected to the last replayed token
+    replay_s: float  # the prompt injected to the last replayed token (carried on: to the next one)
 
 
 Event = (

@@ -517,7 +517,10 @@ class RunDriver:
             )
         if not replaying and self.caught_up is not None:  # the replay is done (or was empty)
             caught_up, self.caught_up = self.caught_up, None
-            caught_up(self._injected, self._replayed if self.replay else self._injected)
+            # Replayed whole: up to the last token made again; carried on in
+            # proportion: up to this token (the rebuilt stage's positions first).
+            done = self._replayed if self.replay else now if self.resume is not None else self._injected
+            caught_up(self._injected, done)
         self.tokens.append(token)
         if token in self.run.eog:
             return None

@@ -442,5 +442,6 @@ class Recovery:
 
 def rebuilt(resume: Resume) -> int:
     """The positions a resumed run computed again: the rebuilt stage's, and
-    the one step every stage takes to go on."""
+    the one step every stage takes to go on (RunRecovered.replayed; its
+    replay_s is the time to the first new token)."""
     return (resume.positions if resume.rebuild >= 0 else 0) + 1
