@@ -17,7 +17,6 @@ import pytest
 
 from ggufpipe_tui.core.events import (
     AgentConnected,
-    Notice,
     RunFinished,
     RunInterrupted,
     RunPhaseChanged,
@@ -31,7 +30,7 @@ from ggufpipe_tui.session.pipeline import Pipeline
 from ggufpipe_tui.session.runs import Prompt
 from tests.support.common import LONG_PROMPT, MODES, mode_yaml, whole_model_greedy
 from tests.support.local import write_inventory
-from tests.support.sabotage import Saboteur, on_token, run_with, signal_agent
+from tests.support.sabotage import Saboteur, assert_carried_on, on_token, run_with, signal_agent
 
 pytestmark = pytest.mark.model
 
@@ -108,8 +107,7 @@ async def test_agent_killed_mid_decode_is_restarted(tmp_path, model_path, no_age
     pids = {e.hello.pid for e in of(saboteur, AgentConnected) if e.stage == stage}
     assert len(pids) == 2, "a new agent process for the stage"
     # In proportion: the other stages kept their caches, only this one was rebuilt.
-    carried = [e.text for e in of(saboteur, Notice) if " carries run " in e.text]
-    assert carried and f"stage {stage} rebuilt" in carried[0], carried
+    assert_carried_on(saboteur.events, f"stage {stage} rebuilt")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -125,8 +123,7 @@ async def test_a_late_loss_after_a_long_prompt_is_rebuilt_exactly(tmp_path, mode
     assert saboteur.fired
     assert len(result.prompt_tokens) > 400
     assert_recovered(saboteur, result, model_path, stage)
-    carried = [e.text for e in of(saboteur, Notice) if " carries run " in e.text]
-    assert carried and f"stage {stage} rebuilt" in carried[0], carried
+    assert_carried_on(saboteur.events, f"stage {stage} rebuilt")
 
 
 @pytest.mark.parametrize("stage", [0, 2])
@@ -139,7 +136,7 @@ async def test_a_seeded_run_carries_on_as_it_would_have_gone(tmp_path, model_pat
     saboteur = Saboteur(on_token(12), signal_agent(stage, signal.SIGKILL))
     result = await run_with(saboteur, path)
     assert saboteur.fired and result.outcome == "completed", result.failure
-    assert [e.text for e in of(saboteur, Notice) if " carries run " in e.text]
+    assert_carried_on(saboteur.events, f"stage {stage} rebuilt")
     assert list(result.tokens) == list(plain.tokens), "the seeded reply differs from the unbroken one"
     assert streamed(saboteur)[0] == list(result.tokens)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from ggufpipe_tui.core.events import (
     AgentLog,
+    Notice,
     RunFinished,
     RunPhaseChanged,
     RunRecovered,
@@ -110,3 +111,17 @@ async def run_with(saboteur: Saboteur, inventory: Path, prompt: str = LONG_PROMP
         closing = time.monotonic()
         await pipeline.close()
         saboteur.close_seconds = time.monotonic() - closing
+
+
+def assert_carried_on(events: list[Any], rebuilt: str) -> None:
+    """The run was carried on in proportion (``rebuilt``: "stage 1 rebuilt"),
+    or, where a stage was mid-step at the loss (its step aborted, its cache
+    not to be trusted), it said why not and was replayed whole: the
+    documented fallback (docs/recovery.md, "Replay in proportion"), which a
+    kill's timing decides."""
+    notices = [e.text for e in events if isinstance(e, Notice)]
+    carried = [text for text in notices if " carries run " in text]
+    if carried:
+        assert rebuilt in carried[0], carried
+    else:
+        assert any("cannot carry the run on in proportion: stage" in text for text in notices), notices
