@@ -466,8 +466,8 @@ class StageJob:
     def _keep_sent(self, header: objects.ObjectHeader, result: Any, position: int) -> None:
         """The next stage's rows of ``header``'s step kept, as if sent, for a
         rebuild of that stage (llama/sent.py)."""
-        head, body = activation_records(self.provision, header, result, position)
-        self._engines.sent.add(self.slot, sent_part(head, body))
+        _, body = activation_records(self.provision, header, result, position)
+        self._engines.sent.add(self.slot, sent_part(self.provision, result, position, body))
 
     async def _send(
         self, engine: StageEngine, header: objects.ObjectHeader, result: Any, position: int
@@ -507,7 +507,7 @@ class StageJob:
                 head, body = activation_records(p, header, result, position)
                 await self.outbound.write(head, body)
                 sent += len(body)
-                self._engines.sent.add(self.slot, sent_part(head, body))
+                self._engines.sent.add(self.slot, sent_part(p, result, position, body))
         except (ConnectionError, OSError) as error:
             self.fault_peer = self.outbound_peer
             self._apply_if_alive(OutputFault(f"outbound edge {p.outbound.edge_id}: {error}"))

@@ -51,10 +51,11 @@ def activation_records(
     )
 
 
-def sent_part(head: bytes, body: memoryview) -> SentPart:
-    """An activation record as the sender keeps it (llama/sent.py)."""
-    header = objects.unpack_header(head, objects.ABSOLUTE_MAX_PAYLOAD)
-    return SentPart(header.position, header.rows, header.cols, header.dtype, bytes(body))
+def sent_part(p: ProvisionStage, rows: Any, position: int, body: memoryview) -> SentPart:
+    """Activation ``rows`` (as sent: ``body``, in the edge's dtype) as the
+    sender keeps them (llama/sent.py)."""
+    count, width = rows.shape
+    return SentPart(position, count, width, objects.DTYPE_CODES[p.outbound.object_spec.dtype], bytes(body))
 
 
 def rebuild_records(p: ProvisionStage, parts: Iterable[SentPart]) -> Iterator[tuple[bytes, memoryview]]:

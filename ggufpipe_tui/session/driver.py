@@ -497,12 +497,9 @@ class RunDriver:
         def failed(error: BaseException) -> None:
             self.stages[0].report_lost(f"token-in edge: {error}")
 
-        def send() -> Awaitable[None]:
-            if rebuild:
-                return self.edges.write_tokens(self.plan, sequence, tokens, position, rebuild=True)
-            return self.edges.write_tokens(self.plan, sequence, tokens, position)
-
-        self._lane("token-in edge").post(send, failed)
+        self._lane("token-in edge").post(
+            lambda: self.edges.write_tokens(self.plan, sequence, tokens, position, rebuild), failed
+        )
 
     def _accept(self, sequence: int, token: int) -> fsm.RunEvent | None:
         now = time.perf_counter()
