@@ -147,7 +147,8 @@ class Recovery:
             and not self.pipeline.closing
         ):
             self._interrupted[result.run_id] = result
-            self._repair_times = (0.0, 0.0, time.perf_counter(), "")
+            if not refused:  # a refused resume comes after its repair: that repair's times and how stand
+                self._repair_times = (0.0, 0.0, time.perf_counter(), "")
             return RunInterrupted(result.run_id, result.failure, len(result.tokens))
         if result.ok:
             self._step(rec.Settled())
