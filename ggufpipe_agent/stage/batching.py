@@ -47,9 +47,16 @@ STREAMING_S = 0.5
 #: A run that stepped here this recently is one of the runs decoding.
 RECENT_S = 1.0
 #: A prompt's chunk beside streaming runs: at least this many rows, and about
-#: a decode batch's time (at least this many ms).
-INTERLEAVE_MIN_ROWS = 4
+#: a decode batch's time (at least this many ms). One row: on a CPU a prompt
+#: row late in a long prompt costs about as much as a whole decode batch, and
+#: chunks of 4 rows made a stream's gap 3-6x its median (docs/bench-interleave.md).
+INTERLEAVE_MIN_ROWS = 1
 INTERLEAVE_MIN_MS = 5.0
+#: A batch short of its group waits this long at most (and at most
+#: GATHER_FRACTION of a batch's time) for the group's other rows, which the
+#: previous stage sent together but which arrive one object at a time.
+GATHER_S = 0.002
+GATHER_FRACTION = 0.1
 
 
 @dataclass(slots=True)
@@ -78,12 +85,22 @@ class StepBatcher:
     #: The runs that stepped here lately: run -> when (monotonic s).
     recent: dict[int, float] = field(default_factory=dict)
     running: bool = False
+    #: A batch is on the worker (queued or computing).
+    computing: bool = False
     #: The batches computed so far, and their rows.
     batches: int = 0
     rows: int = 0
     #: When the last batch ended (monotonic s), and a batch's ms (a moving mean).
     last_at: float = 0.0
     batch_ms: float = 0.0
+
+    async def yield_to_batch(self) -> None:
+        """A prompt's next chunk lets a decode batch that waits go first: the
+        batch is queued for the worker before the chunk is (a batch gathering
+        its group waits no longer than the gather)."""
+        deadline = time.monotonic() + GATHER_S
+        while self.waiting and not self.computing and time.monotonic() < deadline:
+            await asyncio.sleep(0)
 
     def streaming(self) -> bool:
         """Runs are decoding on this stage: a step waits, or one ran lately."""
@@ -131,11 +148,13 @@ class StepBatcher:
             while self.waiting:
                 # The first to arrive: a group that came together goes on together.
                 take = self.group_rows()
+                await self._gather(take)
                 rows = sorted(self.waiting[:take], key=lambda row: row.slot)
                 del self.waiting[:take]
                 rows = [row for row in rows if not row.done.done()]  # a stopped run's row
                 if not rows:
                     continue
+                self.computing = True
                 try:
                     results, elapsed = await loop.run_in_executor(
                         self.worker, _compute, engine, rows, self.stage
@@ -145,6 +164,8 @@ class StepBatcher:
                         if not row.done.done():
                             row.done.set_exception(error)
                     continue
+                finally:
+                    self.computing = False
                 self.batches += 1
                 self.rows += len(rows)
                 self.last_at = time.monotonic()
@@ -158,6 +179,19 @@ class StepBatcher:
                         row.done.set_result((result, elapsed))
         finally:
             self.running = False
+
+    async def _gather(self, take: int) -> None:
+        """Wait a moment for a group's other rows: the previous stage sent
+        them together, but each is an object of its own, and a batch begun
+        on the first computes one row where it could compute them all for
+        little more (a CPU row costs as much alone as in a batch of up to 3)."""
+        if len(self.waiting) >= take or take <= 1 or not self.batch_ms:
+            return
+        deadline = time.monotonic() + min(GATHER_S, GATHER_FRACTION * self.batch_ms / 1000.0)
+        while len(self.waiting) < take and time.monotonic() < deadline:
+            await asyncio.sleep(0)
+            if len(self.waiting) < take:
+                await asyncio.sleep(0.0005)
 
 
 def _compute(engine: Any, rows: list[Row], stage: int) -> tuple[list[Any], float]:
@@ -181,22 +215,28 @@ def _compute(engine: Any, rows: list[Row], stage: int) -> tuple[list[Any], float
         raise
     for row in rows:
         row.settle(True)
-    trace(stage, [(row.run_id, row.slot, row.position, 1, 0) for row in rows], [row.inputs for row in rows])
+    composition = [(row.run_id, row.slot, row.position, 1, 0) for row in rows]
+    trace(stage, composition, [row.inputs for row in rows], started)
     return results, (time.perf_counter() - started) * 1000.0
 
 
 _trace_lock = threading.Lock()
 
 
-def trace(stage: int, rows: list[tuple[int, int, int, int, int]], inputs: list[Any]) -> None:
+def trace(
+    stage: int, rows: list[tuple[int, int, int, int, int]], inputs: list[Any], started: float = 0.0
+) -> None:
     """One ``llama_decode``'s composition (per run: run, slot, position, rows,
     1 where it samples nothing: a prompt's part that another follows), when it
-    ended (monotonic s) and stage 0's token ids, to
+    ended (monotonic s), how long it took (ms, from ``started``: a
+    ``time.perf_counter()``) and stage 0's token ids, to
     ``$GGUFPIPE_BATCH_TRACE/stage-N.jsonl``."""
     where = os.environ.get("GGUFPIPE_BATCH_TRACE", "")
     if not where:
         return
     record: dict[str, Any] = {"t": round(time.monotonic(), 4), "rows": [list(row) for row in rows]}
+    if started:
+        record["ms"] = round((time.perf_counter() - started) * 1000.0, 3)
     if stage == 0:
         record["tokens"] = [[int(token) for token in values] for values in inputs]
     with _trace_lock, (Path(where) / f"stage-{stage}.jsonl").open("a") as out:

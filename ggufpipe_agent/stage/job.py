@@ -410,15 +410,18 @@ class StageJob:
                 await self._resend(header.position)
         sending: asyncio.Task[int | None] | None = None
         begin, position, result, count = 0, header.position, None, 0
+        batcher = self.batcher
         while chunks:
             count = chunks.popleft()
-            if self.first and self.batcher is not None and not rebuild:
-                # Beside runs streaming, stage 0 cuts the chunk finer (the
-                # stages after it compute the parts as they come).
-                rows = self.batcher.prompt_rows(count, self._row_ms)
-                if rows < count:
-                    chunks.appendleft(count - rows)
-                    count = rows
+            if batcher is not None:
+                if self.first and not rebuild:
+                    # Beside runs streaming, stage 0 cuts the chunk finer (the
+                    # stages after it compute the parts as they come).
+                    rows = batcher.prompt_rows(count, self._row_ms)
+                    if rows < count:
+                        chunks.appendleft(count - rows)
+                        count = rows
+                await batcher.yield_to_batch()  # a decode batch waiting goes first
             final = not chunks
             chunk = inputs[begin : begin + count]
             sample = final and not header.more
@@ -564,7 +567,8 @@ class StageJob:
             self._settle(False)
             raise
         slots.wrote(self.slot, self.run_id)
-        trace(self.index, [(self.run_id, self.slot, position, len(inputs), int(not sample))], [inputs])
+        composition = [(self.run_id, self.slot, position, len(inputs), int(not sample))]
+        trace(self.index, composition, [inputs], started)
         return result
 
     def _settle(self, done: bool) -> None:
