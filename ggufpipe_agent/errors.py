@@ -40,6 +40,11 @@ class ContextOverflow(EngineError):
     """A step would write past the end of the KV cache (the context size)."""
 
 
+class StepNotStarted(EngineError):
+    """A step of a slot that StopRun aborted, refused before it computed
+    anything: the slot's cache is as the steps before it left it."""
+
+
 class TransitionError(GgufpipeError):
     """An event that the state machine does not accept in its current state."""
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ggufpipe_agent.errors import ContextOverflow, EngineError, GgufpipeError, ProtocolError
+from ggufpipe_agent.errors import ContextOverflow, EngineError, GgufpipeError, ProtocolError, StepNotStarted
 from ggufpipe_agent.ids import EVERY_SLOT, SlotId
 from ggufpipe_agent.llama.batches import BatchBuffer
 from ggufpipe_agent.llama.capture import RowCapture
@@ -294,7 +294,7 @@ class StageEngine:
                 "(the stages disagree on positions)"
             )
         if self._seq in self._aborting:
-            raise EngineError("step aborted")  # a prompt's next chunk after StopRun
+            raise StepNotStarted("step aborted")  # a step queued (or a prompt's next chunk) after StopRun
         values = self._inputs(inputs)
         n = int(values.shape[0])
         if n == 0:

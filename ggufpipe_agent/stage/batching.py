@@ -117,7 +117,7 @@ class StepBatcher:
             return rows
         if row_ms <= 0.0:
             return min(rows, INTERLEAVE_MIN_ROWS)
-        wanted = int(max(self.batch_ms, INTERLEAVE_MIN_MS) / row_ms)
+        wanted = round(max(self.batch_ms, INTERLEAVE_MIN_MS) / row_ms)
         return max(1, min(rows, max(INTERLEAVE_MIN_ROWS, wanted)))
 
     def group_rows(self) -> int:

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ggufpipe_agent.errors import GgufpipeError, ProtocolError
+from ggufpipe_agent.errors import GgufpipeError, ProtocolError, StepNotStarted
 from ggufpipe_agent.ids import NO_RUN, EdgeId
 from ggufpipe_agent.llama.batches import prefill_chunks
 from ggufpipe_agent.llama.engine import StageEngine
@@ -563,6 +563,12 @@ class StageJob:
                 self._row_ms = (time.perf_counter() - started) * 1000.0 / len(inputs)
             if self.last and result is not None:  # its logprobs, read before another slot's step
                 result = (result, engine.sampled_logprobs())
+        except StepNotStarted:
+            # Queued when StopRun came: nothing computed, so the cache holds what the
+            # run's steps before it left (a recovery carries the run on from there).
+            if opens:
+                self._settle(False)
+            raise
         except BaseException:
             self._settle(False)
             raise

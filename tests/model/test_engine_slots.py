@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ggufpipe_agent.errors import EngineError
+from ggufpipe_agent.errors import EngineError, StepNotStarted
 from ggufpipe_agent.wire.protocol import EngineOptions, SamplingParams
 from tests.support.common import LONG_PROMPT, whole_model_greedy
 from tests.support.local import tokenize
@@ -89,3 +89,30 @@ def test_a_slot_outside_the_engine_is_refused(model_path):
         chain.engines[0].reset(SamplingParams())
     finally:
         chain.close()
+
+
+def test_a_step_queued_after_an_abort_computes_nothing_and_keeps_the_cache(model_path, prompts):
+    """StopRun aborts a slot's steps; one that had not started is refused
+    before it computes (StepNotStarted), so the slot's cache is as the run's
+    earlier steps left it, and after its next reset (keeping the cache) the
+    run goes on from there as if nothing had happened (a recovery carries
+    it on in proportion, docs/recovery.md)."""
+    prompt = prompts[1]
+    alone = whole_model_greedy(model_path, prompt, 6, n_ctx=512, n_ubatch=512)
+    chain = Chain(model_path, SPLITS, options(2))
+    try:
+        chain.reset()
+        out = [chain.step(0, prompt)]
+        out.append(chain.step(1, [out[-1]]))
+        first = chain.engines[0]
+        first.abort(0)
+        with pytest.raises(StepNotStarted):
+            first.step([out[-1]])
+        assert first.n_past == len(prompt) + 1, "nothing was written"
+        for engine in chain.engines:
+            engine.reset(SamplingParams(), keep=True)  # the carried-on run's provision
+        while len(out) < 6:
+            out.append(chain.step(len(out), [out[-1]]))
+    finally:
+        chain.close()
+    assert out == alone
