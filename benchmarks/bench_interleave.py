@@ -3,7 +3,7 @@ running while a long prompt arrives, on ggufpipe's 2 stages beside llama.cpp's o
 server, in one run.
 
     .venv/bin/python benchmarks/bench_interleave.py [--streams 4] [--prompt 2000]
-        [--max-tokens 384] [--after 32] [--rounds 3] [--quick] [--out docs/bench-interleave.md]
+        [--max-tokens 1024] [--after 32] [--rounds 3] [--quick] [--out docs/bench-interleave.md]
 
 Measures, on this machine, with SmolLM2-135M Q4_1, greedy raw completions
 (``ignore_eos: true``, ``cache_prompt: false``), from the client-side time of every
@@ -202,10 +202,11 @@ def shown(results: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.Na
         "A largest gap near the long prompt's time to first token means the streams stood still for the "
         "whole prefill, as llama-server's do: it puts a prompt of up to `-b` (2,048) tokens into one "
         "`llama_decode` beside the streams' rows. ggufpipe's stage 0 cuts a prompt that arrives beside "
-        "streaming runs into chunks of about one decode batch's time (at least 4 rows; docs/worker.md, "
-        '"A new prompt beside the streams"), so the streams\' steps go between the chunks, at the cost of '
-        "the long prompt's own time to first token (4-row chunks compute far fewer rows per second than "
-        "512-row ones). The quiet column is the machine's own noise floor: a "
+        "streaming runs into chunks of about one decode batch's time (one row at least; docs/worker.md, "
+        '"A new prompt beside the streams"), and every stage lets a waiting decode batch go before the '
+        "prompt's next chunk, so the streams' steps go between the chunks, at the cost of the long prompt's "
+        "own time to first token (the streams and the prompt share each stage about evenly, and a chunk of "
+        "a row or two costs a whole step of its own). The quiet column is the machine's own noise floor: a "
         "target of 3x can only be told apart from noise where quiet is well below it."
     )
     return " ".join(parts)
@@ -217,7 +218,9 @@ def main() -> None:
     )
     parser.add_argument("--streams", type=int, default=4, help="streams running (4)")
     parser.add_argument("--prompt", type=int, default=2000, help="tokens of the prompt that arrives (2000)")
-    parser.add_argument("--max-tokens", type=int, default=384, help="tokens of each stream (384)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=1024, help="tokens of each stream (1024: they run through the prefill)"
+    )
     parser.add_argument(
         "--after", type=int, default=32, help="chunks every stream has had when the prompt is sent (32)"
     )

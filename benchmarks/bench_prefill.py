@@ -273,7 +273,12 @@ def shown(results: dict[str, dict[int, list[dict[str, Any]]]], args: argparse.Na
         f"The stages compute a prompt in chunks of the ubatch ({UBATCH[0]}), each stage starting on a chunk "
         "while the one before computes the next: the last stage ends one chunk after the first, and the "
         "chunks late in a prompt cost more (attention over more positions), so a prompt of a few chunks "
-        "stays above the ideal and smaller chunks (`--ubatch`, the inventory's `run.ubatch`) come closer."
+        "stays above the ideal and smaller chunks (`--ubatch`, the inventory's `run.ubatch`) come closer"
+        + (
+            f" (here {UBATCH[0]}; llama.cpp at 512 beside it)."
+            if UBATCH[0] != 512
+            else ": docs/bench-prefill-ubatch128.md."
+        )
     )
     if ratio > 0.8:
         parts.append(
