@@ -47,9 +47,12 @@ STREAMING_S = 0.5
 #: A run that stepped here this recently is one of the runs decoding.
 RECENT_S = 1.0
 #: A prompt's chunk beside streaming runs: at least this many rows, and about
-#: a decode batch's time (at least this many ms). One row: on a CPU a prompt
-#: row late in a long prompt costs about as much as a whole decode batch, and
-#: chunks of 4 rows made a stream's gap 3-6x its median (docs/bench-interleave.md).
+#: a decode batch's time (at least this many ms), so that the streams and the
+#: prompt share the stage about evenly. With at least 4 rows (a CPU row costs as
+#: much alone as in a batch of 3) the streams' worst gap was 5.4x their median
+#: (quiet 3.6x) and the 2,000-token prompt's first token came after 22 s; with
+#: 1, 3.2x (quiet 2.9x) after 56 s (docs/performance.md, "The full pipeline on
+#: two cores"): issue 38 asks for the streams' gaps.
 INTERLEAVE_MIN_ROWS = 1
 INTERLEAVE_MIN_MS = 5.0
 #: A batch short of its group waits this long at most (and at most
