@@ -31,7 +31,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,7 +227,7 @@ _trace_lock = threading.Lock()
 
 
 def trace(
-    stage: int, rows: list[tuple[int, int, int, int, int]], inputs: list[Any], started: float = 0.0
+    stage: int, rows: Sequence[tuple[int, int, int, int, int]], inputs: list[Any], started: float = 0.0
 ) -> None:
     """One ``llama_decode``'s composition (per run: run, slot, position, rows,
     1 where it samples nothing: a prompt's part that another follows), when it
