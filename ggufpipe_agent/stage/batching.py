@@ -27,6 +27,7 @@ stage the same batches and compare (tests/model/test_batched_decode.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
@@ -88,8 +89,9 @@ class StepBatcher:
     #: The runs that stepped here lately: run -> when (monotonic s).
     recent: dict[int, float] = field(default_factory=dict)
     running: bool = False
-    #: A batch is on the worker (queued or computing).
+    #: A batch is on the worker (queued or computing); _queued is set as it goes.
     computing: bool = False
+    _queued: asyncio.Event = field(default_factory=asyncio.Event)
     #: The batches computed so far, and their rows.
     batches: int = 0
     rows: int = 0
@@ -101,9 +103,11 @@ class StepBatcher:
         """A prompt's next chunk lets a decode batch that waits go first: the
         batch is queued for the worker before the chunk is (a batch gathering
         its group waits no longer than the gather)."""
-        deadline = time.monotonic() + GATHER_S
-        while self.waiting and not self.computing and time.monotonic() < deadline:
-            await asyncio.sleep(0)
+        if not self.waiting or self.computing:
+            return
+        self._queued.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._queued.wait(), GATHER_S)
 
     def streaming(self) -> bool:
         """Runs are decoding on this stage: a step waits, or one ran lately."""
@@ -158,6 +162,7 @@ class StepBatcher:
                 if not rows:
                     continue
                 self.computing = True
+                self._queued.set()
                 try:
                     results, elapsed = await loop.run_in_executor(
                         self.worker, _compute, engine, rows, self.stage
