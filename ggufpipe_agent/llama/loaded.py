@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ggufpipe_agent.aio import freeze_heap
 from ggufpipe_agent.errors import EngineError
 from ggufpipe_agent.ids import EVERY_SLOT, FIRST_SLOT, NO_RUN, RunId, SlotId
 from ggufpipe_agent.llama.engine import StageEngine, StageShape
@@ -77,6 +78,7 @@ class LoadedEngine:
         self.engine = self.build(str(path), shape, options, progress)
         self.key = key
         self._govern(self.engine, options)
+        freeze_heap()  # the engine and its model's metadata live until the next load
         return self.engine, True
 
     def _govern(self, engine: StageEngine, options: Any) -> None:

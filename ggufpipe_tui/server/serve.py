@@ -14,6 +14,7 @@ from typing import IO
 
 from aiohttp import web
 
+from ggufpipe_agent.aio import freeze_heap
 from ggufpipe_agent.errors import GgufpipeError
 from ggufpipe_tui.core.events import (
     AgentConnected,
@@ -153,6 +154,7 @@ async def run_server(
     loaded.cancel()
     if printer.loaded.is_set():
         server.ready = True
+        freeze_heap()  # the session's set-up lives as long as the server
         server.log(f"ready: {server.model} on {len(inventory.stages)} stages; try")
         print(f"  {curl_example(host, port, api_key)}", file=err, flush=True)
         await asyncio.wait([stopped, signalled], return_when=asyncio.FIRST_COMPLETED)
