@@ -98,6 +98,9 @@ class StepBatcher:
     #: When the last batch ended (monotonic s), and a batch's ms (a moving mean).
     last_at: float = 0.0
     batch_ms: float = 0.0
+    #: A prompt row's ms here, as the last prompt chunk of any run took (0: none
+    #: yet); the worker sets it after each chunk (:meth:`timed_chunk`).
+    row_ms: float = 0.0
 
     async def yield_to_batch(self) -> None:
         """A prompt's next chunk lets a decode batch that waits go first: the
@@ -113,19 +116,28 @@ class StepBatcher:
         """Runs are decoding on this stage: a step waits, or one ran lately."""
         return bool(self.waiting) or self.running or time.monotonic() - self.last_at < STREAMING_S
 
-    def prompt_rows(self, rows: int, row_ms: float) -> int:
+    def prompt_rows(self, rows: int) -> int:
         """How many of a prompt chunk's ``rows`` to compute next: all of them
         when no run is decoding here; else as many as take about one decode
-        batch's time (``row_ms``: a prompt row's ms here, 0 not known yet), so
-        that the decode steps of the runs streaming go between the chunks
-        instead of waiting for the whole chunk (docs/worker.md, "A new prompt
-        beside the streams")."""
+        batch's time (from :attr:`row_ms`; INTERLEAVE_MIN_ROWS while no chunk
+        has been timed), so that the decode steps of the runs streaming go
+        between the chunks instead of waiting for the whole chunk
+        (docs/worker.md, "A new prompt beside the streams")."""
         if not self.streaming():
             return rows
-        if row_ms <= 0.0:
+        if self.row_ms <= 0.0:
             return min(rows, INTERLEAVE_MIN_ROWS)
-        wanted = round(max(self.batch_ms, INTERLEAVE_MIN_MS) / row_ms)
+        wanted = round(max(self.batch_ms, INTERLEAVE_MIN_MS) / self.row_ms)
         return max(1, min(rows, max(INTERLEAVE_MIN_ROWS, wanted)))
+
+    def timed_chunk(self, rows: int, ms: float) -> None:
+        """A prompt chunk of ``rows`` rows took ``ms`` (on the worker). Every
+        chunk counts, a single row too: were only longer ones timed, a stage
+        that cut its chunks to one row would never learn that it may take more.
+        A row costs less in a longer chunk, so the sizes grow to where a chunk
+        takes about a batch's time."""
+        if rows > 0:
+            self.row_ms = ms / rows
 
     def group_rows(self) -> int:
         """The rows of the next batch at most: the runs decoding here split

@@ -148,7 +148,6 @@ class StageJob:
         # or one slot).
         self.batcher = batcher if batcher is not None and provision.engine.parallel > 1 else None
         self._prompt_open = False  # a part of the prompt came that another follows
-        self._row_ms = 0.0  # a prompt row's ms on this stage, as the last chunk took (the worker sets it)
 
     def edge_ids(self, from_link: bool) -> dict[str, EdgeId]:
         """The edge id each role may set up; a link sets up only the
@@ -417,7 +416,7 @@ class StageJob:
                 if self.first and not rebuild:
                     # Beside runs streaming, stage 0 cuts the chunk finer (the
                     # stages after it compute the parts as they come).
-                    rows = batcher.prompt_rows(count, self._row_ms)
+                    rows = batcher.prompt_rows(count)
                     if rows < count:
                         chunks.appendleft(count - rows)
                         count = rows
@@ -426,7 +425,7 @@ class StageJob:
             chunk = inputs[begin : begin + count]
             sample = final and not header.more
             computing = loop.run_in_executor(
-                self._worker, self._step, engine, opens and begin == 0, position, chunk, sample
+                self._worker, self._step, engine, opens and begin == 0, position, chunk, sample, True
             )
             if sending is not None and await sending is None:
                 raise _PartNotSent()
@@ -534,7 +533,15 @@ class StageJob:
         chain_next(self, header, result)
         return result, (time.perf_counter() - started) * 1000.0
 
-    def _step(self, engine: StageEngine, opens: bool, position: int, inputs: Any, sample: bool = True) -> Any:
+    def _step(
+        self,
+        engine: StageEngine,
+        opens: bool,
+        position: int,
+        inputs: Any,
+        sample: bool = True,
+        chunk: bool = False,
+    ) -> Any:
         """One step, on the worker thread. The prompt's first chunk (``opens``)
         says where the run starts: at 0, or after a prefix this stage said it
         holds (StageReady), which is kept and the rest of the cache dropped.
@@ -559,8 +566,8 @@ class StageJob:
                 )
             started = time.perf_counter()
             result: Any = engine.step(inputs, position, sample)
-            if len(inputs) > 1:  # a prompt row's ms here, for the next chunk's size
-                self._row_ms = (time.perf_counter() - started) * 1000.0 / len(inputs)
+            if chunk and self.batcher is not None:  # a prompt row's ms here, for the next chunk's size
+                self.batcher.timed_chunk(len(inputs), (time.perf_counter() - started) * 1000.0)
             if self.last and result is not None:  # its logprobs, read before another slot's step
                 result = (result, engine.sampled_logprobs())
         except StepNotStarted:

@@ -68,13 +68,37 @@ def test_ready_steps_go_in_one_batch_in_slot_order_and_a_full_context_fails_alon
 
 def test_a_prompt_beside_streaming_runs_is_cut_finer():
     batcher = StepBatcher(ThreadPoolExecutor(1))
-    assert batcher.prompt_rows(512, 3.0) == 512, "nothing streams: the whole chunk"
+    assert batcher.prompt_rows(512) == 512, "nothing streams: the whole chunk"
     batcher.waiting.append(object())  # type: ignore[arg-type]
     batcher.batch_ms = 30.0
-    assert batcher.prompt_rows(512, 0.0) == INTERLEAVE_MIN_ROWS, "no row time yet"
-    assert batcher.prompt_rows(512, 3.0) == 10, "about one decode batch's time"
-    assert batcher.prompt_rows(512, 100.0) == INTERLEAVE_MIN_ROWS
-    assert batcher.prompt_rows(3, 0.5) == 3
+    assert batcher.prompt_rows(512) == INTERLEAVE_MIN_ROWS, "no row time yet"
+    batcher.timed_chunk(4, 12.0)
+    assert batcher.prompt_rows(512) == 10, "about one decode batch's time"
+    batcher.timed_chunk(1, 100.0)
+    assert batcher.prompt_rows(512) == INTERLEAVE_MIN_ROWS
+    batcher.timed_chunk(2, 1.0)
+    assert batcher.prompt_rows(3) == 3
+
+
+def test_chunks_cut_to_one_row_grow_to_a_batchs_time():
+    """A one-row chunk is timed too: a stage that starts at one row learns
+    that it may take more (were only longer chunks timed, every prompt
+    beside streams would go a row a step)."""
+    batcher = StepBatcher(ThreadPoolExecutor(1))
+    batcher.waiting.append(object())  # type: ignore[arg-type]
+    batcher.batch_ms = 30.0
+
+    def chunk_ms(rows: int) -> float:  # a CPU row costs less in a longer chunk
+        return 8.0 + 4.0 * rows
+
+    sizes = []
+    for _ in range(6):
+        rows = batcher.prompt_rows(512)
+        sizes.append(rows)
+        batcher.timed_chunk(rows, chunk_ms(rows))
+    assert sizes[0] == INTERLEAVE_MIN_ROWS
+    assert sizes[-1] > 3 * INTERLEAVE_MIN_ROWS
+    assert abs(chunk_ms(sizes[-1]) - batcher.batch_ms) <= 8.0, sizes
 
 
 def test_with_two_stages_the_runs_in_flight_form_two_groups():
