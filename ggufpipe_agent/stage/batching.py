@@ -86,8 +86,9 @@ class StepBatcher:
     #: The pipeline's stages: the runs in flight are split into this many groups.
     stages: int = 1
     waiting: list[Row] = field(default_factory=list)
-    #: The runs that stepped here lately: run -> when (monotonic s).
+    #: The runs that stepped here lately: run -> when (monotonic s), and their slots.
     recent: dict[int, float] = field(default_factory=dict)
+    slots: dict[int, SlotId] = field(default_factory=dict)
     running: bool = False
     #: A batch is on the worker (queued or computing); _queued is set as it goes.
     computing: bool = False
@@ -148,12 +149,27 @@ class StepBatcher:
         for run, when in list(self.recent.items()):
             if now - when > RECENT_S:
                 del self.recent[run]
+                self.slots.pop(run, None)
         live = max(len(self.recent), len(self.waiting))
         return max(1, min(MAX_ROWS, -(-live // max(1, self.stages))))
+
+    def groups(self, size: int) -> dict[SlotId, int]:
+        """Each decoding run's group, by slot: the slots in increasing order cut
+        into groups of ``size``. llama.cpp computes a batch of several KV
+        streams in one ubatch only where their sequence ids follow one another
+        (``split_equal`` with ``sequential``): slots 0, 2, 4, 6 are four graphs
+        of a row each, 48 ms a step of stage 1 here against 27 ms for slots
+        0-3 (docs/performance.md, "The full pipeline on two cores"). So a group
+        is a range of neighbouring slots, not the runs that came first."""
+        live = sorted(
+            {*(self.slots[run] for run in self.recent if run in self.slots), *(r.slot for r in self.waiting)}
+        )
+        return {slot: index // size for index, slot in enumerate(live)}
 
     async def step(self, engine: Any, row: Row) -> tuple[Any, float]:
         """Compute ``row`` in the next batch; its result and the batch's ms."""
         self.recent[row.run_id] = time.monotonic()
+        self.slots[row.run_id] = row.slot
         self.waiting.append(row)
         if not self.running:
             self.running = True
@@ -165,11 +181,14 @@ class StepBatcher:
         loop = asyncio.get_running_loop()
         try:
             while self.waiting:
-                # The first to arrive: a group that came together goes on together.
+                # The group of the row that waits longest, all of it that waits.
                 take = self.group_rows()
-                await self._gather(take)
-                rows = sorted(self.waiting[:take], key=lambda row: row.slot)
-                del self.waiting[:take]
+                group_of = self.groups(take)
+                group = group_of[self.waiting[0].slot]
+                await self._gather(group_of, group)
+                chosen = [row for row in self.waiting if group_of.get(row.slot, group) == group][:take]
+                self.waiting = [row for row in self.waiting if row not in chosen]
+                rows = sorted(chosen, key=lambda row: row.slot)
                 rows = [row for row in rows if not row.done.done()]  # a stopped run's row
                 if not rows:
                     continue
@@ -200,17 +219,22 @@ class StepBatcher:
         finally:
             self.running = False
 
-    async def _gather(self, take: int) -> None:
-        """Wait a moment for a group's other rows: the previous stage sent
-        them together, but each is an object of its own, and a batch begun
-        on the first computes one row where it could compute them all for
-        little more (a CPU row costs as much alone as in a batch of up to 3)."""
-        if len(self.waiting) >= take or take <= 1 or not self.batch_ms:
+    async def _gather(self, group_of: dict[SlotId, int], group: int) -> None:
+        """Wait a moment for the rest of ``group``: the previous stage sent
+        its rows together, but each is an object of its own, and a batch
+        begun on the first computes one row where it could compute them all
+        for little more (a CPU row costs as much alone as in a batch of up to 3)."""
+        members = sum(1 for value in group_of.values() if value == group)
+
+        def short() -> bool:
+            return sum(1 for row in self.waiting if group_of.get(row.slot) == group) < members
+
+        if members <= 1 or not self.batch_ms or not short():
             return
         deadline = time.monotonic() + min(GATHER_S, GATHER_FRACTION * self.batch_ms / 1000.0)
-        while len(self.waiting) < take and time.monotonic() < deadline:
+        while short() and time.monotonic() < deadline:
             await asyncio.sleep(0)
-            if len(self.waiting) < take:
+            if short():
                 await asyncio.sleep(0.0005)
 
 

@@ -101,9 +101,12 @@ def test_chunks_cut_to_one_row_grow_to_a_batchs_time():
     assert abs(chunk_ms(sizes[-1]) - batcher.batch_ms) <= 8.0, sizes
 
 
-def test_with_two_stages_the_runs_in_flight_form_two_groups():
-    """A batch takes half the runs decoding, the first to arrive: while one
-    stage computes a group, the other stage computes the other group."""
+def test_with_two_stages_the_runs_in_flight_form_two_groups_of_neighbouring_slots():
+    """A batch takes half the runs decoding: while one stage computes a group,
+    the other stage computes the other group. A group is a range of
+    neighbouring slots (llama.cpp computes KV streams in one ubatch only where
+    their sequence ids follow one another), the range of the row that waits
+    longest first, whatever order the rows came in."""
 
     class Roomy(Engine):
         def row_problem(self, slot: int, inputs: Any) -> Exception | None:
@@ -116,6 +119,7 @@ def test_with_two_stages_the_runs_in_flight_form_two_groups():
         rows = [Row(slot, slot, 5, [slot], loop.create_future(), lambda done: None) for slot in (3, 1, 0, 2)]
         await asyncio.gather(*(batcher.step(engine, row) for row in rows))
         assert batcher.group_rows() == 2
+        assert batcher.groups(2) == {0: 0, 1: 0, 2: 1, 3: 1}
         return engine.batches
 
-    assert asyncio.run(scenario()) == [[1, 3], [0, 2]]
+    assert asyncio.run(scenario()) == [[2, 3], [0, 1]]
