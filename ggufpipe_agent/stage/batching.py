@@ -187,7 +187,8 @@ class StepBatcher:
                 group = group_of[self.waiting[0].slot]
                 await self._gather(group_of, group)
                 chosen = [row for row in self.waiting if group_of.get(row.slot, group) == group][:take]
-                self.waiting = [row for row in self.waiting if row not in chosen]
+                taken = {id(row) for row in chosen}  # by identity: a row's inputs are arrays
+                self.waiting = [row for row in self.waiting if id(row) not in taken]
                 rows = sorted(chosen, key=lambda row: row.slot)
                 rows = [row for row in rows if not row.done.done()]  # a stopped run's row
                 if not rows:
