@@ -86,13 +86,14 @@ class StepBatcher:
     #: The pipeline's stages: the runs in flight are split into this many groups.
     stages: int = 1
     waiting: list[Row] = field(default_factory=list)
-    #: The runs that stepped here lately: run -> when (monotonic s), and their slots.
-    recent: dict[int, float] = field(default_factory=dict)
-    slots: dict[int, SlotId] = field(default_factory=dict)
+    #: The runs that stepped here lately: run -> (when, monotonic s; its slot).
+    recent: dict[int, tuple[float, SlotId]] = field(default_factory=dict)
     running: bool = False
     #: A batch is on the worker (queued or computing); _queued is set as it goes.
     computing: bool = False
     _queued: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set as a step joins :attr:`waiting` (a batch gathering its group waits on it).
+    _arrived: asyncio.Event = field(default_factory=asyncio.Event)
     #: The batches computed so far, and their rows.
     batches: int = 0
     rows: int = 0
@@ -146,10 +147,9 @@ class StepBatcher:
         stage k+1 computes another (one group of every run would leave all
         stages but one idle at every moment)."""
         now = time.monotonic()
-        for run, when in list(self.recent.items()):
+        for run, (when, _) in list(self.recent.items()):
             if now - when > RECENT_S:
                 del self.recent[run]
-                self.slots.pop(run, None)
         live = max(len(self.recent), len(self.waiting))
         return max(1, min(MAX_ROWS, -(-live // max(1, self.stages))))
 
@@ -161,16 +161,14 @@ class StepBatcher:
         of a row each, 48 ms a step of stage 1 here against 27 ms for slots
         0-3 (docs/performance.md, "The full pipeline on two cores"). So a group
         is a range of neighbouring slots, not the runs that came first."""
-        live = sorted(
-            {*(self.slots[run] for run in self.recent if run in self.slots), *(r.slot for r in self.waiting)}
-        )
+        live = sorted({*(slot for _, slot in self.recent.values()), *(row.slot for row in self.waiting)})
         return {slot: index // size for index, slot in enumerate(live)}
 
     async def step(self, engine: Any, row: Row) -> tuple[Any, float]:
         """Compute ``row`` in the next batch; its result and the batch's ms."""
-        self.recent[row.run_id] = time.monotonic()
-        self.slots[row.run_id] = row.slot
+        self.recent[row.run_id] = (time.monotonic(), row.slot)
         self.waiting.append(row)
+        self._arrived.set()
         if not self.running:
             self.running = True
             asyncio.get_running_loop().create_task(self._drain(engine))
@@ -186,7 +184,7 @@ class StepBatcher:
                 group_of = self.groups(take)
                 group = group_of[self.waiting[0].slot]
                 await self._gather(group_of, group)
-                chosen = [row for row in self.waiting if group_of.get(row.slot, group) == group][:take]
+                chosen = [row for row in self.waiting if group_of[row.slot] == group][:take]
                 taken = {id(row) for row in chosen}  # by identity: a row's inputs are arrays
                 self.waiting = [row for row in self.waiting if id(row) not in taken]
                 rows = sorted(chosen, key=lambda row: row.slot)
@@ -233,10 +231,10 @@ class StepBatcher:
         if members <= 1 or not self.batch_ms or not short():
             return
         deadline = time.monotonic() + min(GATHER_S, GATHER_FRACTION * self.batch_ms / 1000.0)
-        while short() and time.monotonic() < deadline:
-            await asyncio.sleep(0)
-            if short():
-                await asyncio.sleep(0.0005)
+        while short() and (left := deadline - time.monotonic()) > 0:
+            self._arrived.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), left)
 
 
 def _compute(engine: Any, rows: list[Row], stage: int) -> tuple[list[Any], float]:
