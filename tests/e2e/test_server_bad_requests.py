@@ -282,11 +282,12 @@ def test_each_refusal_is_logged_once(server) -> None:
     it (the key check, a parser, the router, the run that cannot fit)."""
     served, text, agents = server
     for method, path, body, headers, expected in REFUSALS:
+        served.settle()  # the line of the request before this one is in
         before = len(served.lines)
         headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **headers}
         status, answer = raw(served, method, path, key=None, data=body, headers=headers)
         assert status == expected, (path, answer)
-        time.sleep(0.5)  # the reader thread has the line
+        served.settle()  # the reader thread has the line
         lines = served.lines[before:]
         assert len(lines) == 1, (path, lines)
         assert f" {method} {path} {expected}" in lines[0], lines

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,18 @@ class Served:
         if line is not None:
             return line
         raise AssertionError(f"no line for {what} in {timeout:g}s; stderr:\n" + "".join(self.lines))
+
+    def settle(self, quiet: float = 0.5, timeout: float = 10) -> None:
+        """Wait until no stderr line has arrived for ``quiet`` seconds: an
+        access line is written once its reply is out, which may be after the
+        client has read the reply."""
+        count, since, end = len(self.lines), time.monotonic(), time.monotonic() + timeout
+        while time.monotonic() < end:
+            time.sleep(0.05)
+            if len(self.lines) != count:
+                count, since = len(self.lines), time.monotonic()
+            elif time.monotonic() - since >= quiet:
+                return
 
     def run_log(self, run_id: str) -> list[dict[str, object]]:
         (path,) = self.log_dir.glob(f"*-{run_id}.jsonl")
