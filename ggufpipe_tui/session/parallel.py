@@ -9,9 +9,10 @@ own KV cache), so while one run's token is in stage 1, another's is in stage
 K is deferred: it waits in the queue, first in line, until a slot is free.
 
 Which slot: core/slots.py's :func:`~ggufpipe_tui.core.slots.choose_slot`
-(the longest prefix of this prompt its last run left in the stages). A
-prompt with ``cache_prompt`` False keeps nothing and takes the least
-recently used.
+(the longest prefix of this prompt its last run left in the stages; among
+equals, with ``run.batching`` on, the one next to the slots in flight, so
+that their batches stay one ubatch). A prompt with ``cache_prompt`` False
+keeps nothing and takes the free slot by the same rules after the prefix.
 
 Each run is its own: its own run id, sampling and ``max_tokens``, stopped
 and faulted alone. With ``prepare_ahead`` (the server) every free slot keeps
@@ -90,7 +91,9 @@ class ParallelRunner(Runner):
                     continue
                 free = [SlotId(slot) for slot in range(self.slots) if slot not in self.busy]
                 keep = handle.prompt.cache_prompt
-                slot = choose_slot(free, self.held if keep else [()] * self.slots, self.used, tokens)
+                held = self.held if keep else [()] * self.slots
+                batched = self.busy if options.batching else ()
+                slot = choose_slot(free, held, self.used, tokens, batched)
                 self.busy.add(slot)
                 self.used[slot] = time.monotonic()
                 self.held[slot] = ()  # changing from now on
