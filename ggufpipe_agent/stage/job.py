@@ -24,6 +24,7 @@ from ggufpipe_agent.ids import NO_RUN, EdgeId
 from ggufpipe_agent.llama.batches import prefill_chunks
 from ggufpipe_agent.llama.engine import StageEngine
 from ggufpipe_agent.llama.loaded import LoadedEngine
+from ggufpipe_agent.llama.sent import SentRows
 from ggufpipe_agent.stage.batching import Row, StepBatcher, trace
 from ggufpipe_agent.stage.fsm import (
     CancelPrepare,
@@ -35,7 +36,6 @@ from ggufpipe_agent.stage.fsm import (
     FeedToken,
     InboundFault,
     ObjectLoaded,
-    OutputFault,
     RejectWork,
     ReleaseInput,
     SetupFailed,
@@ -47,20 +47,13 @@ from ggufpipe_agent.stage.fsm import (
     StepFailed,
     StopComplete,
     StopLocal,
-    TokenSampled,
     WorkerBound,
     transition,
 )
 from ggufpipe_agent.stage.handover import ConsumerRun, Precomputed, chain_next
-from ggufpipe_agent.stage.outputs import (
-    Counters,
-    activation_records,
-    rebuild_records,
-    ring_record,
-    sent_part,
-    token_record,
-)
+from ggufpipe_agent.stage.outputs import Counters
 from ggufpipe_agent.stage.preparation import load_engine, stage_file
+from ggufpipe_agent.stage.sending import PartNotSent, keep_sent, resend, send_step
 from ggufpipe_agent.stage.writers import RecordSink
 from ggufpipe_agent.tasks import TaskOwner
 from ggufpipe_agent.wire import objects
@@ -83,10 +76,6 @@ Post = Callable[[Message], None]
 #: Step statistics reach the orchestrator at most this often while running.
 STATS_INTERVAL_S = 0.25
 PROGRESS_INTERVAL_S = 0.1
-
-
-class _PartNotSent(GgufpipeError):
-    """A prompt's part could not be sent on (the stage faulted already)."""
 
 
 class StageJob:
@@ -125,7 +114,7 @@ class StageJob:
         self.outbound_peer = -1
         self.ring_peer = -1
         self.fault_peer = -1
-        self._feed: FeedToken | None = None
+        self.feed: FeedToken | None = None
         self.counters = Counters()
         self.engine: StageEngine | None = None
         self.held = PrefixHeld()  # what this run may keep of the offered run (set by _prepare)
@@ -148,6 +137,11 @@ class StageJob:
         # or one slot).
         self.batcher = batcher if batcher is not None and provision.engine.parallel > 1 else None
         self._prompt_open = False  # a part of the prompt came that another follows
+
+    @property
+    def sent(self) -> SentRows:
+        """The rows this stage's engine sent on, by slot (a rebuild's source)."""
+        return self._engines.sent
 
     def edge_ids(self, from_link: bool) -> dict[str, EdgeId]:
         """The edge id each role may set up; a link sets up only the
@@ -196,7 +190,7 @@ class StageJob:
             log.error("run %016x stage %d faulted: %s", self.run_id, self.index, effect.reason)
             self._post(StageFault(self.run_id, self.index, p.node_id, effect.reason, self.fault_peer))
         elif isinstance(effect, FeedToken):
-            self._feed = effect  # written by the step that sampled it, before its token-out
+            self.feed = effect  # written by the step that sampled it, before its token-out
         elif isinstance(effect, EndGeneration):
             log.info("run %016x stage %d: the ring ends here (%s)", self.run_id, self.index, effect.reason)
         elif isinstance(effect, ExecuteStep):
@@ -275,15 +269,15 @@ class StageJob:
         except asyncio.CancelledError:
             return
         except GgufpipeError as error:
-            self._apply_if_alive(SetupFailed(str(error)))
+            self.apply_if_alive(SetupFailed(str(error)))
             return
         except Exception as error:  # noqa: BLE001 - a boundary: any failure is one fault
             log.exception("stage setup failed")
-            self._apply_if_alive(SetupFailed(f"{type(error).__name__}: {error}"))
+            self.apply_if_alive(SetupFailed(f"{type(error).__name__}: {error}"))
             return
-        self._apply_if_alive(WorkerBound())
+        self.apply_if_alive(WorkerBound())
 
-    def _apply_if_alive(self, event: StageEvent) -> None:
+    def apply_if_alive(self, event: StageEvent) -> None:
         if self.fsm.state is not StageState.STOPPED:
             self.apply(event)
 
@@ -359,20 +353,20 @@ class StageJob:
                     result, chained = await loop.run_in_executor(self._worker, step, engine, header, inputs)
                     # This stage's step, not the later stages' the worker ran after it.
                     ran = (time.perf_counter() - started) * 1000.0 - chained
-        except _PartNotSent:
+        except PartNotSent:
             return  # the edge's fault is the stage's fault already
         except GgufpipeError as error:
-            self._apply_if_alive(StepFailed(f"step {sequence}: {error}"))
+            self.apply_if_alive(StepFailed(f"step {sequence}: {error}"))
             return
         except Exception as error:  # noqa: BLE001 - a boundary: any failure is one fault
             log.exception("step failed")
-            self._apply_if_alive(StepFailed(f"step {sequence}: {type(error).__name__}: {error}"))
+            self.apply_if_alive(StepFailed(f"step {sequence}: {type(error).__name__}: {error}"))
             return
         if self.fsm.state is not StageState.EXECUTING:
             return  # StopRun came while the step ran
         sent = 0
         if result is not None:  # None: the last stage computed a prompt's part another follows
-            written = await self._send(engine, header, result, position)
+            written = await send_step(self, header, result, position)
             if written is None:
                 return
             sent = written
@@ -404,9 +398,9 @@ class StageJob:
         self._prompt_open = header.more
         rebuild = header.rebuild  # computed into the cache only: the stages after hold it
         if opens:
-            self._engines.sent.opened(self.slot, header.position)
+            self.sent.opened(self.slot, header.position)
             if p.reuse.resend and header.position:
-                await self._resend(header.position)
+                await resend(self, header.position)
         sending: asyncio.Task[int | None] | None = None
         begin, position, result, count = 0, header.position, None, 0
         batcher = self.batcher
@@ -428,93 +422,19 @@ class StageJob:
                 self._worker, self._step, engine, opens and begin == 0, position, chunk, sample, True
             )
             if sending is not None and await sending is None:
-                raise _PartNotSent()
+                raise PartNotSent()
             result = await computing
             if rebuild:
                 if not self.last:  # kept as if sent, for the next stage's own loss
-                    self._keep_sent(replace(header, rows=count, position=position), result, position)
+                    keep_sent(self, replace(header, rows=count, position=position), result, position)
                 result = None
             elif not final and not self.last:
                 part = replace(header, rows=count, position=position, more=True)
-                sending = asyncio.ensure_future(self._send(engine, part, result, position))
+                sending = asyncio.ensure_future(send_step(self, part, result, position))
             begin, position = begin + count, position + count
         if sending is not None and await sending is None:
-            raise _PartNotSent()
+            raise PartNotSent()
         return result, position - count
-
-    async def _resend(self, before: int) -> None:
-        """The next stage was started again (the offer says resend): the
-        rows this stage sent of the offered run, positions before ``before``,
-        go to it first, in the parts they went in, flagged REBUILD."""
-        p = self.provision
-        parts = list(self._engines.sent.parts(self.slot, before))
-        log.info(
-            "run %016x stage %d: sending the rebuilt next stage %d parts (%d positions)",
-            self.run_id,
-            self.index,
-            len(parts),
-            before,
-        )
-        try:
-            if self.outbound is None:
-                raise ConnectionError("outbound edge is not connected")
-            for head, payload in rebuild_records(p, parts):
-                await self.outbound.write(head, payload)
-        except (ConnectionError, OSError) as error:
-            self.fault_peer = self.outbound_peer
-            self._apply_if_alive(OutputFault(f"outbound edge {p.outbound.edge_id}: {error}"))
-            raise _PartNotSent() from error
-
-    def _keep_sent(self, header: objects.ObjectHeader, result: Any, position: int) -> None:
-        """The next stage's rows of ``header``'s step kept, as if sent, for a
-        rebuild of that stage (llama/sent.py)."""
-        _, body = activation_records(self.provision, header, result, position)
-        self._engines.sent.add(self.slot, sent_part(self.provision, result, position, body))
-
-    async def _send(
-        self, engine: StageEngine, header: objects.ObjectHeader, result: Any, position: int
-    ) -> int | None:
-        """The outputs of a step for ``header``: the next stage's activation
-        rows (from ``position``), or the sampled token (to stage 0 by the ring
-        and to the orchestrator). The payload bytes sent, or None where an
-        edge failed (the stage faulted)."""
-        p = self.provision
-        sent = 0
-        if self.last and p.ring is not None and p.ring.produce:
-            # The token ring: the next input goes to stage 0 first (it is the
-            # critical path), then the token to the orchestrator.
-            self._feed = None
-            self.apply(TokenSampled(header.sequence, int(result[0])))
-            feed = self._feed
-            if feed is not None:
-                # Stage 0's next input, at the position after the rows that made it.
-                record = ring_record(p, feed.sequence, feed.token, header.position + header.rows)
-                try:
-                    if self.ring_out is None:
-                        raise ConnectionError("the token ring is not connected")
-                    await self.ring_out.write(record)
-                except (ConnectionError, OSError) as error:
-                    self.fault_peer = self.ring_peer
-                    self._apply_if_alive(OutputFault(f"token ring edge {p.ring.edge_id}: {error}"))
-                    return None
-                sent += len(record) - objects.HEADER_SIZE
-        try:
-            if self.outbound is None:
-                raise ConnectionError("outbound edge is not connected")
-            if self.last:
-                record = token_record(p, header, result)
-                await self.outbound.write(record)
-                sent += len(record) - objects.HEADER_SIZE
-            else:
-                head, body = activation_records(p, header, result, position)
-                await self.outbound.write(head, body)
-                sent += len(body)
-                self._engines.sent.add(self.slot, sent_part(p, result, position, body))
-        except (ConnectionError, OSError) as error:
-            self.fault_peer = self.outbound_peer
-            self._apply_if_alive(OutputFault(f"outbound edge {p.outbound.edge_id}: {error}"))
-            return None
-        return sent
 
     def waiting_for_input(self) -> bool:
         """Ready for its next object, with nothing queued (the chain asks)."""

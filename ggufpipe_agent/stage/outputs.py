@@ -3,7 +3,7 @@
 A non-last stage's step is activation rows for the next stage; the last
 stage's is the sampled token (with its logprobs when the run asked for them)
 for the orchestrator, and on a token ring stage 0's next input. The records
-are built here from the provision; the stage run (stage/job.py) writes them.
+are built here from the provision; stage/sending.py writes them.
 """
 
 from __future__ import annotations
