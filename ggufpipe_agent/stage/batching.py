@@ -184,7 +184,9 @@ class StepBatcher:
                 group_of = self.groups(take)
                 group = group_of[self.waiting[0].slot]
                 await self._gather(group_of, group)
-                chosen = [row for row in self.waiting if group_of[row.slot] == group][:take]
+                # A run's first decode step that came during the wait has no
+                # group yet: it goes in the next batch.
+                chosen = [row for row in self.waiting if group_of.get(row.slot) == group]
                 taken = {id(row) for row in chosen}  # by identity: a row's inputs are arrays
                 self.waiting = [row for row in self.waiting if id(row) not in taken]
                 rows = sorted(chosen, key=lambda row: row.slot)

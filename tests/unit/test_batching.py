@@ -4,6 +4,7 @@ are batched (ggufpipe_agent/llama/batches.py, ggufpipe_agent/stage/batching.py).
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -123,3 +124,28 @@ def test_with_two_stages_the_runs_in_flight_form_two_groups_of_neighbouring_slot
         return engine.batches
 
     assert asyncio.run(scenario()) == [[2, 3], [0, 1]]
+
+
+def test_a_run_that_starts_decoding_while_a_batch_gathers_goes_in_the_next():
+    """A batch waits a moment for the rest of its group; a run's first decode
+    step arriving then (its slot in no group yet) waits for the next batch,
+    and every step is computed."""
+
+    class Roomy(Engine):
+        def row_problem(self, slot: int, inputs: Any) -> Exception | None:
+            return None
+
+    async def scenario() -> list[list[int]]:
+        engine = Roomy()
+        batcher = StepBatcher(ThreadPoolExecutor(1))
+        batcher.batch_ms = 10.0  # a batch gathers for a tenth of that
+        loop = asyncio.get_running_loop()
+        batcher.recent[1] = (time.monotonic(), 1)  # run 1 decodes too: slots 0 and 1 are a group
+        first = asyncio.ensure_future(batcher.step(engine, Row(0, 0, 5, [0], loop.create_future(), bool)))
+        await asyncio.sleep(0)  # the batch is gathering
+        late = await asyncio.wait_for(batcher.step(engine, Row(5, 5, 5, [5], loop.create_future(), bool)), 5)
+        assert late[0] == (105, None)
+        assert (await asyncio.wait_for(first, 5))[0] == (100, None)
+        return engine.batches
+
+    assert asyncio.run(scenario()) == [[0], [5]]
